@@ -1,0 +1,25 @@
+"""The speculative decoding engine: propose -> verify in one target pass -> accept ->
+roll back caches -> repeat, for one sequence at a time, with exact per-row statistics.
+
+Typical use::
+
+    from pipeline.engine import SpeculativeEngine, GenerationSettings, SpeculationSettings
+
+    engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=5),
+                               drafter=drafter, tokenizer=tokenizer)
+    result = engine.generate(prompt_ids, GenerationSettings(max_new_tokens=64))
+    result.token_ids, result.text, result.finish_reason, result.stats.to_dict()
+"""
+
+from .settings import METHODS, GenerationSettings, SpeculationSettings
+from .stats import GenerationResult, RowStats
+from .loop import SpeculativeEngine
+
+__all__ = [
+    "METHODS",
+    "GenerationSettings",
+    "SpeculationSettings",
+    "GenerationResult",
+    "RowStats",
+    "SpeculativeEngine",
+]

@@ -1,0 +1,77 @@
+"""The proposer protocol: what every drafting method implements.
+
+A proposer sees the committed sequence (prompt + generated tokens), drafts up to ``k``
+tokens, and is told after verification how much of what it saw is still valid so it can
+roll back its own caches.  It never verifies: acceptance lives in
+:mod:`pipeline.engine.verify`, the loop in :mod:`pipeline.engine.loop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import LogitsShaper
+
+
+@dataclass
+class Draft:
+    """Tokens proposed for one verification step.
+
+    Attributes:
+        tokens: ``(n,)`` int64 draft token ids in the target's vocabulary, ``n <= k``
+            (``n == 0``: nothing to propose, the step is an ordinary target step).
+        probs: ``(n, V_target)`` the exact distribution each draft token was drawn from
+            (after the same logits processors as the target), or ``None`` for a
+            deterministic proposer, whose distribution is one-hot on the token.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class DraftRequest:
+    """What the loop asks of a proposer for one step.
+
+    Attributes:
+        sequence: ``(1, seq_len)`` int64 committed tokens (prompt + generated), on the
+            target's device.
+        k: the most tokens to draft (already capped to the remaining budget minus one).
+        shaper: the row's logits processors (shared with the target).
+        generator: the row's seeded ``torch.Generator`` (used only when sampling).
+        want_probs: whether the verifier needs ``Draft.probs`` (sampling or ensemble).
+    """
+
+    sequence: torch.Tensor
+    k: int
+    shaper: LogitsShaper
+    generator: torch.Generator | None
+    want_probs: bool
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Protocol of a drafting method (one implementation per file in this package)."""
+
+    #: True when the draft length adapts per row (transformers' "heuristic" schedule applies).
+    adaptive: bool
+
+    def reset(self) -> None:
+        """Forget all per-row state (caches); called before every row."""
+
+    def propose(self, request: DraftRequest) -> Draft:
+        """Draft up to ``request.k`` tokens continuing ``request.sequence``."""
+
+    def rollback(self, valid_length: int) -> None:
+        """Only the first ``valid_length`` tokens the proposer has seen (committed
+        sequence + its draft) are still valid; crop any cache beyond them."""
+
+
+def empty_draft(device: torch.device | str) -> Draft:
+    return Draft(tokens=torch.empty(0, dtype=torch.long, device=device))

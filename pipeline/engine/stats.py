@@ -1,0 +1,81 @@
+"""Per-row statistics of one generation, as a plain record.
+
+Definitions follow ``shared/METRICS.md`` (the same as vLLM's spec-decode metrics):
+
+- ``verify_steps``: target forward passes after the prefill (one per draft verified,
+  or per plain step when nothing was drafted).
+- ``draft_tokens``: tokens proposed to the verifier (after capping to the budget).
+- ``accepted_tokens``: proposed tokens the verifier kept and that were emitted.
+- ``new_tokens``: tokens emitted = accepted + one per step, less what a stop cut off.
+- ``acceptance_rate`` = accepted / drafted (``None`` when nothing was drafted).
+- ``mean_accepted_length`` = new_tokens / verify_steps (1 … k+1).
+- ``drafted_per_position[i]`` / ``accepted_per_position[i]``: how many drafts reached
+  draft position ``i+1`` and how many were accepted there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RowStats:
+    """Exact statistics of one row.  Times are seconds (``time.perf_counter``)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.new_tokens / self.verify_steps if self.verify_steps else None
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        """Count one verified draft of ``drafted`` tokens of which ``accepted`` were kept."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict:
+        """A flat dict with the derived rates, ready for a Parquet row."""
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_length"] = self.mean_accepted_length
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """What one row's generation produced.
+
+    Attributes:
+        token_ids: generated token ids (prompt excluded), EOS included when it stopped
+            the row, exactly what plain decoding emits.
+        text: ``token_ids`` decoded with the target tokenizer (``None`` without one).
+        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (budget).
+        stats: the row's :class:`RowStats`.
+    """
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stats: RowStats
