@@ -1,0 +1,133 @@
+"""Stage 3, generate: the Ray actor that ``map_batches`` runs as an actor pool.
+
+Each actor loads the model pair once (on its GPU when Ray gave it one, else on the CPU),
+builds one :class:`pipeline.engine.SpeculativeEngine`, and then, per batch, runs the
+engine row by row.  A row that fails (null/empty/non-string prompt, a prompt longer than
+the target's context, any exception in the engine, a CUDA out-of-memory) gets its
+``error`` string and null statistics; the other rows of the batch go on.
+
+Used as::
+
+    ds.map_batches(GenerateActor, fn_constructor_kwargs={"config": cfg.model_dump()},
+                   batch_format="pyarrow", batch_size=cfg.compute.rows_per_batch,
+                   concurrency=cfg.compute.num_actors, num_gpus=cfg.compute.gpus_per_actor)
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.config import JobConfig
+from pipeline.models import load_models
+from pipeline.prompts import PromptBuilder
+from pipeline.write import OUTPUT_SCHEMA
+
+_STAT_KEYS = (
+    "prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
+    "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
+    "draft_time_s", "verify_time_s", "wall_time_s",
+)
+
+
+class GenerateActor:
+    """Callable class for ``map_batches``: a batch of INPUT_SCHEMA rows -> OUTPUT_SCHEMA rows.
+
+    Args:
+        config: a :class:`JobConfig` or its ``model_dump()`` (plain data crosses to the actor).
+        device: force ``cpu``/``cuda``; default: ``cuda`` when visible, else ``cpu``.
+    """
+
+    def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None):
+        from pipeline.engine import SpeculativeEngine
+
+        self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
+        t0 = time.perf_counter()
+        self.models = load_models(self.cfg.models, self.cfg.uses_drafter, device)
+        self.load_time_s = time.perf_counter() - t0
+        self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
+        self.engine = SpeculativeEngine(
+            self.models.target,
+            self.cfg.method.speculation_settings(),
+            drafter=self.models.drafter,
+            tokenizer=self.models.tokenizer,
+            drafter_tokenizer=self.models.drafter_tokenizer,
+        )
+        self.settings = self.cfg.generation.generation_settings()
+        self.meta = {
+            "method": self.cfg.method.name,
+            "target_model": self.cfg.models.target,
+            "draft_model": self.cfg.models.drafter if self.cfg.uses_drafter else None,
+        }
+        self.rows_done = 0
+
+    def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """One input row -> one output row (OUTPUT_SCHEMA fields).  Never raises."""
+        out: dict[str, Any] = {
+            "id": row.get("id"),
+            "source_file": row.get("source_file"),
+            "source_row": row.get("source_row"),
+            **self.meta,
+        }
+        prompt = None
+        try:
+            if row.get("input_error"):
+                raise ValueError(row["input_error"])
+            prompt, ids = self.prompts.build(row.get("text"))
+            out["prompt"] = prompt
+            res = self.engine.generate(ids, self.settings)
+            stats = res.stats.to_dict()
+            out.update({k: stats.get(k) for k in _STAT_KEYS})
+            out["finish_reason"] = res.finish_reason
+            out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
+            out["prompt"] = prompt
+            out["error"] = f"{type(e).__name__}: {e}"
+            _free_cuda_if_oom(e)
+        self.rows_done += 1
+        return out
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_to_rows(batch)
+        return pa.Table.from_pylist([self.generate_row(r) for r in rows], schema=OUTPUT_SCHEMA)
+
+    def memory(self) -> dict[str, Any]:
+        """This actor's memory: ``peak_rss_mb`` (max resident set of the process since start,
+        MiB), ``rss_mb`` (now), ``cuda_peak_mb`` (max allocated by torch; None on CPU), ``rows``."""
+        import psutil
+        import torch
+
+        cuda_peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        return {
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_mb": psutil.Process(os.getpid()).memory_info().rss / 2**20,
+            "cuda_peak_mb": cuda_peak,
+            "rows": self.rows_done,
+            "load_time_s": self.load_time_s,
+            "device": self.models.device,
+        }
+
+
+def _dict_batch_to_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    keys = list(batch)
+    n = len(batch[keys[0]]) if keys else 0
+    return [{k: _py(batch[k][i]) for k in keys} for i in range(n)]
+
+
+def _py(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v
+
+
+def _free_cuda_if_oom(e: Exception) -> None:
+    try:
+        import torch
+
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+    except Exception:
+        pass

@@ -1,0 +1,22 @@
+"""Ray job entry point: the translate job.
+
+Locally (embedded Ray)::
+
+    python jobs/translate.py --config configs/translate.yaml
+
+On a cluster::
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/translate.py --config configs/translate.yaml
+
+Options: ``python jobs/translate.py --help`` (see pipeline/cli.py).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: pipeline/, actors/
+
+from pipeline.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main("translate"))

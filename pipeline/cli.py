@@ -1,0 +1,95 @@
+"""Command line of the job entry points (``jobs/summarize.py``, ``jobs/translate.py``).
+
+    python jobs/summarize.py [--config configs/summarize.yaml] [--set section.key=value ...]
+                             [--input URI] [--output URI] [--method NAME] [--overwrite] ...
+
+Exit status: 0 on success, 2 for a bad config / input / model path / output location
+(reported in one line, before any model loads), 1 for any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# flag -> dotted config key
+_FLAGS = {
+    "input": "input.uri",
+    "output": "output.uri",
+    "method": "method.name",
+    "target": "models.target",
+    "drafter": "models.drafter",
+    "max_new_tokens": "generation.max_new_tokens",
+    "num_actors": "compute.num_actors",
+    "gpus_per_actor": "compute.gpus_per_actor",
+    "rows_per_batch": "compute.rows_per_batch",
+}
+
+
+def build_parser(task: str, default_config: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"jobs/{task}.py",
+        description=f"Speculative-decoding {task} job on Ray Data: shards in, Parquet out.",
+    )
+    p.add_argument("--config", default=default_config, help=f"YAML job config (default: {default_config})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set generation.max_new_tokens=32 (repeatable)")
+    p.add_argument("--input", help="input URI or glob (input.uri)")
+    p.add_argument("--output", help="output directory URI (output.uri)")
+    p.add_argument("--method", help="speculation method (method.name)")
+    p.add_argument("--target", help="target model path (models.target)")
+    p.add_argument("--drafter", help="drafter model path (models.drafter)")
+    p.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
+    p.add_argument("--num-actors", type=int, help="compute.num_actors")
+    p.add_argument("--gpus-per-actor", type=float, help="compute.gpus_per_actor")
+    p.add_argument("--rows-per-batch", type=int, help="compute.rows_per_batch")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output (output.overwrite)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(task: str, argv: list[str] | None = None, default_config: str | None = None) -> int:
+    """Parse arguments, load and check the config, run the job, print the summary's headline.
+
+    ``task`` (``summarize``/``translate``) must match the config's ``task.name``.
+    """
+    default_config = default_config or str(REPO_ROOT / "configs" / f"{task}.yaml")
+    args = build_parser(task, default_config).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = list(args.overrides)
+    for flag, key in _FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value) if not isinstance(value, str) else value}")
+    if args.overwrite:
+        overrides.append("output.overwrite=true")
+
+    from pipeline.models import ModelError
+    from pipeline.read import InputError
+    from pipeline.write import OutputError
+
+    try:
+        cfg = load_config(args.config, overrides)
+        if cfg.task.name != task:
+            raise ConfigError(f"jobs/{task}.py runs task.name: {task}, but the config has task.name: {cfg.task.name}")
+        if args.print_config:
+            print(json.dumps(cfg.resolved(), indent=2))
+            return 0
+        from pipeline.run import run_job
+
+        summary = run_job(cfg, progress=not args.no_progress)
+    except (ConfigError, InputError, ModelError, OutputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    headline = {k: summary[k] for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
+                                        "mean_accepted_length", "tokens_per_s", "elapsed_s")}
+    print(json.dumps(headline, indent=2))
+    return 0

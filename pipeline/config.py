@@ -1,0 +1,341 @@
+"""Job configuration: YAML files validated on load, with command-line overrides.
+
+A job config has eight sections (see ``configs/summarize.yaml`` for a commented one)::
+
+    input:      uri, format, id_column, text_column
+    task:       name (summarize | translate), source_lang, target_lang, prompt_template,
+                system_prompt, chat_template (auto | true | false)
+    models:     target, drafter, dtype, device_map, trust_remote_code
+    method:     name (one of pipeline.engine.METHODS) + SpeculationSettings fields
+    generation: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+                seed, stop_strings
+    compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch
+    output:     uri, overwrite, storage_options
+    ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
+
+Every section refuses unknown keys and bad values; :class:`ConfigError` names the
+offending key as a dotted path (``generation.temperature``).  Method parameters are a
+pass-through to :class:`pipeline.engine.SpeculationSettings`: any field of that
+dataclass is accepted under ``method:`` and the engine's own ``validate()`` runs at load
+time, so new engine methods and parameters need no change here.
+
+Overrides use dotted keys, ``--set generation.max_new_tokens=32`` (values parsed as
+YAML scalars: ``true``, ``null``, ``0.5``, ``[a, b]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.engine.settings import METHODS, GenerationSettings, SpeculationSettings
+
+#: Methods that need ``models.drafter``.  Methods listed in DRAFTER_FREE_METHODS never
+#: load it even when one is configured; any other method gets the drafter when set.
+METHODS_NEEDING_DRAFTER = ("draft_model",)
+DRAFTER_FREE_METHODS = ("plain", "prompt_lookup")
+
+DEFAULT_TEMPLATES = {
+    "summarize": "Summarize the following article in a few sentences.\n\nArticle:\n{text}\n\nSummary:",
+    "translate": "Translate the following text from {source_lang} to {target_lang}.\n\n"
+    "{source_lang}: {text}\n{target_lang}:",
+}
+
+
+class ConfigError(ValueError):
+    """A job config is unreadable, has an unknown key, or a bad value (message names the key)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class InputConfig(_Section):
+    """Where prompts come from.
+
+    ``uri``: a file, a directory (every ``*.parquet``/``*.jsonl`` in it), or a glob, on any
+    fsspec filesystem (local path, ``s3://bucket/prefix/*.parquet``, ``memory://``...).
+    ``format``: ``auto`` picks by extension (``.parquet``/``.pq``, ``.jsonl``/``.json``).
+    ``storage_options``: passed to fsspec (e.g. ``{client_kwargs: {endpoint_url: ...}}``).
+    """
+
+    uri: str = "data/demo_prompts.jsonl"
+    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    id_column: str = "id"
+    text_column: str = "text"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TaskConfig(_Section):
+    """What to ask the model.
+
+    ``prompt_template`` is a ``str.format`` template with ``{text}`` (and for translate
+    ``{source_lang}``, ``{target_lang}``); ``None`` takes the task's default.
+    ``chat_template``: ``auto`` wraps the prompt as one user message with the
+    tokenizer's chat template when it has one; ``true`` requires one; ``false`` never.
+    """
+
+    name: Literal["summarize", "translate"] = "summarize"
+    source_lang: str | None = None
+    target_lang: str | None = None
+    prompt_template: str | None = None
+    system_prompt: str | None = None
+    chat_template: Literal["auto", True, False] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> "TaskConfig":
+        if self.name == "translate":
+            for key in ("source_lang", "target_lang"):
+                if not getattr(self, key):
+                    raise ValueError(f"task.{key} is required when task.name is 'translate'")
+        template = self.template
+        if "{text}" not in template:
+            raise ValueError("task.prompt_template must contain '{text}'")
+        try:
+            template.format(text="", source_lang=self.source_lang or "", target_lang=self.target_lang or "")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"task.prompt_template has an unknown or malformed placeholder ({e}); "
+                "use {text}, {source_lang}, {target_lang}, and double braces for literal ones"
+            ) from None
+        return self
+
+    @property
+    def template(self) -> str:
+        return self.prompt_template if self.prompt_template is not None else DEFAULT_TEMPLATES[self.name]
+
+
+class ModelsConfig(_Section):
+    """The model pair.  Paths are local directories (``save_pretrained`` output) or hub ids.
+
+    ``dtype``: ``auto`` = the checkpoint's dtype on a GPU, float32 on the CPU.
+    ``device_map``: ``None`` = ``cuda`` when the actor has a GPU, else ``cpu``; any value
+    is passed to ``from_pretrained`` (e.g. ``auto`` to shard one model over the actor's GPUs).
+    """
+
+    target: str = "models/demo-target"
+    drafter: str | None = "models/demo-drafter"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device_map: str | None = None
+    trust_remote_code: bool = False
+
+
+class MethodConfig(BaseModel):
+    """``name`` (one of :data:`pipeline.engine.METHODS`) plus any SpeculationSettings field."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = "draft_model"
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown method {v!r}; known methods: {', '.join(METHODS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _params(self) -> "MethodConfig":
+        allowed = {f.name for f in dataclasses.fields(SpeculationSettings)} - {"method"}
+        for key in self.model_extra or {}:
+            if key not in allowed:
+                raise ValueError(f"unknown key method.{key}; method parameters are: {', '.join(sorted(allowed))}")
+        try:
+            self.speculation_settings()
+        except ValueError as e:
+            raise ValueError(f"bad method parameter: {e}") from None
+        return self
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def speculation_settings(self) -> SpeculationSettings:
+        return SpeculationSettings(method=self.name, **self.params).validate()
+
+
+class GenerationConfig(_Section):
+    """Sampling and stopping, as in transformers' ``generate()``; see GenerationSettings.
+
+    ``seed`` seeds every row's generator with the same value, so a row's output does not
+    depend on which actor or batch it lands in.
+    """
+
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop_strings: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "GenerationConfig":
+        try:
+            self.generation_settings()
+        except ValueError as e:
+            raise ValueError(f"bad generation setting: {e}") from None
+        return self
+
+    def generation_settings(self) -> GenerationSettings:
+        return GenerationSettings(**self.model_dump()).validate()
+
+
+class ComputeConfig(_Section):
+    """The actor pool: ``num_actors`` actors, each with ``gpus_per_actor`` GPUs (0 = CPU)
+    and ``cpus_per_actor`` CPUs, given ``rows_per_batch`` rows per ``map_batches`` call."""
+
+    num_actors: int = Field(1, ge=1)
+    gpus_per_actor: float = Field(0, ge=0)
+    cpus_per_actor: float = Field(1, gt=0)
+    rows_per_batch: int = Field(8, ge=1)
+
+
+class OutputConfig(_Section):
+    """Where Parquet goes: ``uri`` is a directory on any fsspec filesystem.
+
+    ``overwrite: false`` refuses a directory that already holds output.
+    ``storage_options`` are passed to fsspec, e.g. for an S3-compatible server::
+
+        storage_options: {key: ..., secret: ..., client_kwargs: {endpoint_url: http://127.0.0.1:9000}}
+
+    Without them s3fs uses the standard AWS chain (env vars, ~/.aws, instance role).
+    """
+
+    uri: str = "out/summarize/"
+    overwrite: bool = False
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class RayConfig(_Section):
+    """``address``: ``None`` joins the cluster named by ``RAY_ADDRESS`` (as under ``ray job
+    submit``) or starts an embedded Ray; ``auto`` or ``ray://...`` joins that cluster."""
+
+    address: str | None = None
+
+
+class JobConfig(_Section):
+    input: InputConfig = Field(default_factory=InputConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _drafter(self) -> "JobConfig":
+        if self.method.name in METHODS_NEEDING_DRAFTER and not self.models.drafter:
+            raise ValueError(f"models.drafter is required by method {self.method.name!r}")
+        return self
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether the actors load ``models.drafter`` for this method."""
+        return bool(self.models.drafter) and self.method.name not in DRAFTER_FREE_METHODS
+
+    def resolved(self) -> dict[str, Any]:
+        """The config as plain data, defaults filled in (goes into the run summary)."""
+        d = self.model_dump(mode="json")
+        d["task"]["prompt_template"] = self.task.template
+        d["output"]["storage_options"] = _redact(d["output"]["storage_options"])
+        d["input"]["storage_options"] = _redact(d["input"]["storage_options"])
+        return d
+
+
+def _redact(opts: Any) -> Any:
+    if isinstance(opts, dict):
+        return {
+            k: ("***" if any(s in k.lower() for s in ("secret", "key", "token", "password")) and isinstance(v, str) else _redact(v))
+            for k, v in opts.items()
+        }
+    return opts
+
+
+def _format_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key {loc}"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"{loc}: {msg}" if loc and not msg.startswith(("unknown key", loc)) else msg)
+    return "invalid job config:\n  " + "\n  ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"generation.max_new_tokens=32"`` -> ``(["generation", "max_new_tokens"], 32)``.
+
+    Raises:
+        ConfigError: no ``=`` or an empty key.
+    """
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, value = item.split("=", 1)
+    path = [p for p in key.strip().split(".")]
+    if not all(path):
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return path, parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """Set dotted keys in a raw config dict (creating sections); validation happens later."""
+    for item in overrides or []:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML job config, apply ``section.key=value`` overrides, validate.
+
+    Args:
+        path: a YAML file; ``None`` starts from the defaults.
+        overrides: dotted ``key=value`` strings applied after the file.
+
+    Returns:
+        The validated :class:`JobConfig`.
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping, a key is unknown, a value is
+            bad (the message names each offending key), or the method is unknown.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    data = apply_overrides(data, overrides)
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None

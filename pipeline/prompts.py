@@ -1,0 +1,71 @@
+"""Stage 2, prompt: input text -> the prompt string and its token ids.
+
+The task's template (``task.prompt_template`` or the task default) is filled with the
+text (and the languages for translate).  When the chat template is on (``task.chat_template``:
+``auto`` and the tokenizer has one, or ``true``), the filled template becomes one user
+message (after an optional system message) rendered with ``add_generation_prompt=True``;
+its special tokens come from the template, so the tokenizer adds none.  Otherwise the
+tokenizer adds its usual special tokens (BOS for Llama).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import TaskConfig
+
+
+class PromptError(ValueError):
+    """A row's text cannot make a prompt (null, empty, or not a string)."""
+
+
+def fill_template(text: Any, task: TaskConfig) -> str:
+    """The task template with ``{text}`` (and ``{source_lang}``, ``{target_lang}``) filled.
+
+    Raises:
+        PromptError: ``text`` is None, not a string, or blank.
+    """
+    if text is None:
+        raise PromptError("prompt is null")
+    if not isinstance(text, str):
+        raise PromptError(f"prompt is a {type(text).__name__}, not a string")
+    if not text.strip():
+        raise PromptError("prompt is empty")
+    return task.template.format(text=text, source_lang=task.source_lang or "", target_lang=task.target_lang or "")
+
+
+class PromptBuilder:
+    """Turns texts into ``(prompt_string, token_ids)`` for one tokenizer.
+
+    Raises (constructor):
+        ValueError: ``task.chat_template`` is ``true`` but the tokenizer has none.
+    """
+
+    def __init__(self, tokenizer, task: TaskConfig):
+        self.tokenizer = tokenizer
+        self.task = task
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        if task.chat_template is True and not has_chat:
+            raise ValueError("task.chat_template is true but the target's tokenizer has no chat template")
+        self.use_chat = has_chat and task.chat_template in ("auto", True)
+
+    def render(self, text: Any) -> str:
+        """The prompt string the model sees (chat template applied when on)."""
+        content = fill_template(text, self.task)
+        if not self.use_chat:
+            return content
+        messages = []
+        if self.task.system_prompt:
+            messages.append({"role": "system", "content": self.task.system_prompt})
+        messages.append({"role": "user", "content": content})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def build(self, text: Any) -> tuple[str, list[int]]:
+        """``(prompt, ids)``: ids is a list of int token ids of the target tokenizer.
+
+        Raises:
+            PromptError: bad text (see :func:`fill_template`).
+        """
+        prompt = self.render(text)
+        ids = self.tokenizer(prompt, add_special_tokens=not self.use_chat)["input_ids"]
+        return prompt, list(ids)

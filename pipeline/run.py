@@ -1,0 +1,215 @@
+"""One job, top to bottom: check -> read -> prompt/generate (actor pool) -> write -> summary.
+
+:func:`run_job` first checks everything that can be checked cheaply in the driver (config,
+input shards, model paths, output location), so a bad job fails before Ray starts any
+actor.  Then it builds the Ray Data dataset::
+
+    shards (one item each) --map_batches(read_shards_batch)--> rows (INPUT_SCHEMA)
+      --repartition(rows_per_batch rows per block)--> balanced blocks
+      --map_batches(GenerateActor, actor pool)--> rows (OUTPUT_SCHEMA)
+
+and streams the result back to the driver, which shows a progress bar of rows done,
+collects each shard's rows and writes that shard's part to staging when the shard is
+complete, and finally commits (parts, ``_summary.json``, ``_SUCCESS``; see pipeline.write).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.config import JobConfig
+from pipeline.models import check_models
+from pipeline.prompts import PromptBuilder
+from pipeline.read import INPUT_SCHEMA, Shard, read_shards_batch, resolve_shards
+from pipeline.summary import RunTotals
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter, part_name
+
+log = logging.getLogger("specbatch")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class RunError(RuntimeError):
+    """The run finished but its output does not match its input (rows lost or duplicated)."""
+
+
+def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter]:
+    """Every check that needs no model weights and no Ray.
+
+    Raises:
+        InputError, ModelError, OutputError (all ``ValueError``), or ValueError for a chat
+        template that is required but missing.
+    """
+    shards = resolve_shards(cfg.input)
+    checked = check_models(cfg.models, cfg.uses_drafter)
+    PromptBuilder(checked["tokenizer"], cfg.task)  # task.chat_template: true needs a template
+    writer = OutputWriter(cfg.output)
+    writer.prepare()
+    return shards, writer
+
+
+def init_ray(cfg: JobConfig) -> None:
+    """Join a cluster (``ray.address`` or ``RAY_ADDRESS``, as under ``ray job submit``) or
+    start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
+    root = str(REPO_ROOT)
+    pp = os.environ.get("PYTHONPATH", "")
+    if root not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = root + (os.pathsep + pp if pp else "")
+    ray.init(include_dashboard=False)
+
+
+def build_dataset(cfg: JobConfig, shards: list[Shard]):
+    """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA) for ``shards``."""
+    import ray
+    from ray.data import ActorPoolStrategy  # noqa: F401  (documented alternative to concurrency=)
+
+    from actors.generate import GenerateActor
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
+    ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
+    ctx.print_on_execution_start = False
+
+    items = [s.to_dict() for s in shards]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    ds = ds.map_batches(
+        read_shards_batch,
+        fn_kwargs={"cfg": cfg.input.model_dump()},
+        batch_size=1,
+        batch_format="pyarrow",
+        num_cpus=0.25,
+    )
+    ds = ds.repartition(target_num_rows_per_block=cfg.compute.rows_per_batch)
+    ds = ds.map_batches(
+        GenerateActor,
+        fn_constructor_kwargs={"config": cfg.model_dump()},
+        batch_size=cfg.compute.rows_per_batch,
+        batch_format="pyarrow",
+        concurrency=cfg.compute.num_actors,
+        num_gpus=cfg.compute.gpus_per_actor or None,
+        num_cpus=cfg.compute.cpus_per_actor,
+    )
+    return ds
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="row", desc="rows done", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Run one job to completion and return its summary (also written as ``_summary.json``).
+
+    Raises:
+        InputError, ModelError, OutputError, ConfigError: before any model loads.
+        RunError: the output rows do not match the input rows.
+        Any Ray / storage error during the run; the output then has no ``_SUCCESS``.
+    """
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    shards, writer = preflight(cfg)
+    total_rows = sum(s.num_rows for s in shards)
+    log.info("%d shards, %d rows -> %s (run %s)", len(shards), total_rows, cfg.output.uri, writer.run_id)
+    try:
+        init_ray(cfg)
+        totals = RunTotals()
+        parts: list[dict[str, Any]] = []
+        pending: dict[str, list[pa.Table]] = {}
+        counts: dict[str, int] = {s.url: 0 for s in shards}
+        by_url = {s.url: s for s in shards}
+
+        def flush(shard: Shard) -> None:
+            tables = pending.pop(shard.url, [])
+            table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()
+            table = table.sort_by("source_row") if table.num_rows else table
+            writer.write_part(shard.index, table)
+            errs = table.num_rows - table.column("error").null_count
+            parts.append({"part": part_name(shard.index), "source_file": shard.url, "rows": table.num_rows, "errors": errs})
+
+        for s in shards:
+            if s.num_rows == 0:
+                flush(s)
+        t_gen = time.perf_counter()
+        if total_rows:
+            ds = build_dataset(cfg, [s for s in shards if s.num_rows])
+            with _progress(total_rows, progress) as bar:
+                for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    if batch.num_rows == 0:
+                        continue
+                    totals.add(batch)
+                    for url, sub in _split_by_shard(batch):
+                        if url not in by_url:
+                            raise RunError(f"output row from unknown shard {url!r}")
+                        pending.setdefault(url, []).append(sub)
+                        counts[url] += sub.num_rows
+                        if counts[url] > by_url[url].num_rows:
+                            raise RunError(f"shard {url!r}: more output rows than its {by_url[url].num_rows} input rows")
+                        if counts[url] == by_url[url].num_rows:
+                            flush(by_url[url])
+                    bar.update(batch.num_rows)
+        generate_elapsed = time.perf_counter() - t_gen
+        missing = {u: (counts[u], by_url[u].num_rows) for u in counts if counts[u] != by_url[u].num_rows}
+        if missing:
+            raise RunError(f"rows missing from the output (got, expected) per shard: {missing}")
+        parts.sort(key=lambda p: p["part"])
+        summary = {
+            "run_id": writer.run_id,
+            "status": "succeeded",
+            "output": cfg.output.uri,
+            "started_at": started.isoformat(),
+            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "elapsed_s": time.perf_counter() - t0,
+            "shards": len(shards),
+            **totals.to_dict(generate_elapsed_s=generate_elapsed),
+            "parts": parts,
+            "config": cfg.resolved(),
+            "environment": _environment(),
+        }
+        writer.commit(summary)
+        return summary
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _split_by_shard(batch: pa.Table):
+    urls = batch.column("source_file").to_pylist()
+    if len(set(urls)) == 1:
+        yield urls[0], batch
+        return
+    import pyarrow.compute as pc
+
+    for url in dict.fromkeys(urls):
+        yield url, batch.filter(pc.equal(batch.column("source_file"), url))
+
+
+def _environment() -> dict[str, Any]:
+    env: dict[str, Any] = {"python": platform.python_version(), "host": socket.gethostname()}
+    for mod in ("torch", "transformers", "ray", "pyarrow"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return env
+
+
+__all__ = ["run_job", "preflight", "build_dataset", "init_ray", "RunError", "INPUT_SCHEMA"]

@@ -1,0 +1,95 @@
+"""Stage 5, summary: run-level totals from the output rows.
+
+Rates follow ``shared/METRICS.md``: tokens and steps are summed over rows first, then
+divided (never a mean of per-row rates).
+
+- ``acceptance_rate`` = sum(accepted_tokens) / sum(draft_tokens)  (null when nothing drafted)
+- ``mean_accepted_length`` = sum(new_tokens) / sum(verify_steps)
+- ``tokens_per_s`` = sum(new_tokens) / ``generate_elapsed_s``, the wall time of the Ray
+  Data stage (from starting the dataset to the last row back: all actors in parallel,
+  including actor start-up and model loading), i.e. what a user of the pipeline gets
+- ``engine_tokens_per_s`` = sum(new_tokens) / sum(wall_time_s): one actor's throughput
+- ``accepted_per_position`` / ``drafted_per_position``: summed element-wise over rows;
+  ``acceptance_by_position[i]`` = accepted / drafted at draft position i+1.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_SUMS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
+         "draft_time_s", "verify_time_s", "wall_time_s")
+
+
+def _add_lists(acc: list[int], values: list[int] | None) -> None:
+    if not values:
+        return
+    if len(values) > len(acc):
+        acc.extend([0] * (len(values) - len(acc)))
+    for i, v in enumerate(values):
+        acc[i] += v
+
+
+class RunTotals:
+    """Accumulates output tables (OUTPUT_SCHEMA) batch by batch."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.errors = 0
+        self.sums: dict[str, float] = {k: 0 for k in _SUMS}
+        self.finish_reasons: Counter[str] = Counter()
+        self.error_kinds: Counter[str] = Counter()
+        self.drafted_per_position: list[int] = []
+        self.accepted_per_position: list[int] = []
+
+    def add(self, table: pa.Table) -> None:
+        self.rows += table.num_rows
+        err = table.column("error")
+        self.errors += table.num_rows - err.null_count
+        for e in err.to_pylist():
+            if e is not None:
+                self.error_kinds[e.split(":", 1)[0]] += 1
+        for k in _SUMS:
+            s = pc.sum(table.column(k)).as_py()
+            self.sums[k] += s or 0
+        for r in table.column("finish_reason").to_pylist():
+            if r is not None:
+                self.finish_reasons[r] += 1
+        for v in table.column("drafted_per_position").to_pylist():
+            _add_lists(self.drafted_per_position, v)
+        for v in table.column("accepted_per_position").to_pylist():
+            _add_lists(self.accepted_per_position, v)
+
+    def to_dict(self, generate_elapsed_s: float | None = None) -> dict[str, Any]:
+        s = self.sums
+        new = int(s["new_tokens"])
+        d: dict[str, Any] = {
+            "rows": self.rows,
+            "errors": self.errors,
+            "ok_rows": self.rows - self.errors,
+            "error_kinds": dict(self.error_kinds),
+            "finish_reasons": dict(self.finish_reasons),
+            "prompt_tokens": int(s["prompt_tokens"]),
+            "new_tokens": new,
+            "verify_steps": int(s["verify_steps"]),
+            "draft_tokens": int(s["draft_tokens"]),
+            "accepted_tokens": int(s["accepted_tokens"]),
+            "acceptance_rate": s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else None,
+            "mean_accepted_length": new / s["verify_steps"] if s["verify_steps"] else None,
+            "draft_time_s": s["draft_time_s"],
+            "verify_time_s": s["verify_time_s"],
+            "engine_time_s": s["wall_time_s"],
+            "engine_tokens_per_s": new / s["wall_time_s"] if s["wall_time_s"] else None,
+            "generate_elapsed_s": generate_elapsed_s,
+            "tokens_per_s": new / generate_elapsed_s if generate_elapsed_s else None,
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_position": self.accepted_per_position,
+            "acceptance_by_position": [
+                a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
+        }
+        return d

@@ -1,0 +1,126 @@
+"""Job configs: validated on load, unknown keys and bad values refused by name, overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, apply_overrides, load_config
+from pipeline.engine import METHODS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["summarize", "translate"])
+def test_shipped_configs_load(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    assert cfg.task.name == name
+    assert cfg.models.target == "models/demo-target"
+    assert cfg.input.uri == "data/demo_prompts.jsonl"
+    assert cfg.method.name in METHODS
+    assert cfg.models.trust_remote_code is False
+    if name == "translate":
+        assert "{source_lang}" in cfg.task.template and cfg.task.target_lang
+
+
+def test_defaults_need_no_file():
+    cfg = load_config(None)
+    assert cfg.compute.num_actors == 1 and cfg.output.overwrite is False
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("bogus.x=1", "bogus"),
+        ("generation.bogus=1", "generation.bogus"),
+        ("models.tokenizer=x", "models.tokenizer"),
+        ("method.draft_len=3", "method.draft_len"),
+        ("output.endpoint=x", "output.endpoint"),
+    ],
+)
+def test_unknown_key_is_refused_by_name(override, key):
+    with pytest.raises(ConfigError, match=f"unknown key {key}"):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("compute:\n  num_actors: 2\n  gpu_per_actor: 1\n")
+    with pytest.raises(ConfigError, match="compute.gpu_per_actor"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("method.name=medusa", ["method.name", "unknown method 'medusa'"]),
+        ("compute.num_actors=0", ["compute.num_actors"]),
+        ("compute.rows_per_batch=abc", ["compute.rows_per_batch"]),
+        ("generation.max_new_tokens=0", ["generation", "max_new_tokens"]),
+        ("generation.top_p=1.5", ["generation", "top_p"]),
+        ("method.num_assistant_tokens=0", ["method", "num_assistant_tokens"]),
+        ("method.num_assistant_tokens_schedule=fast", ["method", "num_assistant_tokens_schedule"]),
+        ("task.name=classify", ["task.name"]),
+        ("models.dtype=float8", ["models.dtype"]),
+    ],
+)
+def test_bad_value_is_refused_by_name(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_sampling_needs_positive_temperature():
+    with pytest.raises(ConfigError, match="temperature"):
+        load_config(None, ["generation.do_sample=true", "generation.temperature=0"])
+    cfg = load_config(None, ["generation.do_sample=true", "generation.temperature=0.7", "generation.top_k=20"])
+    s = cfg.generation.generation_settings()
+    assert s.do_sample and s.temperature == 0.7 and s.top_k == 20
+
+
+def test_translate_needs_languages_and_template_needs_text():
+    with pytest.raises(ConfigError, match="task.source_lang"):
+        load_config(None, ["task.name=translate"])
+    with pytest.raises(ConfigError, match="text"):
+        load_config(None, ["task.prompt_template=Summarize this"])
+    with pytest.raises(ConfigError, match="placeholder"):
+        load_config(None, ["task.prompt_template={text} in {language}"])
+
+
+def test_draft_model_needs_a_drafter_and_plain_does_not_use_it():
+    with pytest.raises(ConfigError, match="models.drafter"):
+        load_config(None, ["models.drafter=null", "method.name=draft_model"])
+    cfg = load_config(None, ["method.name=plain"])
+    assert cfg.models.drafter and not cfg.uses_drafter
+
+
+def test_method_params_pass_through_to_speculation_settings():
+    cfg = load_config(None, ["method.name=prompt_lookup", "method.prompt_lookup_num_tokens=4",
+                             "method.max_matching_ngram_size=3"])
+    s = cfg.method.speculation_settings()
+    assert (s.method, s.prompt_lookup_num_tokens, s.max_matching_ngram_size) == ("prompt_lookup", 4, 3)
+    assert cfg.model_dump()["method"]["prompt_lookup_num_tokens"] == 4
+
+
+def test_overrides_parse_yaml_scalars():
+    d = apply_overrides({}, ["a.b=3", "a.c=true", "a.d=null", "a.e=[x, y]", "a.f=s3://b/k", "a.g=0.5"])
+    assert d == {"a": {"b": 3, "c": True, "d": None, "e": ["x", "y"], "f": "s3://b/k", "g": 0.5}}
+    with pytest.raises(ConfigError):
+        apply_overrides({}, ["novalue"])
+
+
+def test_missing_or_bad_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+
+
+def test_resolved_config_redacts_secrets():
+    cfg = load_config(None, ["output.storage_options={key: AKIA, secret: s3cr3t, client_kwargs: {endpoint_url: http://x}}"])
+    r = cfg.resolved()
+    assert r["output"]["storage_options"]["secret"] == "***"
+    assert r["output"]["storage_options"]["client_kwargs"]["endpoint_url"] == "http://x"
+    assert cfg.output.storage_options["secret"] == "s3cr3t"
