@@ -1,0 +1,392 @@
+"""Run report: one or more job outputs (one per method) -> ``report.md`` + PNG plots.
+
+    python jobs/report.py out/xsum-plain out/xsum-draft out/xsum-pld --out reports/xsum
+
+Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL):
+its ``part-*.parquet`` files (``pipeline.write.OUTPUT_SCHEMA``) and, beside them, the run
+summary ``_summary.json`` when present.  Everything in the report is recomputed from the
+per-row Parquet, following ``shared/METRICS.md``: tokens and steps are summed over rows
+first, then divided.
+
+Figures, per run (labelled by its ``method``; a second run of the same method gets the
+directory name appended):
+
+- ``acceptance rate`` = Σ accepted_tokens / Σ draft_tokens (rows without error)
+- ``mean accepted length`` = Σ new_tokens / Σ verify_steps
+- ``tokens/s`` = Σ new_tokens / Σ wall_time_s: the engine's decode throughput of one actor
+  (model loading and Ray start-up excluded); ``job tokens/s`` is the summary's
+  ``tokens_per_s`` (new tokens over the wall time of the whole generate stage)
+- ``speedup`` = tokens/s of the run / tokens/s of the baseline run (``plain`` unless told
+  otherwise), both over the *same rows*: ids present and without error in both runs
+- ``same output`` = rows whose ``output_text`` equals the baseline's (greedy decoding must
+  give 100 %)
+
+Accepted length per step.  The per-row Parquet has no per-step record, but the
+per-position counts determine the distribution exactly: drafts are verified left to right
+and accepted as a prefix, so ``accepted_per_position[j-1]`` counts the drafts whose accepted
+prefix is at least ``j`` long, ``drafted_per_position[0]`` counts the drafts verified, and
+the remaining ``verify_steps - drafted_per_position[0]`` steps drafted nothing (accepted
+length 0).  Hence, summed over rows::
+
+    steps with accepted length 0 = verify_steps - accepted_per_position[0]
+    steps with accepted length j = accepted_per_position[j-1] - accepted_per_position[j]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+SUMMARY_NAMES = ("_summary.json", "summary.json")
+_NEEDED = ("id", "method", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens", "wall_time_s",
+           "drafted_per_position", "accepted_per_position", "error")
+
+
+class ReportError(ValueError):
+    """A run output cannot be read (no Parquet, missing columns)."""
+
+
+@dataclass
+class Run:
+    """One job output, loaded."""
+
+    uri: str
+    table: pa.Table
+    summary: dict[str, Any] | None
+    label: str = ""
+
+    @property
+    def method(self) -> str:
+        methods = [m for m in self.table.column("method").to_pylist() if m]
+        if methods:
+            return max(set(methods), key=methods.count)
+        cfg = (self.summary or {}).get("config", {})
+        return (cfg.get("method") or {}).get("name") or posixpath.basename(self.uri.rstrip("/"))
+
+
+def load_run(uri: str, storage_options: dict[str, Any] | None = None) -> Run:
+    """Read a run output: a directory of Parquet parts (names starting ``_``/``.`` skipped,
+    so staging directories are ignored) or one Parquet file; its summary JSON if present.
+
+    Raises:
+        ReportError: nothing to read, or a needed column is missing.
+    """
+    fs, root = url_to_fs(uri, **(storage_options or {}))
+    root = root.rstrip("/") or "/"
+    if fs.isdir(root):
+        files = sorted(p for p in fs.find(root) if p.endswith((".parquet", ".pq"))
+                       and not any(part.startswith(("_", ".")) for part in p[len(root):].strip("/").split("/")))
+        base = root
+    elif fs.exists(root):
+        files, base = [root], posixpath.dirname(root)
+    else:
+        raise ReportError(f"run output {uri!r} does not exist")
+    if not files:
+        raise ReportError(f"run output {uri!r} holds no Parquet files")
+    tables = []
+    for p in files:
+        with fs.open(p, "rb") as f:
+            tables.append(pq.read_table(f))
+    table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+    missing = [c for c in _NEEDED if c not in table.column_names]
+    if missing:
+        raise ReportError(f"run output {uri!r} lacks column(s) {missing}; is it a specbatch job output?")
+    summary = None
+    for name in SUMMARY_NAMES:
+        p = posixpath.join(base, name)
+        if fs.exists(p):
+            with fs.open(p, "r") as f:
+                summary = json.load(f)
+            break
+    return Run(uri=uri, table=table, summary=summary)
+
+
+def _add(acc: list[int], values) -> None:
+    if not values:
+        return
+    if len(values) > len(acc):
+        acc.extend([0] * (len(values) - len(acc)))
+    for i, v in enumerate(values):
+        acc[i] += int(v)
+
+
+@dataclass
+class Stats:
+    """Run-level totals over a set of rows (sums first, then ratios)."""
+
+    rows: int = 0
+    new_tokens: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    wall_time_s: float = 0.0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    row_mean_accepted_length: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.new_tokens / self.verify_steps if self.verify_steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s else None
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def accepted_length_steps(self) -> list[int]:
+        """Verify steps by accepted draft length 0, 1, ..., k (see the module docstring)."""
+        acc = self.accepted_per_position
+        counts = [self.verify_steps - (acc[0] if acc else 0)]
+        for j in range(1, len(acc) + 1):
+            counts.append(acc[j - 1] - (acc[j] if j < len(acc) else 0))
+        return counts
+
+
+def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
+    """:class:`Stats` of the rows without error (and, if given, whose id is in ``ids``)."""
+    s = Stats()
+    cols = {c: table.column(c).to_pylist() for c in _NEEDED}
+    for i in range(table.num_rows):
+        if cols["error"][i] is not None or cols["verify_steps"][i] is None:
+            continue
+        if ids is not None and cols["id"][i] not in ids:
+            continue
+        s.rows += 1
+        s.new_tokens += int(cols["new_tokens"][i] or 0)
+        s.verify_steps += int(cols["verify_steps"][i] or 0)
+        s.draft_tokens += int(cols["draft_tokens"][i] or 0)
+        s.accepted_tokens += int(cols["accepted_tokens"][i] or 0)
+        s.wall_time_s += float(cols["wall_time_s"][i] or 0.0)
+        _add(s.drafted_per_position, cols["drafted_per_position"][i])
+        _add(s.accepted_per_position, cols["accepted_per_position"][i])
+        if cols["verify_steps"][i]:
+            s.row_mean_accepted_length.append(cols["new_tokens"][i] / cols["verify_steps"][i])
+    return s
+
+
+def _ok_ids(table: pa.Table) -> set[str]:
+    ids, err = table.column("id").to_pylist(), table.column("error").to_pylist()
+    return {i for i, e in zip(ids, err) if e is None and i is not None}
+
+
+def _outputs(table: pa.Table) -> dict[str, str]:
+    if "output_text" not in table.column_names:
+        return {}
+    return dict(zip(table.column("id").to_pylist(), table.column("output_text").to_pylist()))
+
+
+def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
+    """Per-run figures, and comparisons with the baseline run over common rows.
+
+    Returns ``{"baseline": label | None, "common_rows": n, "runs": [row dicts]}``; each row
+    dict has ``label, method, uri, rows, errors, acceptance_rate, mean_accepted_length,
+    tokens_per_s, job_tokens_per_s, speedup, same_output, compared_rows`` and the
+    :class:`Stats` of all its rows (``stats``) and of the common rows (``common``).
+    """
+    labels: dict[str, int] = {}
+    for r in runs:
+        lab = r.label or r.method
+        if lab in labels:
+            lab = f"{lab} ({posixpath.basename(r.uri.rstrip('/'))})"
+        labels[lab] = 1
+        r.label = lab
+    base = next((r for r in runs if r.method == baseline), None)
+    common = set.intersection(*[_ok_ids(r.table) for r in runs]) if runs else set()
+    base_common = row_stats(base.table, common) if base else None
+    base_out = _outputs(base.table) if base else {}
+    out = []
+    for r in runs:
+        s_all = row_stats(r.table)
+        s_c = row_stats(r.table, common)
+        d: dict[str, Any] = {
+            "label": r.label, "method": r.method, "uri": r.uri, "rows": r.table.num_rows,
+            "errors": r.table.num_rows - r.table.column("error").null_count,
+            "acceptance_rate": s_all.acceptance_rate, "mean_accepted_length": s_all.mean_accepted_length,
+            "tokens_per_s": s_all.tokens_per_s,
+            "job_tokens_per_s": (r.summary or {}).get("tokens_per_s"),
+            "stats": s_all, "common": s_c, "speedup": None, "same_output": None, "compared_rows": len(common),
+        }
+        if base_common is not None and base_common.tokens_per_s and s_c.tokens_per_s:
+            d["speedup"] = s_c.tokens_per_s / base_common.tokens_per_s
+        if base is not None and base_out:
+            mine = _outputs(r.table)
+            d["same_output"] = sum(1 for i in common if mine.get(i) == base_out.get(i))
+        out.append(d)
+    return {"baseline": base.label if base else None, "common_rows": len(common), "runs": out}
+
+
+def _fmt(v, spec=".3f", none="–") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return format(v, spec)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    head = ("| method | rows | acceptance rate | mean accepted length | tokens/s | speedup vs "
+            f"{result['baseline'] or 'baseline'} | job tokens/s | same output as {result['baseline'] or 'baseline'} |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for d in result["runs"]:
+        same = (f"{d['same_output']}/{d['compared_rows']}" if d["same_output"] is not None else "–")
+        lines.append(
+            f"| {d['label']} | {d['rows'] - d['errors']} | {_fmt(d['acceptance_rate'])} | "
+            f"{_fmt(d['mean_accepted_length'], '.2f')} | {_fmt(d['tokens_per_s'], '.1f')} | "
+            f"{_fmt(d['speedup'], '.2f')}{'×' if d['speedup'] is not None else ''} | "
+            f"{_fmt(d['job_tokens_per_s'], '.1f')} | {same} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accepted_length(result, path: Path) -> None:
+    plt = _plt()
+    runs = result["runs"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    kmax = max((len(d["stats"].accepted_length_steps) for d in runs), default=1)
+    width = 0.8 / max(1, len(runs))
+    for n, d in enumerate(runs):
+        counts = d["stats"].accepted_length_steps
+        tot = sum(counts) or 1
+        xs = [j + (n - (len(runs) - 1) / 2) * width for j in range(len(counts))]
+        ax1.bar(xs, [c / tot for c in counts], width=width, label=d["label"])
+    ax1.set_xticks(range(kmax))
+    ax1.set_xlabel("accepted draft tokens in a verify step")
+    ax1.set_ylabel("fraction of verify steps")
+    ax1.set_title("Accepted length per step")
+    ax1.legend()
+    vals = [d["stats"].row_mean_accepted_length for d in runs]
+    hi = max((max(v) for v in vals if v), default=2.0)
+    bins = [1 + i * (hi - 1) / 20 for i in range(21)] if hi > 1 else 10
+    for d, v in zip(runs, vals):
+        if v:
+            ax2.hist(v, bins=bins, alpha=0.5, label=d["label"])
+    ax2.set_xlabel("mean accepted length of a row (new tokens / verify steps)")
+    ax2.set_ylabel("rows")
+    ax2.set_title("Per-row mean accepted length")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_acceptance_by_position(result, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drew = False
+    for d in result["runs"]:
+        acc = d["stats"].acceptance_by_position
+        if not acc:
+            continue
+        drew = True
+        xs = list(range(1, len(acc) + 1))
+        ax.plot(xs, [a if a is not None else float("nan") for a in acc], marker="o", label=d["label"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafted at this position")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance by draft position")
+    if drew:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no drafts in these runs", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_throughput(result, path: Path) -> None:
+    plt = _plt()
+    runs = result["runs"]
+    labels = [d["label"] for d in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    tps = [d["tokens_per_s"] or 0.0 for d in runs]
+    bars = ax1.bar(labels, tps, color="tab:blue")
+    ax1.bar_label(bars, fmt="%.1f")
+    ax1.set_ylabel("new tokens / s (engine)")
+    ax1.set_title("Throughput")
+    sp = [d["speedup"] or 0.0 for d in runs]
+    bars = ax2.bar(labels, sp, color="tab:green")
+    ax2.bar_label(bars, fmt="%.2f×")
+    ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax2.set_ylabel(f"speedup vs {result['baseline'] or 'baseline'} (same rows)")
+    ax2.set_title("Speedup")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+PLOTS = {
+    "accepted_length.png": plot_accepted_length,
+    "acceptance_by_position.png": plot_acceptance_by_position,
+    "throughput.png": plot_throughput,
+}
+
+
+def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict | None = None,
+                 baseline: str = "plain", title: str = "specbatch run report") -> dict[str, Any]:
+    """Load the runs, write ``report.md``, ``report.json`` and the PNGs into ``out_dir``.
+
+    Returns the :func:`summarize_runs` result (``Stats`` objects included).
+    """
+    runs = [load_run(u, storage_options) for u in uris]
+    result = summarize_runs(runs, baseline=baseline)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fn in PLOTS.items():
+        fn(result, out / name)
+    lines = [f"# {title}", "", markdown_table(result), ""]
+    if result["baseline"]:
+        lines.append(f"Speedup and same-output columns compare each run with `{result['baseline']}` over the "
+                     f"{result['common_rows']} rows that every run completed without error. tokens/s = Σ new tokens / "
+                     "Σ per-row engine wall time; job tokens/s (from the run summary) also counts the Ray stage's "
+                     "start-up and model loading.")
+    else:
+        lines.append(f"No `{baseline}` run given: no speedup column.")
+    lines += ["", "Rates are run-level: tokens and steps summed over rows, then divided (METRICS.md).", ""]
+    lines += ["## Runs", ""]
+    for d in result["runs"]:
+        s = d["stats"]
+        lines.append(f"- **{d['label']}** (`{d['uri']}`): {d['rows']} rows, {d['errors']} errors; "
+                     f"{s.new_tokens} new tokens in {s.verify_steps} verify steps; {s.accepted_tokens}/{s.draft_tokens} "
+                     f"draft tokens accepted; engine time {s.wall_time_s:.1f} s")
+        if s.acceptance_by_position:
+            lines.append("  - acceptance by draft position: "
+                         + ", ".join(f"{i + 1}: {_fmt(a, '.2f')}" for i, a in enumerate(s.acceptance_by_position)))
+    lines += ["", "## Plots", "",
+              "![accepted length per step](accepted_length.png)", "",
+              "Left: verify steps by number of accepted draft tokens (0 includes steps that drafted nothing), "
+              "reconstructed exactly from the per-position counts. Right: per-row new tokens / verify steps.", "",
+              "![acceptance by draft position](acceptance_by_position.png)", "",
+              "![tokens/s and speedup](throughput.png)", ""]
+    (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    plain = {"baseline": result["baseline"], "common_rows": result["common_rows"], "runs": [
+        {k: v for k, v in d.items() if k not in ("stats", "common")}
+        | {"acceptance_by_position": d["stats"].acceptance_by_position,
+           "accepted_length_steps": d["stats"].accepted_length_steps}
+        for d in result["runs"]]}
+    (out / "report.json").write_text(json.dumps(plain, indent=2), encoding="utf-8")
+    return result

@@ -1,0 +1,120 @@
+"""The run report: figures recomputed from synthetic per-row Parquet, files written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.report import load_run, summarize_runs, write_report
+from pipeline.write import OUTPUT_SCHEMA
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None):
+    ok = error is None
+    return {
+        "id": id_, "prompt": f"p{id_}", "output_text": out if ok else None, "finish_reason": "length" if ok else None,
+        "prompt_tokens": 5 if ok else None, "new_tokens": new if ok else None, "verify_steps": steps if ok else None,
+        "draft_tokens": drafted if ok else None, "accepted_tokens": accepted if ok else None,
+        "acceptance_rate": (accepted / drafted if drafted else None) if ok else None,
+        "mean_accepted_length": new / steps if ok else None,
+        "drafted_per_position": list(dpp) if ok else None, "accepted_per_position": list(app) if ok else None,
+        "draft_time_s": 0.0, "verify_time_s": 0.0, "wall_time_s": wall if ok else None, "method": method,
+        "target_model": "t", "draft_model": None, "error": error, "source_file": "in.jsonl", "source_row": 0,
+    }
+
+
+PLAIN = [_row("a", "plain", "x y", 10, 10, wall=1.0), _row("b", "plain", "u v", 20, 20, wall=2.0),
+         _row("c", "plain", "w", 30, 30, wall=3.0)]
+# k = 3.  Row a: 4 drafts, accepted prefixes 3,2,1,0 -> per position accepted [3,2,1].
+# Row b: 8 drafts, accepted prefixes 3,3,2,2,1,1,0,0 -> [6,4,2].  Row c failed.
+DRAFT = [_row("a", "draft_model", "x y", 10, 4, 12, 6, [4, 4, 4], [3, 2, 1], wall=0.5),
+         _row("b", "draft_model", "DIFFERENT", 20, 8, 24, 12, [8, 8, 8], [6, 4, 2], wall=1.0),
+         _row("c", "draft_model", None, 0, 0, error="RuntimeError: boom")]
+
+
+def _write_run(fs, root, rows, summary=None, split=False):
+    fs.makedirs(root, exist_ok=True)
+    chunks = [rows[:1], rows[1:]] if split else [rows]
+    for n, chunk in enumerate(chunks):
+        with fs.open(f"{root}/part-{n:05d}.parquet", "wb") as f:
+            pq.write_table(pa.Table.from_pylist(chunk, schema=OUTPUT_SCHEMA), f)
+    # A leftover staging part must be ignored.
+    fs.makedirs(f"{root}/_staging/old", exist_ok=True)
+    with fs.open(f"{root}/_staging/old/part-00000.parquet", "wb") as f:
+        pq.write_table(pa.Table.from_pylist(rows[:1], schema=OUTPUT_SCHEMA), f)
+    if summary is not None:
+        with fs.open(f"{root}/_summary.json", "w") as f:
+            json.dump(summary, f)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    fs = fsspec.filesystem("file")
+    _write_run(fs, str(tmp_path / "plain"), PLAIN, {"tokens_per_s": 7.5})
+    _write_run(fs, str(tmp_path / "draft"), DRAFT, {"tokens_per_s": 12.5}, split=True)
+    return [str(tmp_path / "plain"), str(tmp_path / "draft")]
+
+
+def test_figures_are_recomputed_from_rows(runs):
+    loaded = [load_run(u) for u in runs]
+    assert [r.table.num_rows for r in loaded] == [3, 3]  # staging part skipped
+    res = summarize_runs(loaded)
+    plain, draft = res["runs"]
+    assert res["baseline"] == "plain" and res["common_rows"] == 2
+    assert plain["method"] == "plain" and draft["method"] == "draft_model"
+    assert plain["acceptance_rate"] is None
+    assert plain["mean_accepted_length"] == pytest.approx(1.0)
+    assert plain["tokens_per_s"] == pytest.approx(60 / 6)
+    assert draft["errors"] == 1
+    assert draft["acceptance_rate"] == pytest.approx(18 / 36)  # sums first, then divide
+    assert draft["mean_accepted_length"] == pytest.approx(30 / 12)
+    assert draft["tokens_per_s"] == pytest.approx(30 / 1.5)
+    # Speedup over the common rows a, b only: plain 30 tokens / 3 s.
+    assert draft["speedup"] == pytest.approx((30 / 1.5) / (30 / 3.0))
+    assert plain["speedup"] == pytest.approx(1.0)
+    assert draft["same_output"] == 1 and plain["same_output"] == 2
+    assert draft["job_tokens_per_s"] == 12.5
+    s = draft["stats"]
+    assert s.acceptance_by_position == pytest.approx([9 / 12, 6 / 12, 3 / 12])
+    # Accepted prefix lengths over the 12 drafts: 0,1,2,3 three times each.
+    assert s.accepted_length_steps == [3, 3, 3, 3]
+    assert plain["stats"].accepted_length_steps == [60]
+
+
+def test_report_files(runs, tmp_path):
+    out = tmp_path / "report"
+    write_report(runs, out, title="t")
+    md = (out / "report.md").read_text()
+    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | 12.5 | 1/2 |" in md
+    assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | 7.5 | 2/2 |" in md
+    for name in ("accepted_length.png", "acceptance_by_position.png", "throughput.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"({name})" in md
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["runs"][1]["accepted_length_steps"] == [3, 3, 3, 3]
+
+
+def test_fsspec_url_and_cli(tmp_path):
+    fs = fsspec.filesystem("memory")
+    _write_run(fs, "/rep/plain", PLAIN)
+    _write_run(fs, "/rep/pld", [dict(r, method="prompt_lookup") for r in DRAFT])
+    res = summarize_runs([load_run("memory://rep/plain"), load_run("memory://rep/pld")])
+    assert res["runs"][1]["label"] == "prompt_lookup" and res["runs"][1]["speedup"] == pytest.approx(2.0)
+    # The command line, on local copies (a subprocess does not share the memory filesystem).
+    for name, rows in (("plain", PLAIN), ("pld", DRAFT)):
+        _write_run(fsspec.filesystem("file"), str(tmp_path / name), rows)
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), str(tmp_path / "plain"),
+                           str(tmp_path / "pld"), "--out", str(tmp_path / "r")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "2.00×" in proc.stdout and (tmp_path / "r" / "throughput.png").exists()
+    bad = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), str(tmp_path / "nope"), "--out",
+                          str(tmp_path / "r2")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
