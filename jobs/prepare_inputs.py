@@ -1,0 +1,81 @@
+"""Turn the real corpora in ``../shared/data`` into job inputs (JSONL with ``id``, ``text``, ``reference``).
+
+    python jobs/prepare_inputs.py                  # writes out/inputs/*.jsonl
+    python jobs/prepare_inputs.py --out DIR --data ../shared/data
+
+Outputs (the jobs read ``id`` and ``text``; ``reference`` is kept for scoring):
+
+- ``xsum_1000.jsonl``: the 1,000 XSum BBC articles of ``xsum_helm_1000/xsum_0shot.jsonl``, with the
+  HELM prompt wrapper (``###\\nArticle: `` ... ``Summarize the above article in 1 sentence.``)
+  removed, so the job's own template applies; ids ``xsum-0000`` ... in file order.
+- ``spec_bench_summarization.jsonl``: Spec-Bench's 80 CNN/DM prompts (question ids 241-320) without
+  their ``Summarize: `` prefix (configs/spec_bench_summarize.yaml puts it back); ids ``spec-bench-<id>``.
+- ``spec_bench_translation.jsonl``: Spec-Bench's 80 WMT14 German sentences (ids 161-240) without
+  ``Translate German to English: `` (configs/spec_bench_translate.yaml puts it back).
+
+Then, e.g.: ``python jobs/summarize.py --config configs/xsum.yaml``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HELM_PREFIX = "###\nArticle: "
+HELM_SUFFIX = "\n\nSummarize the above article in 1 sentence.\n"
+
+
+def _strip(s: str, prefix: str = "", suffix: str = "") -> str:
+    if prefix and s.startswith(prefix):
+        s = s[len(prefix):]
+    if suffix and s.endswith(suffix):
+        s = s[: -len(suffix)]
+    return s.strip()
+
+
+def prepare(data: Path, out: Path) -> dict[str, int]:
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    rows = []
+    with open(data / "xsum_helm_1000" / "xsum_0shot.jsonl", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            r = json.loads(line)
+            rows.append({"id": f"xsum-{i:04d}", "text": _strip(r["article"], HELM_PREFIX, HELM_SUFFIX),
+                         "reference": r["summary_gt"]})
+    counts["xsum_1000.jsonl"] = _write(out / "xsum_1000.jsonl", rows)
+    summ, trans = [], []
+    with open(data / "spec_bench" / "question.jsonl", encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r["category"] == "summarization":
+                summ.append({"id": f"spec-bench-{r['question_id']}", "text": _strip(r["turns"][0], "Summarize: "),
+                             "reference": r["reference"][0]})
+            elif r["category"] == "translation":
+                trans.append({"id": f"spec-bench-{r['question_id']}",
+                              "text": _strip(r["turns"][0], "Translate German to English: "),
+                              "reference": r["reference"][0]})
+    counts["spec_bench_summarization.jsonl"] = _write(out / "spec_bench_summarization.jsonl", summ)
+    counts["spec_bench_translation.jsonl"] = _write(out / "spec_bench_translation.jsonl", trans)
+    return counts
+
+
+def _write(path: Path, rows: list[dict]) -> int:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jobs/prepare_inputs.py", description=__doc__.split("\n")[0])
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="the shared corpora")
+    p.add_argument("--out", default=str(REPO / "out" / "inputs"), help="where to write the JSONL inputs")
+    args = p.parse_args(argv)
+    for name, n in prepare(Path(args.data), Path(args.out)).items():
+        print(f"{Path(args.out) / name}: {n} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
