@@ -10,7 +10,8 @@ Used as::
 
     ds.map_batches(GenerateActor, fn_constructor_kwargs={"config": cfg.model_dump()},
                    batch_format="pyarrow", batch_size=cfg.compute.rows_per_batch,
-                   concurrency=cfg.compute.num_actors, num_gpus=cfg.compute.gpus_per_actor)
+                   compute=ActorPoolStrategy(size=cfg.compute.num_actors),
+                   num_gpus=cfg.compute.gpus_per_actor)
 """
 
 from __future__ import annotations

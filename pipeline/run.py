@@ -79,7 +79,7 @@ def init_ray(cfg: JobConfig) -> None:
 def build_dataset(cfg: JobConfig, shards: list[Shard]):
     """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA) for ``shards``."""
     import ray
-    from ray.data import ActorPoolStrategy  # noqa: F401  (documented alternative to concurrency=)
+    from ray.data import ActorPoolStrategy
 
     from actors.generate import GenerateActor
 
@@ -103,7 +103,7 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
         fn_constructor_kwargs={"config": cfg.model_dump()},
         batch_size=cfg.compute.rows_per_batch,
         batch_format="pyarrow",
-        concurrency=cfg.compute.num_actors,
+        compute=ActorPoolStrategy(size=cfg.compute.num_actors),
         num_gpus=cfg.compute.gpus_per_actor or None,
         num_cpus=cfg.compute.cpus_per_actor,
     )

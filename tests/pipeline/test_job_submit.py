@@ -1,0 +1,126 @@
+"""``ray job submit`` for real: a head node on 127.0.0.1 (``ray start --head``), the summarize
+job submitted with ``--working-dir .``, SUCCEEDED, output checked, cluster stopped.
+
+Slow (~1 min on 2 cores: a second Ray cluster starts and uploads the working dir).  Runs by
+default; deselect with ``-m "not slow"``.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import REPO, TEXTS, free_port, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+EXCLUDES = ["/.venv", "/.git", "/models", "/out", "/runs", "/data", "/shared", "**/__pycache__", "/.pytest_cache"]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """``ray start --head --block`` in its own process group; yields the dashboard URL."""
+    ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
+                                      "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                      "runtime-env-agent-port", "metrics-export-port",
+                                      "node-manager-port", "object-manager-port")}
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray >= 2.5x starts clusters with token authentication; the CLI sends the token
+    # (~/.ray/auth_token) only in token mode.
+    env["RAY_AUTH_MODE"] = "token"
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2",
+           f"--object-store-memory={300 * 2**20}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+           *[f"--{k}={v}" for k, v in ports.items()]]
+    log = open(Path(temp_dir) / "ray-start.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/api/version", timeout=2):
+                    break
+            except urllib.error.HTTPError:  # 401: up, with token authentication on
+                break
+            except Exception:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("ray start --head failed:\n" + (Path(temp_dir) / "ray-start.log").read_text()[-3000:])
+            time.sleep(1)
+        yield {"url": url, "env": env}
+    finally:
+        # stop the cluster we started: SIGTERM to `ray start --block` stops its processes
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of our process group, if any
+        except ProcessLookupError:
+            pass
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path):
+    write_jsonl(tmp_path / "in" / "prompts.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:5])])
+    out = tmp_path / "out"
+    config = {
+        "input": {"uri": str(tmp_path / "in" / "prompts.jsonl")},
+        "models": {"target": tiny_models["target"], "drafter": tiny_models["drafter"]},
+        "method": {"name": "draft_model", "num_assistant_tokens": 3},
+        "generation": {"max_new_tokens": 8},
+        "compute": {"num_actors": 1, "rows_per_batch": 2},
+        "output": {"uri": str(out)},
+    }
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+
+    submit = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", ray_head["url"],
+         "--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--no-wait",
+         "--", "python", "jobs/summarize.py", "--config", str(cfg_path), "--no-progress"],
+        cwd=REPO, env=ray_head["env"], capture_output=True, text=True, timeout=180,
+    )
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    job_id = next(w.strip("'") for line in submit.stdout.splitlines() for w in line.split() if w.strip("'").startswith("raysubmit_"))
+
+    def ray_job(*args):
+        r = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", *args, "--address", ray_head["url"]],
+                           env=ray_head["env"], capture_output=True, text=True, timeout=60)
+        return r.stdout + r.stderr
+
+    deadline = time.time() + 150
+    while True:
+        status = ray_job("status", job_id).upper()  # "... succeeded" / "Status ...: SUCCEEDED"
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        assert time.time() < deadline, "job did not finish in 150 s:\n" + status + ray_job("logs", job_id)[-5000:]
+        time.sleep(2)
+    logs = ray_job("logs", job_id)
+    assert "SUCCEEDED" in status, status + logs[-5000:]
+
+    table = pq.read_table(out)
+    assert table.num_rows == 5 and table.column("error").null_count == 5
+    assert (out / "_SUCCESS").exists()
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["rows"] == 5 and summary["new_tokens"] == sum(table.column("new_tokens").to_pylist())
+    assert '"rows": 5' in logs  # the job printed its summary headline
