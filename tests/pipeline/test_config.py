@@ -15,7 +15,7 @@ def test_shipped_configs_load(name):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     assert cfg.task.name == name
     assert cfg.models.target == "models/demo-target"
-    assert cfg.input.uri == "data/demo_prompts.jsonl"
+    assert cfg.input.uri == {"summarize": "data/demo_prompts.jsonl", "translate": "data/demo_translate.jsonl"}[name]
     assert cfg.method.name in METHODS
     assert cfg.models.trust_remote_code is False
     if name == "translate":
