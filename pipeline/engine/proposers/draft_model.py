@@ -7,7 +7,8 @@ is cropped to the still-valid prefix (KV-cache rollback), so the accepted prefix
 recomputed.
 
 Vocabularies padded to different sizes are handled: drafter logits for ids the target
-does not have are masked out, and ``q`` is padded with zeros to the target's width.
+does not have are dropped, ``q`` is padded with zeros to the target's width, and target
+ids beyond the drafter's vocabulary (padding) are fed to the drafter as its last id.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class DraftModelProposer:
         want_probs = request.want_probs
         sampling = shaper.do_sample
         feed = seq[:, self.seen :]
+        if self.draft_vocab < self.target_vocab:
+            # Padding ids of the target that the drafter lacks (a target never emits them
+            # in practice): feed a valid id instead; only draft quality could suffer.
+            feed = feed.clamp_max(self.draft_vocab - 1)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         prefix = seq

@@ -1,0 +1,117 @@
+"""Bad settings are refused with a ValueError naming the setting, before any decoding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
+
+from tiny_models import bracket_tokenizer, build
+
+
+class ForwardCounter:
+    """Wraps a model's forward to prove no decoding happened."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.model = model
+        self.original = model.forward
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        model.forward = counting
+
+    def restore(self):
+        self.model.forward = self.original
+
+
+@pytest.mark.parametrize(
+    "spec, name",
+    [
+        (dict(method="draft_model", num_assistant_tokens=0), "num_assistant_tokens"),
+        (dict(method="draft_model", num_assistant_tokens=-2), "num_assistant_tokens"),
+        (dict(method="beam_search"), "method"),
+        (dict(method="prompt_lookup", prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens"),
+        (dict(method="prompt_lookup", max_matching_ngram_size=0), "max_matching_ngram_size"),
+        (dict(method="draft_model", num_assistant_tokens_schedule="sometimes"), "num_assistant_tokens_schedule"),
+        (dict(method="draft_model", assistant_confidence_threshold=1.5), "assistant_confidence_threshold"),
+        (dict(method="prompt_lookup", assistant_ensemble_weight=0.7), "assistant_ensemble_weight"),
+        (dict(method="draft_model", assistant_ensemble_weight=1.0), "assistant_ensemble_weight"),
+    ],
+)
+def test_bad_speculation_settings(llama_pair, spec, name):
+    target, drafter = llama_pair
+    with pytest.raises(ValueError, match=name):
+        SpeculativeEngine(target, SpeculationSettings(**spec), drafter=drafter)
+
+
+@pytest.mark.parametrize(
+    "gen, name",
+    [
+        (dict(do_sample=True, temperature=0.0), "temperature"),
+        (dict(do_sample=True, temperature=-1.0), "temperature"),
+        (dict(do_sample=True, temperature=math.nan), "temperature"),
+        (dict(do_sample=True, top_p=0.0), "top_p"),
+        (dict(do_sample=True, top_p=1.2), "top_p"),
+        (dict(do_sample=True, top_p=math.nan), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(stop_strings=[""]), "stop_strings"),
+        (dict(stop_strings=["x"]), "stop_strings"),  # no tokenizer to decode with
+    ],
+)
+def test_bad_generation_settings_fail_before_decoding(llama_pair, gen, name):
+    target, drafter = llama_pair
+    engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model"), drafter=drafter)
+    counters = [ForwardCounter(target), ForwardCounter(drafter)]
+    try:
+        with pytest.raises(ValueError, match=name):
+            engine.generate([1, 2, 3], GenerationSettings(**gen))
+        assert [c.calls for c in counters] == [0, 0]
+    finally:
+        for c in counters:
+            c.restore()
+
+
+def test_draft_model_needs_a_drafter(llama_pair):
+    target, _ = llama_pair
+    with pytest.raises(ValueError, match="drafter"):
+        SpeculativeEngine(target, SpeculationSettings(method="draft_model"))
+
+
+def test_drafter_vocabulary_must_cover_the_tokenizer(llama_pair):
+    target, _ = llama_pair
+    tok = bracket_tokenizer(target.config.vocab_size)
+    small = build("llama", vocab=target.config.vocab_size - 20, layers=1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeEngine(target, SpeculationSettings(method="draft_model"), drafter=small, tokenizer=tok)
+
+
+def test_drafter_tokenizer_must_match(llama_pair):
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    target, drafter = llama_pair
+    tok = bracket_tokenizer(target.config.vocab_size)
+    vocab = {p: i for p, i in tok.get_vocab().items()}
+    a, b = [p for p, i in vocab.items() if i in (7, 8)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same pieces, two ids swapped
+    other = Tokenizer(models.BPE(vocab, merges=[], unk_token="a"))
+    other.decoder = decoders.Fuse()
+    other = PreTrainedTokenizerFast(tokenizer_object=other, unk_token="a")
+    with pytest.raises(ValueError, match="tokenizer"):
+        SpeculativeEngine(target, SpeculationSettings(method="draft_model"), drafter=drafter, tokenizer=tok,
+                          drafter_tokenizer=other)
+    # the same tokenizer is fine
+    SpeculativeEngine(target, SpeculationSettings(method="draft_model"), drafter=drafter, tokenizer=tok, drafter_tokenizer=tok)
+
+
+def test_empty_prompt(llama_pair):
+    target, _ = llama_pair
+    with pytest.raises(ValueError, match="empty"):
+        SpeculativeEngine(target).generate([], GenerationSettings())
