@@ -23,18 +23,14 @@ import time
 import torch
 from transformers import DynamicCache
 
+from .proposers import ProposerInputs, build_proposer
 from .proposers.base import DraftRequest, Proposer, empty_draft
-from .proposers.draft_model import DraftModelProposer, text_config
-from .proposers.prompt_lookup import PromptLookupProposer
+from .proposers.draft_model import text_config
 from .sampling import LogitsShaper
 from .settings import GenerationSettings, SpeculationSettings
 from .stats import GenerationResult, RowStats
 from .stopping import StopChecker
 from .verify import verify_greedy, verify_sampling
-
-
-def _vocab(tokenizer) -> dict[str, int]:
-    return tokenizer.get_vocab()
 
 
 class SpeculativeEngine:
@@ -68,36 +64,16 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.target_vocab = text_config(target).vocab_size
         self.context = getattr(text_config(target), "max_position_embeddings", None)
-        self.proposer: Proposer | None = self._build_proposer(drafter, drafter_tokenizer)
+        self.proposer: Proposer | None = build_proposer(
+            ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer)
+        )
+        hook = getattr(self.proposer, "target_forward", None)
+        self._target_forward = hook if hook is not None else self._plain_target_forward
 
-    def _build_proposer(self, drafter, drafter_tokenizer) -> Proposer | None:
-        method = self.spec.method
-        if method == "plain":
-            return None
-        if method == "prompt_lookup":
-            return PromptLookupProposer(self.spec.max_matching_ngram_size)
-        if method == "draft_model":
-            if drafter is None:
-                raise ValueError("method 'draft_model' needs a drafter (drafter=...)")
-            self._check_vocab(drafter, drafter_tokenizer)
-            return DraftModelProposer(drafter, self.target_vocab, self.spec.assistant_confidence_threshold)
-        raise ValueError(f"unknown method {method!r}")  # pragma: no cover - validate() refuses it first
+    @staticmethod
+    def _plain_target_forward(target, input_ids, cache, logits_to_keep: int) -> torch.Tensor:
+        return target(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits[0]
 
-    def _check_vocab(self, drafter, drafter_tokenizer) -> None:
-        draft_vocab = text_config(drafter).vocab_size
-        shared = min(draft_vocab, self.target_vocab)
-        if self.tokenizer is not None and len(self.tokenizer) > shared:
-            raise ValueError(
-                f"drafter vocabulary ({draft_vocab} ids) cannot map onto the target's tokenizer "
-                f"({len(self.tokenizer)} tokens): the draft model must share the target's tokenizer"
-            )
-        if self.tokenizer is not None and drafter_tokenizer is not None:
-            t_vocab, d_vocab = _vocab(self.tokenizer), _vocab(drafter_tokenizer)
-            if any(d_vocab.get(tok) != idx for tok, idx in t_vocab.items() if idx < shared):
-                raise ValueError(
-                    "drafter tokenizer differs from the target's: method 'draft_model' needs a shared "
-                    "vocabulary (use universal assisted decoding for different tokenizers)"
-                )
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
@@ -149,16 +125,16 @@ class SpeculativeEngine:
         want_probs = settings.do_sample or ensemble is not None
         stats = RowStats(prompt_tokens=prompt_len)
         proposer = self.proposer
+        cache = DynamicCache(config=self.target.config)
         if proposer is not None:
-            proposer.reset()
+            proposer.reset(cache)
         k_schedule = self.spec.draft_length
         heuristic = self.spec.num_assistant_tokens_schedule == "heuristic" and proposer is not None and proposer.adaptive
 
         # Prefill: the cache holds every committed token but the last.
-        cache = DynamicCache(config=self.target.config)
         t0 = time.perf_counter()
         if prompt_len > 1:
-            self.target(input_ids=prompt[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+            self._target_forward(self.target, prompt[:, :-1], cache, 1)
         stats.verify_time_s += time.perf_counter() - t0
 
         sequence = prompt
@@ -175,7 +151,7 @@ class SpeculativeEngine:
             n = len(draft)
             d_tokens = draft.tokens.to(device)
             step_input = torch.cat([sequence[:, -1:], d_tokens.view(1, -1)], dim=1)
-            logits = self.target(input_ids=step_input, cache=cache, use_cache=True, logits_to_keep=n + 1).logits[0]
+            logits = self._target_forward(self.target, step_input, cache, n + 1)
             d_probs = draft.probs.to(device) if draft.probs is not None else None
             if settings.do_sample:
                 p = shaper.probs(sequence, logits, d_tokens)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-#: Methods the engine knows.  ``plain`` is target-only decoding (the baseline).
+#: Methods the engine knows.  ``plain`` is target-only decoding (the baseline); each
+#: other name has a proposer in ``pipeline/engine/proposers/`` (see ``PROPOSERS``).
 METHODS = ("plain", "draft_model", "prompt_lookup")
 SCHEDULES = ("constant", "heuristic")
 

@@ -115,3 +115,10 @@ def test_empty_prompt(llama_pair):
     target, _ = llama_pair
     with pytest.raises(ValueError, match="empty"):
         SpeculativeEngine(target).generate([], GenerationSettings())
+
+
+def test_every_method_has_a_proposer():
+    from pipeline.engine import METHODS
+    from pipeline.engine.proposers import PROPOSERS
+
+    assert set(METHODS) == {"plain"} | set(PROPOSERS)

@@ -62,8 +62,10 @@ class Proposer(Protocol):
     #: True when the draft length adapts per row (transformers' "heuristic" schedule applies).
     adaptive: bool
 
-    def reset(self) -> None:
-        """Forget all per-row state (caches); called before every row."""
+    def reset(self, target_cache) -> None:
+        """Forget all per-row state (caches); called before every row with the target's
+        fresh KV cache for this row (a proposer that drafts with the target's own layers
+        may share it)."""
 
     def propose(self, request: DraftRequest) -> Draft:
         """Draft up to ``request.k`` tokens continuing ``request.sequence``."""
@@ -71,6 +73,18 @@ class Proposer(Protocol):
     def rollback(self, valid_length: int) -> None:
         """Only the first ``valid_length`` tokens the proposer has seen (committed
         sequence + its draft) are still valid; crop any cache beyond them."""
+
+
+class TargetForward(Protocol):
+    """Optional hook of a proposer that needs more from the target than its logits
+    (hidden states for MTP layers, a shared cache for early exit).  When a proposer has
+    ``target_forward``, the loop runs every target pass (prefill and verification)
+    through it instead of ``target(input_ids=..., cache=..., logits_to_keep=...)``.
+    """
+
+    def target_forward(self, target, input_ids: torch.Tensor, cache, logits_to_keep: int) -> torch.Tensor:
+        """Run the target on ``input_ids`` ``(1, n)`` appending to ``cache``; return the
+        logits of the last ``logits_to_keep`` positions, ``(logits_to_keep, V)``."""
 
 
 def empty_draft(device: torch.device | str) -> Draft:

@@ -43,7 +43,7 @@ class DraftModelProposer:
         self.cache = None
         self.seen = 0  # tokens in the drafter's cache
 
-    def reset(self) -> None:
+    def reset(self, target_cache=None) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.seen = 0
 

@@ -21,7 +21,7 @@ class PromptLookupProposer:
     def __init__(self, max_matching_ngram_size: int = 2):
         self.max_ngram = max_matching_ngram_size
 
-    def reset(self) -> None:
+    def reset(self, target_cache=None) -> None:
         pass
 
     def rollback(self, valid_length: int) -> None:
