@@ -149,6 +149,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
             if s.num_rows == 0:
                 flush(s)
         t_gen = time.perf_counter()
+        first: tuple[float, int] | None = None  # (seconds to the first output batch, its new tokens)
         if total_rows:
             ds = build_dataset(cfg, [s for s in shards if s.num_rows])
             with _progress(total_rows, progress) as bar:
@@ -156,6 +157,8 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
                     if batch.num_rows == 0:
                         continue
                     totals.add(batch)
+                    if first is None:
+                        first = (time.perf_counter() - t_gen, totals.to_dict()["new_tokens"])
                     for url, sub in _split_by_shard(batch):
                         if url not in by_url:
                             raise RunError(f"output row from unknown shard {url!r}")
@@ -180,6 +183,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
             "elapsed_s": time.perf_counter() - t0,
             "shards": len(shards),
             **totals.to_dict(generate_elapsed_s=generate_elapsed),
+            **_first_batch(first),
             "parts": parts,
             "config": cfg.resolved(),
             "environment": _environment(),
@@ -189,6 +193,12 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     except BaseException:
         writer.abort()
         raise
+
+
+def _first_batch(first: tuple[float, int] | None) -> dict[str, Any]:
+    """``first_batch_s``: seconds from the dataset start to the first output batch (actor
+    start-up, model loading and one batch): the pipeline's fixed start-up cost."""
+    return {"first_batch_s": first[0] if first else None}
 
 
 def _split_by_shard(batch: pa.Table):
