@@ -32,7 +32,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.engine.settings import METHODS, GenerationSettings, SpeculationSettings
+from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
 
 #: Methods that need ``models.drafter``.  Methods listed in DRAFTER_FREE_METHODS never
 #: load it even when one is configured; any other method gets the drafter when set.

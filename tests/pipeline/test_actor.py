@@ -4,7 +4,7 @@ import pyarrow as pa
 import pytest
 
 from actors.generate import GenerateActor
-from conftest import TEXTS, job_config
+from pipeline_testkit import TEXTS, job_config
 from pipeline.engine import SpeculativeEngine
 from pipeline.prompts import PromptBuilder, PromptError, fill_template
 from pipeline.read import INPUT_SCHEMA

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, TEXTS, write_jsonl
+from pipeline_testkit import REPO, TEXTS, write_jsonl
 
 
 def _run(args, cwd=REPO, timeout=300):

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from conftest import TEXTS, job_config, write_jsonl
+from pipeline_testkit import TEXTS, job_config, write_jsonl
 from pipeline.engine import SpeculativeEngine
 from pipeline.models import ModelError, load_models
 from pipeline.prompts import PromptBuilder

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, TEXTS, free_port, write_jsonl
+from pipeline_testkit import REPO, TEXTS, free_port, write_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_jsonl
+from pipeline_testkit import write_jsonl
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.read import InputError, read_shard, resolve_shards
 from pipeline.write import OUTPUT_SCHEMA, OutputError, OutputWriter, is_complete

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import TEXTS, free_port, job_config
+from pipeline_testkit import TEXTS, free_port, job_config
 from pipeline.read import InputError
 from pipeline.run import run_job
 
