@@ -128,7 +128,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
     shards, writer = preflight(cfg)
     total_rows = sum(s.num_rows for s in shards)
-    log.info("%d shards, %d rows -> %s (run %s)", len(shards), total_rows, cfg.output.uri, writer.run_id)
+    log.info("%d shards, %d rows -> %s (run %s)", len(shards), total_rows, writer.url(), writer.run_id)
     try:
         init_ray(cfg)
         totals = RunTotals()
@@ -177,7 +177,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
         summary = {
             "run_id": writer.run_id,
             "status": "succeeded",
-            "output": cfg.output.uri,
+            "output": writer.url(),
             "started_at": started.isoformat(),
             "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             "elapsed_s": time.perf_counter() - t0,
@@ -189,6 +189,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
             "environment": _environment(),
         }
         writer.commit(summary)
+        log.info("run %s committed: %d rows (%d errors) in %s", writer.run_id, totals.rows, totals.errors, writer.url())
         return summary
     except BaseException:
         writer.abort()

@@ -165,7 +165,12 @@ class OutputWriter:
             pass
 
     def url(self, name: str = "") -> str:
-        return self.cfg.uri.rstrip("/") + ("/" + name if name else "")
+        """The output directory (or a file in it) as a full URL; local paths made absolute
+        (under ``ray job submit`` a relative path lands in the job's working directory)."""
+        from pipeline.read import _unstrip
+
+        base = _unstrip(self.fs, self.root)
+        return base + ("/" + name if name else "")
 
 
 def part_name_of(path: str) -> str:

@@ -63,3 +63,12 @@ def test_bad_job_is_refused_before_any_model_loads(tmp_path, args, message):
 def test_translate_entry_point_refuses_a_summarize_config():
     r = _run([str(REPO / "jobs" / "translate.py"), "--config", str(REPO / "configs" / "summarize.yaml"), "--print-config"])
     assert r.returncode == 2 and "task.name: translate" in r.stderr
+
+
+def test_unreadable_shard_is_refused_before_any_model_loads(tmp_path):
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": 1, "text": "x"}])
+    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 but not really parquet")
+    r = _run([str(REPO / "jobs" / "summarize.py"), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")],
+             timeout=120)
+    assert r.returncode == 2 and "b.parquet" in r.stderr and "unreadable as parquet" in r.stderr
