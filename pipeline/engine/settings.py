@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 #: Methods the engine knows.  ``plain`` is target-only decoding (the baseline); each
 #: other name has a proposer in ``pipeline/engine/proposers/`` (see ``PROPOSERS``).
-METHODS = ("plain", "draft_model", "prompt_lookup")
+METHODS = ("plain", "draft_model", "prompt_lookup", "early_exit")
 SCHEDULES = ("constant", "heuristic")
 
 
@@ -89,6 +89,9 @@ class SpeculationSettings:
         max_matching_ngram_size: longest n-gram searched for (tried from longest to 1).
         assistant_ensemble_weight: static ensemble verification weight ``w`` in (0, 1):
             drafts are accepted against ``w*p + (1-w)*q`` (lossy).  ``None``: lossless.
+        assistant_early_exit: method ``early_exit`` only: the number ``L`` of the
+            target's first layers that draft (with its final norm and LM head); must be
+            in ``1 .. num_hidden_layers - 1`` (checked when the engine is built).
     """
 
     method: str = "plain"
@@ -98,6 +101,7 @@ class SpeculationSettings:
     prompt_lookup_num_tokens: int = 10
     max_matching_ngram_size: int = 2
     assistant_ensemble_weight: float | None = None
+    assistant_early_exit: int | None = None
 
     def validate(self) -> "SpeculationSettings":
         if self.method not in METHODS:
@@ -129,6 +133,20 @@ class SpeculationSettings:
                 raise ValueError(
                     f"assistant_ensemble_weight needs draft logits; method {self.method!r} has none"
                 )
+            if self.method == "universal":
+                raise ValueError(
+                    "assistant_ensemble_weight needs draft logits in the target's vocabulary; "
+                    "method 'universal' (different tokenizers) has none"
+                )
+        e = self.assistant_early_exit
+        if self.method == "early_exit":
+            if isinstance(e, bool) or not isinstance(e, int) or e < 1:
+                raise ValueError(
+                    f"assistant_early_exit (layers that draft) must be a positive integer for method "
+                    f"'early_exit', got {e!r}"
+                )
+        elif e is not None:
+            raise ValueError(f"assistant_early_exit is a setting of method 'early_exit', not of {self.method!r}")
         return self
 
     @property

@@ -40,9 +40,16 @@ def _prompt_lookup(inputs: ProposerInputs) -> Proposer:
     return PromptLookupProposer(inputs.spec.max_matching_ngram_size)
 
 
+def _early_exit(inputs: ProposerInputs) -> Proposer:
+    from .early_exit import EarlyExitProposer
+
+    return EarlyExitProposer(inputs.target, inputs.spec.assistant_early_exit, inputs.spec.assistant_confidence_threshold)
+
+
 PROPOSERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "draft_model": _draft_model,
     "prompt_lookup": _prompt_lookup,
+    "early_exit": _early_exit,
 }
 
 
