@@ -68,7 +68,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
     for flag, key in _FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
-            overrides.append(f"{key}={json.dumps(value) if not isinstance(value, str) else value}")
+            overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: "123" stays a string
     if args.overwrite:
         overrides.append("output.overwrite=true")
 

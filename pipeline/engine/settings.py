@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 #: Methods the engine knows.  ``plain`` is target-only decoding (the baseline); each
 #: other name has a proposer in ``pipeline/engine/proposers/`` (see ``PROPOSERS``).
-METHODS = ("plain", "draft_model", "prompt_lookup", "early_exit")
+METHODS = ("plain", "draft_model", "prompt_lookup", "early_exit", "mtp")
 SCHEDULES = ("constant", "heuristic")
 
 
@@ -89,6 +89,11 @@ class SpeculationSettings:
         max_matching_ngram_size: longest n-gram searched for (tried from longest to 1).
         assistant_ensemble_weight: static ensemble verification weight ``w`` in (0, 1):
             drafts are accepted against ``w*p + (1-w)*q`` (lossy).  ``None``: lossless.
+        num_mtp_layers: method ``mtp`` only: how many of the checkpoint's MTP layers to
+            chain (a draft of that many tokens, capped by ``num_assistant_tokens``);
+            ``None``: all of them.  transformers' switch for these layers is
+            ``generate(use_mtp=True)``; the count is ``config.num_mtp_layers``
+            (``num_nextn_predict_layers`` in DeepSeek-V3 / GLM-4.5 configs).
         assistant_early_exit: method ``early_exit`` only: the number ``L`` of the
             target's first layers that draft (with its final norm and LM head); must be
             in ``1 .. num_hidden_layers - 1`` (checked when the engine is built).
@@ -101,6 +106,7 @@ class SpeculationSettings:
     prompt_lookup_num_tokens: int = 10
     max_matching_ngram_size: int = 2
     assistant_ensemble_weight: float | None = None
+    num_mtp_layers: int | None = None
     assistant_early_exit: int | None = None
 
     def validate(self) -> "SpeculationSettings":
@@ -147,6 +153,12 @@ class SpeculationSettings:
                 )
         elif e is not None:
             raise ValueError(f"assistant_early_exit is a setting of method 'early_exit', not of {self.method!r}")
+        m = self.num_mtp_layers
+        if m is not None:
+            if self.method != "mtp":
+                raise ValueError(f"num_mtp_layers is a setting of method 'mtp', not of {self.method!r}")
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"num_mtp_layers (MTP layers to chain) must be a positive integer or None, got {m!r}")
         return self
 
     @property

@@ -46,10 +46,19 @@ def _early_exit(inputs: ProposerInputs) -> Proposer:
     return EarlyExitProposer(inputs.target, inputs.spec.assistant_early_exit, inputs.spec.assistant_confidence_threshold)
 
 
+def _mtp(inputs: ProposerInputs) -> Proposer:
+    from .mtp import MTPProposer, load_mtp
+
+    # drafter=: an already loaded MtpModel (else loaded from the target's checkpoint)
+    mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
+    return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
+
+
 PROPOSERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "draft_model": _draft_model,
     "prompt_lookup": _prompt_lookup,
     "early_exit": _early_exit,
+    "mtp": _mtp,
 }
 
 
