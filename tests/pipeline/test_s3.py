@@ -58,6 +58,9 @@ def test_s3_in_s3_out(ray_local, tiny_models, s3_server, bucket):
                            region="us-east-1")
     table = pq.read_table("prompts/out/run1", filesystem=fs)
     assert table.num_rows == 6
+    import pyarrow as pa
+
+    assert table.schema.field("error").type == pa.string() and table.column("error").null_count == 6  # all succeeded
     assert sorted(table.column("id").to_pylist()) == sorted(f"s{i}-{j}" for i in range(2) for j in range(3))
     assert set(table.column("source_file").to_pylist()) == {"s3://prompts/in/shard-0.jsonl", "s3://prompts/in/shard-1.jsonl"}
     assert all(n > 0 for n in table.column("new_tokens").to_pylist())
