@@ -54,9 +54,16 @@ def _mtp(inputs: ProposerInputs) -> Proposer:
     return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
 
 
+def _universal(inputs: ProposerInputs) -> Proposer:
+    from .universal import UniversalProposer
+
+    return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+
+
 PROPOSERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "draft_model": _draft_model,
     "prompt_lookup": _prompt_lookup,
+    "universal": _universal,
     "early_exit": _early_exit,
     "mtp": _mtp,
 }

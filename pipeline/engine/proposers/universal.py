@@ -1,0 +1,160 @@
+"""Universal assisted decoding: a drafter with its own tokenizer drafts through text.
+
+Timor et al. 2025, "Accelerating LLM Inference with Lossless Speculative Decoding
+Algorithms for Heterogeneous Vocabularies" (arXiv 2502.05202); transformers'
+``generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)``.
+
+Each step:
+
+1. Re-synchronise the drafter with the committed text: decode the target's committed
+   sequence to text, encode it with the drafter's tokenizer, and compare with the
+   drafter ids its KV cache holds.  The cache is cropped to their longest common prefix
+   and only the new drafter ids are fed (at least one, for the next-token logits).  So
+   the accepted part of the last draft is never recomputed, and a rejected tail or a
+   re-tokenised word boundary is dropped.
+2. Draft up to ``k`` tokens greedily in the drafter's vocabulary (stopping at its EOS).
+3. Re-encode the drafted text into the target's vocabulary, aligned with the committed
+   target ids: the drafted text is appended to the decoded text of the last few
+   committed target tokens, re-encoded with the target's tokenizer, and the draft is
+   what follows the part that tokenises as before.  When the drafted text would change
+   how the committed text is tokenised (it continues a word the target cut), the suffix
+   is encoded on its own instead; a candidate is used only if the committed ids plus
+   the draft decode exactly to the committed text plus the drafted text.  At most ``k``
+   target ids are proposed.
+
+The proposer is deterministic (``q`` one-hot), so greedy and sampled decoding both stay
+lossless; static ensemble verification is refused (no draft logits in the target's
+vocabulary).  A drafter whose context cannot hold the row proposes nothing (the step
+is a plain decoding step).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .base import Draft, DraftRequest, empty_draft
+from .draft_model import text_config
+
+#: committed target tokens whose text is re-encoded together with the drafted text
+CONTEXT_TOKENS = 8
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class UniversalProposer:
+    """Args:
+        target: the target model (only its vocabulary width is used).
+        drafter: a causal LM with its own tokenizer.
+        tokenizer: the target's tokenizer.
+        drafter_tokenizer: the drafter's tokenizer.
+
+    Raises:
+        ValueError: a missing drafter or tokenizer.
+    """
+
+    adaptive = True
+
+    def __init__(self, target, drafter, tokenizer, drafter_tokenizer):
+        if drafter is None:
+            raise ValueError("method 'universal' needs a drafter (drafter=...)")
+        if tokenizer is None or drafter_tokenizer is None:
+            raise ValueError(
+                "method 'universal' needs both tokenizers: tokenizer= (the target's) and drafter_tokenizer="
+            )
+        self.model = drafter
+        self.device = drafter.device
+        self.tok_t = tokenizer
+        self.tok_d = drafter_tokenizer
+        self.target_vocab = text_config(target).vocab_size
+        self.draft_width = min(text_config(drafter).vocab_size, len(drafter_tokenizer))
+        self.context = getattr(text_config(drafter), "max_position_embeddings", None)
+        eos = getattr(drafter.generation_config, "eos_token_id", None)
+        eos = set([eos] if isinstance(eos, int) else (eos or []))
+        if drafter_tokenizer.eos_token_id is not None:
+            eos.add(drafter_tokenizer.eos_token_id)
+        self.draft_eos = eos
+        self.cache = None
+        self.ids: list[int] = []  # drafter ids in the drafter's cache, in order
+
+    def reset(self, target_cache=None) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.ids = []
+
+    def rollback(self, valid_length: int) -> None:
+        pass  # re-synchronised from the committed text at the next propose()
+
+    # ------------------------------------------------------------------ text <-> ids
+    def _decode_t(self, ids: list[int]) -> str:
+        return self.tok_t.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _decode_d(self, ids: list[int]) -> str:
+        return self.tok_d.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def to_target(self, committed: list[int], suffix: str, k: int) -> list[int]:
+        """Target ids (at most ``k``) that continue ``committed`` with the text ``suffix``."""
+        suffix = suffix.rstrip("\ufffd")  # an incomplete character at the end of the draft
+        if not suffix:
+            return []
+        ctx = committed[-CONTEXT_TOKENS:]
+        ctx_text = self._decode_t(ctx)
+        want = ctx_text + suffix
+        before = self.tok_t(ctx_text, add_special_tokens=False).input_ids
+        after = self.tok_t(want, add_special_tokens=False).input_ids
+        candidates = []
+        if _common_prefix(before, after) == len(before):
+            candidates.append(after[len(before) :])
+        candidates.append(self.tok_t(suffix, add_special_tokens=False).input_ids)
+        for ids in candidates:
+            ids = [i for i in ids if i < self.target_vocab]
+            if ids and self._decode_t(ctx + ids) == want:
+                return ids[:k]
+        return []
+
+    # ------------------------------------------------------------------ drafting
+    def _sync(self, text: str) -> list[int] | None:
+        """Crop the drafter's cache to what still matches ``text``; the ids to feed."""
+        target_ids = self.tok_d(text, add_special_tokens=True).input_ids
+        if not target_ids:
+            return None
+        keep = min(_common_prefix(self.ids, target_ids), len(target_ids) - 1)
+        if len(self.ids) > keep:
+            self.cache.crop(keep - len(self.ids))
+            self.ids = self.ids[:keep]
+        return target_ids[keep:]
+
+    def propose(self, request: DraftRequest) -> Draft:
+        device = request.sequence.device
+        committed = request.sequence[0].tolist()
+        text = self._decode_t(committed)
+        feed = self._sync(text)
+        if feed is None or (self.context is not None and len(self.ids) + len(feed) + request.k > self.context):
+            return empty_draft(device)
+        synced = len(self.ids) + len(feed)  # the drafter's ids of `text`
+        drafted: list[int] = []
+        for _ in range(request.k):
+            inputs = torch.tensor([feed], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            self.ids.extend(feed)
+            token = int(logits[: self.draft_width].argmax())
+            if token in self.draft_eos:
+                break
+            drafted.append(token)
+            feed = [token]
+        if not drafted:
+            return empty_draft(device)
+        base = self.ids[:synced]
+        base_text = self._decode_d(base)
+        full = self._decode_d(base + drafted)
+        if not full.startswith(base_text):
+            return empty_draft(device)
+        ids = self.to_target(committed, full[len(base_text) :], request.k)
+        if not ids:
+            return empty_draft(device)
+        return Draft(tokens=torch.tensor(ids, dtype=torch.long, device=device))
