@@ -126,6 +126,8 @@ class SpeculativeEngine:
         stats = RowStats(prompt_tokens=prompt_len)
         proposer = self.proposer
         cache = DynamicCache(config=self.target.config)
+        # sliding-window layers (Gemma, Mistral) must keep rejected states until the crop
+        cache.activate_past_recording()
         if proposer is not None:
             proposer.reset(cache)
         k_schedule = self.spec.draft_length
@@ -161,8 +163,7 @@ class SpeculativeEngine:
             else:
                 scores = shaper.shape(sequence, logits, d_tokens)
                 accepted, token = verify_greedy(d_tokens, scores, d_probs, ensemble)
-            if n - accepted:
-                cache.crop(accepted - n)
+            cache.crop(accepted - n)  # crop(0) trims sliding-window layers back to their window
             if proposer is not None:
                 proposer.rollback(sequence.shape[1] + accepted)
             stats.verify_steps += 1

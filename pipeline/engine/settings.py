@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 #: Methods the engine knows.  ``plain`` is target-only decoding (the baseline); each
 #: other name has a proposer in ``pipeline/engine/proposers/`` (see ``PROPOSERS``).
-METHODS = ("plain", "draft_model", "prompt_lookup", "early_exit", "mtp", "universal")
+METHODS = ("plain", "draft_model", "prompt_lookup", "early_exit", "mtp", "universal", "mtp_assistant")
 SCHEDULES = ("constant", "heuristic")
 
 

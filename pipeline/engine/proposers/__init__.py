@@ -60,12 +60,19 @@ def _universal(inputs: ProposerInputs) -> Proposer:
     return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
 
 
+def _mtp_assistant(inputs: ProposerInputs) -> Proposer:
+    from .mtp_assistant import MTPAssistantProposer
+
+    return MTPAssistantProposer(inputs.target, inputs.drafter)
+
+
 PROPOSERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "draft_model": _draft_model,
     "prompt_lookup": _prompt_lookup,
     "universal": _universal,
     "early_exit": _early_exit,
     "mtp": _mtp,
+    "mtp_assistant": _mtp_assistant,
 }
 
 
