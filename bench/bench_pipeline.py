@@ -1,6 +1,6 @@
 """Benchmark of the pipeline (not a test): on the same rows, tokens/s of
 
-  1. the bare engine, in-process, row after row (no Ray, models already loaded);
+  1. the bare engine, row after row (no Ray Data, models already loaded);
   2. the pipeline: ``run_job`` with an embedded Ray and one actor (end to end from the
      dataset start, so actor start-up and model loading count; and the actor's own
      engine time, sum of row ``wall_time_s``), i.e. the pipeline's overhead;
@@ -13,7 +13,10 @@ and the peak memory of one actor after 100 and after 1,000 rows (it must not gro
     python bench/bench_pipeline.py --target models/demo-target --drafter models/demo-drafter \
         --input data/demo_prompts.jsonl --rows 64 --max-new-tokens 32 --method draft_model
 
-In-process paths use as many torch threads as an actor has CPUs (``compute.cpus_per_actor``).
+The bare engine and generate() run, by default, in one Ray worker process (a plain Ray task,
+no Ray Data, no actor pool), with as many torch threads as an actor has CPUs
+(``compute.cpus_per_actor``): on a shared 2-core machine a process's speed depends a lot on
+its threads and scheduling, and this keeps the comparison with the actor fair.
 Tokens are new tokens of the target tokenizer, counted up to and including EOS; rates
 are total tokens / total seconds (METRICS.md).  Rows cycle through the input file.
 """
@@ -114,6 +117,19 @@ def bench_hf_generate(m, builder, texts, max_new_tokens, batch=8, repeats=1):
     return best_of(repeats, once)
 
 
+def baselines(cfg_dump: dict, texts, max_new_tokens: int, repeats: int, threads: int):
+    """Bare engine and HF generate(), one after the other, in the calling process."""
+    import torch
+
+    from pipeline.config import JobConfig
+
+    torch.set_num_threads(threads)  # as many as an actor gets
+    cfg = JobConfig.model_validate(cfg_dump)
+    new_e, sec_e, models, builder = bench_engine(cfg, texts, repeats)
+    new_h, sec_h = bench_hf_generate(models, builder, texts, max_new_tokens, repeats=repeats)
+    return new_e, sec_e, new_h, sec_h
+
+
 def bench_pipeline(cfg, texts, workdir: Path):
     from pipeline.run import run_job
 
@@ -156,6 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None)
     ap.add_argument("--drafter", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny random models even when the demo models exist")
     ap.add_argument("--input", default=str(REPO / "data" / "demo_prompts.jsonl"))
     ap.add_argument("--method", default="draft_model")
     ap.add_argument("--rows", type=int, default=64, help="rows for the throughput comparison")
@@ -163,7 +180,10 @@ def main() -> None:
     ap.add_argument("--memory-rows", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--memory-max-new-tokens", type=int, default=16)
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--repeats", type=int, default=2, help="in-process paths: best of this many runs")
+    ap.add_argument("--repeats", type=int, default=2, help="bare engine and generate(): best of this many runs")
+    ap.add_argument("--baselines-in", choices=["ray", "process"], default="ray",
+                    help="run the bare engine and generate() in a Ray worker process (default; same process "
+                         "conditions as the actor) or in this process")
     args = ap.parse_args()
 
     import ray
@@ -173,7 +193,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     target, drafter = args.target, args.drafter
     if target is None:
-        if (REPO / "models" / "demo-target" / "config.json").exists():
+        if not args.tiny and (REPO / "models" / "demo-target" / "config.json").exists():
             target, drafter = str(REPO / "models" / "demo-target"), str(REPO / "models" / "demo-drafter")
         else:
             from tiny import make_model_pair
@@ -185,23 +205,22 @@ def main() -> None:
             f"generation.max_new_tokens={args.max_new_tokens}", "compute.num_actors=1", "compute.rows_per_batch=8"]
     cfg = load_config(str(REPO / "configs" / "summarize.yaml"), sets)
 
-    import torch
-
     threads = max(1, int(cfg.compute.cpus_per_actor))
-    torch.set_num_threads(threads)  # as many as an actor gets (Ray sets OMP_NUM_THREADS=num_cpus)
-    print(f"# bench_pipeline: torch threads={threads} target={target} drafter={drafter} method={args.method} rows={len(texts)} "
-          f"max_new_tokens={args.max_new_tokens} threads={os.cpu_count()}", flush=True)
-    new_e, sec_e, models, builder = bench_engine(cfg, texts, args.repeats)
-    new_h, sec_h = bench_hf_generate(models, builder, texts, args.max_new_tokens, repeats=args.repeats)
-    del models
-
+    print(f"# bench_pipeline: torch threads={threads} target={target} drafter={drafter} method={args.method} "
+          f"rows={len(texts)} max_new_tokens={args.max_new_tokens} cpus={os.cpu_count()} baselines in {args.baselines_in}",
+          flush=True)
     os.environ["PYTHONPATH"] = str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    base_args = (cfg.model_dump(), texts, args.max_new_tokens, args.repeats, threads)
+    if args.baselines_in == "ray":  # a Ray worker process, like the actor: same process conditions
+        new_e, sec_e, new_h, sec_h = ray.get(ray.remote(num_cpus=threads)(baselines).remote(*base_args))
+    else:
+        new_e, sec_e, new_h, sec_h = baselines(*base_args)
     summary, sec_run = bench_pipeline(cfg.model_copy(deep=True), texts, work)
     new_p, sec_p = summary["new_tokens"], summary["generate_elapsed_s"]
 
     rows = [  # (path, new tokens, seconds, tokens/s)
-        (f"bare engine (in-process, models loaded, best of {args.repeats})", new_e, sec_e, new_e / sec_e),
+        (f"bare engine (no pipeline, models loaded, best of {args.repeats})", new_e, sec_e, new_e / sec_e),
         ("pipeline end to end (1 actor, incl. actor start + load)", new_p, sec_p, new_p / sec_p),
         ("pipeline actor engine time (sum of row wall_time_s)", new_p, summary["engine_time_s"],
          new_p / summary["engine_time_s"]),
