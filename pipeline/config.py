@@ -36,8 +36,8 @@ from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
 
 #: Methods that need ``models.drafter``.  Methods listed in DRAFTER_FREE_METHODS never
 #: load it even when one is configured; any other method gets the drafter when set.
-METHODS_NEEDING_DRAFTER = ("draft_model", "universal")
-DRAFTER_FREE_METHODS = ("plain", "prompt_lookup", "early_exit")
+METHODS_NEEDING_DRAFTER = ("draft_model", "universal", "mtp_assistant")
+DRAFTER_FREE_METHODS = ("plain", "prompt_lookup", "early_exit", "mtp")
 
 DEFAULT_TEMPLATES = {
     "summarize": "Summarize the following article in a few sentences.\n\nArticle:\n{text}\n\nSummary:",

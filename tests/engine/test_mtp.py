@@ -194,3 +194,32 @@ def test_target_split_with_device_map(checkpoints):
     assert result.token_ids == expected
     check_stats(result, k=1)
     assert result.stats.draft_tokens >= result.stats.verify_steps - 1
+
+
+def test_mtp_takes_no_separate_drafter(loaded):
+    from tiny_models import build
+
+    target, _ = loaded("deepseek_v3", 1)
+    with pytest.raises(ValueError, match="drafter= must be None"):
+        SpeculativeEngine(target, SpeculationSettings(method="mtp"), drafter=build("llama", vocab=VOCAB))
+
+
+def test_example_job_configs():
+    """configs/examples for the real checkpoints validate; mtp loads no drafter (its layers
+    are in the target's checkpoint), mtp_assistant requires one."""
+    from pathlib import Path
+
+    from pipeline.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "examples"
+    for name, target in [("glm-4.5-air-mtp", "zai-org/GLM-4.5-Air"), ("deepseek-v3-mtp", "deepseek-ai/DeepSeek-V3")]:
+        cfg = load_config(root / f"{name}.yaml")
+        assert cfg.method.speculation_settings().method == "mtp" and not cfg.uses_drafter
+        assert cfg.models.target == target and cfg.models.device_map == "auto"
+    cfg = load_config(root / "gemma-4-e4b-it-assistant.yaml")
+    assert cfg.method.speculation_settings().method == "mtp_assistant" and cfg.uses_drafter
+    assert cfg.models.drafter == "google/gemma-4-E4B-it-assistant"
+    with pytest.raises(ConfigError, match="drafter"):
+        load_config(root / "gemma-4-e4b-it-assistant.yaml", ["models.drafter=null"])
+    with pytest.raises(ConfigError, match="num_mtp_layers"):
+        load_config(root / "deepseek-v3-mtp.yaml", ["method.num_mtp_layers=0"])

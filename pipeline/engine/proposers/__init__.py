@@ -50,6 +50,11 @@ def _mtp(inputs: ProposerInputs) -> Proposer:
     from .mtp import MTPProposer, load_mtp
 
     # drafter=: an already loaded MtpModel (else loaded from the target's checkpoint)
+    if inputs.drafter is not None and type(inputs.drafter).__name__ != "MtpModel":
+        raise ValueError(
+            "method 'mtp' drafts with the MTP layers of the target's checkpoint; drafter= must be None "
+            f"(or their MtpModel), got {type(inputs.drafter).__name__}"
+        )
     mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
     return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
 
