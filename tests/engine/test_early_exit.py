@@ -109,6 +109,21 @@ def test_verifier_reuses_the_draft_layers(layerskip):
     assert lengths == {10 + 40 - 1}
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_other_architectures(arch):
+    """Qwen2 splits like Llama (lossless); a model it cannot split is refused up front."""
+    target = build(arch, layers=3, seed=2)
+    prompt = prompt_of(7, seed=2)
+    if arch == "gpt2":
+        with pytest.raises(ValueError, match="early_exit"):
+            engine(target, 1)
+        return
+    plain = SpeculativeEngine(target).generate(prompt, GenerationSettings(max_new_tokens=20)).token_ids
+    result = engine(target, 1).generate(prompt, GenerationSettings(max_new_tokens=20))
+    assert result.token_ids == plain
+    check_stats(result, K)
+
+
 @pytest.mark.parametrize("bad", [0, LAYERS, LAYERS + 3, -1, None, 1.5])
 def test_layer_out_of_range_is_a_clear_error(layerskip, bad):
     with pytest.raises(ValueError, match="assistant_early_exit"):

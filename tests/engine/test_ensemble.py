@@ -128,3 +128,10 @@ def test_output_follows_the_mixture_distribution():
     assert ts.chi_square_p_value(samples, exact) > 1e-3
     # teeth: the same samples do not follow the target's own (lossless) distribution
     assert ts.chi_square_p_value(samples, ts.exact_two_token_distribution(target)) < 1e-6
+
+
+@pytest.mark.parametrize("method", ["plain", "prompt_lookup"])
+def test_refused_without_draft_logits(models, method):
+    target, _ = models
+    with pytest.raises(ValueError, match="assistant_ensemble_weight"):
+        SpeculativeEngine(target, SpeculationSettings(method=method, assistant_ensemble_weight=W))

@@ -21,9 +21,10 @@ Lossless: the verification logits are those of the full model on the same tokens
 first ``L`` layers computed incrementally instead of in one batch, as any KV-cached
 decoding does).
 
-Supported targets: decoder-only models built like Llama (``model.embed_tokens``,
-``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``; Llama, Mistral,
-Qwen2, ...) with eager, SDPA or flash attention and full (not sliding-window) attention.
+Supported targets: decoder-only models whose forward is exactly ``embed_tokens`` ->
+``layers`` -> ``norm`` -> ``lm_head`` (model types in :data:`SUPPORTED_MODEL_TYPES`:
+Llama, Mistral, Qwen2, Qwen3), with eager, SDPA or flash attention and full (not
+sliding-window) attention in every layer.  Others are refused when the engine is built.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from .base import DraftRequest
 from .draft_model import DraftModelProposer, text_config
 
 _ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+#: model types whose forward is exactly embed_tokens -> layers -> norm -> lm_head (no embedding
+#: scale as in Gemma, no extra inputs): splitting them by hand reproduces the full model
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def early_exit_parts(target, layers: int):
@@ -47,10 +51,15 @@ def early_exit_parts(target, layers: int):
         )
     base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if base is None or not all(hasattr(base, n) for n in needed) or target.get_output_embeddings() is None:
+    if (
+        getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
+        or base is None
+        or not all(hasattr(base, n) for n in needed)
+        or target.get_output_embeddings() is None
+    ):
         raise ValueError(
-            f"method 'early_exit' needs a Llama-like decoder ({', '.join(needed)}, lm_head); "
-            f"{type(target).__name__} is not one"
+            f"method 'early_exit' supports Llama-like decoders ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+            f"the target is {type(target).__name__} (model_type {getattr(config, 'model_type', None)!r})"
         )
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in _ATTENTION:
