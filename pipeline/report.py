@@ -238,7 +238,7 @@ def _fmt(v, spec=".3f", none="–") -> str:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    head = ("| method | rows | acceptance rate | mean accepted length | tokens/s | speedup vs "
+    head = ("| method | rows ok | acceptance rate | mean accepted length | tokens/s | speedup vs "
             f"{result['baseline'] or 'baseline'} | job tokens/s | same output as {result['baseline'] or 'baseline'} |")
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for d in result["runs"]:
