@@ -1,7 +1,12 @@
 """Command line of the job entry points (``jobs/summarize.py``, ``jobs/translate.py``).
 
     python jobs/summarize.py [--config configs/summarize.yaml] [--set section.key=value ...]
-                             [--input URI] [--output URI] [--method NAME] [--overwrite] ...
+                             [--input URI] [--output URI] [--method NAME] [--overwrite]
+                             [--run-date YYYY-MM-DD] [--audit-fraction F] ...
+
+Rerunning a job with the same output resumes it: shards committed by an earlier run are
+skipped; ``--overwrite`` starts afresh.  ``--run-date`` (default: today in UTC) names the
+``date=YYYY-MM-DD`` partition of the output (and turns ``output.partition_by_date`` on).
 
 Exit status: 0 on success, 2 for a bad config / input / model path / output location
 (reported in one line, before any model loads), 1 for any other failure.
@@ -30,6 +35,8 @@ _FLAGS = {
     "num_actors": "compute.num_actors",
     "gpus_per_actor": "compute.gpus_per_actor",
     "rows_per_batch": "compute.rows_per_batch",
+    "run_date": "output.run_date",
+    "audit_fraction": "audit.fraction",
 }
 
 
@@ -50,7 +57,14 @@ def build_parser(task: str, default_config: str) -> argparse.ArgumentParser:
     p.add_argument("--num-actors", type=int, help="compute.num_actors")
     p.add_argument("--gpus-per-actor", type=float, help="compute.gpus_per_actor")
     p.add_argument("--rows-per-batch", type=int, help="compute.rows_per_batch")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output (output.overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh: delete the output's committed shards first (output.overwrite); "
+                        "default: resume, skipping shards committed by an earlier run")
+    p.add_argument("--run-date", metavar="YYYY-MM-DD",
+                   help="write to <output>/date=YYYY-MM-DD/ (output.run_date, sets output.partition_by_date); "
+                        "default with partition_by_date: today in UTC")
+    p.add_argument("--audit-fraction", type=float, metavar="F",
+                   help="re-decode this fraction of rows with plain decoding and count mismatches (audit.fraction)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -71,6 +85,8 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
             overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: "123" stays a string
     if args.overwrite:
         overrides.append("output.overwrite=true")
+    if args.run_date is not None:
+        overrides.append("output.partition_by_date=true")
 
     from pipeline.models import ModelError
     from pipeline.read import InputError
@@ -89,7 +105,12 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
     except (ConfigError, InputError, ModelError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    headline = {k: summary[k] for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
-                                        "mean_accepted_length", "tokens_per_s", "elapsed_s")}
+    headline = {k: summary.get(k) for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
+                                            "mean_accepted_length", "tokens_per_s", "elapsed_s", "audit_rows",
+                                            "audit_mismatches")}
+    this = summary.get("this_run") or {}
+    headline["this_run"] = {"shards_run": len(this.get("shards_run", [])),
+                            "shards_skipped": len(this.get("shards_skipped", [])),
+                            "nothing_to_do": this.get("nothing_to_do", False)}
     print(json.dumps(headline, indent=2))
     return 0

@@ -9,8 +9,11 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
     method:     name (one of pipeline.engine.METHODS) + SpeculationSettings fields
     generation: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
                 seed, stop_strings
-    compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch
-    output:     uri, overwrite, storage_options
+    compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_actor_restarts,
+                max_batch_retries
+    output:     uri, overwrite, partition_by_date, run_date, storage_options
+    retry:      attempts, initial_backoff_s, max_backoff_s (transient storage errors)
+    audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
     ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
 
 Every section refuses unknown keys and bad values; :class:`ConfigError` names the
@@ -194,12 +197,22 @@ class ComputeConfig(_Section):
     gpus_per_actor: float = Field(0, ge=0)
     cpus_per_actor: float = Field(1, gt=0)
     rows_per_batch: int = Field(8, ge=1)
+    #: Ray restarts a dead actor (process killed, node lost) up to this many times in all.
+    max_actor_restarts: int = Field(4, ge=0)
+    #: A batch whose actor died is resubmitted up to this many times; a batch that keeps
+    #: killing its actor then fails the run (shards committed so far stay committed).
+    max_batch_retries: int = Field(3, ge=0)
 
 
 class OutputConfig(_Section):
     """Where Parquet goes: ``uri`` is a directory on any fsspec filesystem.
 
-    ``overwrite: false`` refuses a directory that already holds output.
+    ``overwrite: false`` (default) resumes: shards already committed in the output (a
+    ``_manifest/part-NNNNN.json`` entry for the same source file, same size and
+    mtime/ETag) are skipped, the rest are run.  ``overwrite: true`` deletes the output's
+    parts and manifest first and starts afresh.
+    ``partition_by_date: true`` writes under ``<uri>/date=<run_date>/``; ``run_date`` is
+    ``YYYY-MM-DD``, ``None`` = today in UTC.
     ``storage_options`` are passed to fsspec, e.g. for an S3-compatible server::
 
         storage_options: {key: ..., secret: ..., client_kwargs: {endpoint_url: http://127.0.0.1:9000}}
@@ -209,7 +222,53 @@ class OutputConfig(_Section):
 
     uri: str = "out/summarize/"
     overwrite: bool = False
+    partition_by_date: bool = False
+    run_date: str | None = None
     storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("run_date", mode="before")
+    @classmethod
+    def _date(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        import datetime as _dt
+
+        try:
+            return _dt.date.fromisoformat(str(v)).isoformat()
+        except ValueError:
+            raise ValueError(f"output.run_date must be YYYY-MM-DD, got {v!r}") from None
+
+    def effective_run_date(self) -> str:
+        import datetime as _dt
+
+        return self.run_date or _dt.datetime.now(_dt.timezone.utc).date().isoformat()
+
+    def location(self) -> str:
+        """The directory this run writes: ``uri`` or ``uri/date=YYYY-MM-DD``."""
+        if not self.partition_by_date:
+            return self.uri
+        return self.uri.rstrip("/") + f"/date={self.effective_run_date()}"
+
+
+class RetryConfig(_Section):
+    """Transient object-storage errors (connection refused/reset, timeouts, 5xx, throttling)
+    are retried ``attempts`` times in all, waiting ``initial_backoff_s``, doubling up to
+    ``max_backoff_s``.  Missing files and denied access are not retried."""
+
+    attempts: int = Field(6, ge=1)
+    initial_backoff_s: float = Field(0.5, ge=0)
+    max_backoff_s: float = Field(30.0, ge=0)
+
+
+class AuditConfig(_Section):
+    """Lossless audit: a deterministic sample of rows (``fraction`` of them, chosen by a hash
+    of the row's shard, position and ``seed``) is decoded again with plain decoding and the
+    same generation settings; the row's ``audit`` is true when the token ids match.  The
+    summary counts ``audit_rows`` and ``audit_mismatches`` (0 for a lossless method with
+    greedy decoding).  ``fraction: 0`` disables."""
+
+    fraction: float = Field(0.0, ge=0, le=1)
+    seed: int = 0
 
 
 class RayConfig(_Section):
@@ -227,6 +286,8 @@ class JobConfig(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")

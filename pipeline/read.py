@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from pipeline.config import InputConfig
+from pipeline.retry import StorageError, retrying
 
 #: One row of input, as the actors receive it.
 INPUT_SCHEMA = pa.schema(
@@ -51,6 +52,9 @@ class Shard:
     url: str
     format: str  # "parquet" | "jsonl"
     num_rows: int
+    #: what identifies this version of the file: ``size=...;etag=...`` (S3) or
+    #: ``size=...;mtime=...`` (local); compared on resume (see pipeline.write)
+    fingerprint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +77,19 @@ def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if ("file" in protos or "local" in protos) else fs.unstrip_protocol(path)
 
 
-def resolve_shards(cfg: InputConfig) -> list[Shard]:
+def fingerprint(info: dict[str, Any]) -> str:
+    """``size=N;etag=...`` or ``size=N;mtime=...`` from an fsspec ``info()`` record."""
+    size = info.get("size")
+    for key in ("ETag", "etag", "md5Hash", "crc32c"):
+        if info.get(key):
+            return f"size={size};etag={str(info[key]).strip(chr(34))}"
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        if info.get(key) is not None:
+            return f"size={size};mtime={info[key]}"
+    return f"size={size}"
+
+
+def resolve_shards(cfg: InputConfig, retry: Any = None) -> list[Shard]:
     """Expand ``cfg.uri`` into shards, checking each one opens and has the columns.
 
     Returns:
@@ -83,21 +99,25 @@ def resolve_shards(cfg: InputConfig) -> list[Shard]:
         InputError: nothing matches, a shard cannot be opened or parsed, or a shard lacks
             ``cfg.id_column`` / ``cfg.text_column``.  Raised in the driver, before any model loads.
     """
+    io = retrying(retry)
     try:
         fs, path = url_to_fs(cfg.uri, **cfg.storage_options)
     except Exception as e:  # bad protocol, missing s3fs, bad storage options
         raise InputError(f"cannot open input {cfg.uri!r}: {type(e).__name__}: {e}") from None
-    try:
+
+    def listing() -> list[str]:
         if any(c in path for c in "*?["):
-            paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
-        elif fs.isdir(path):
-            paths = sorted(p for p in fs.find(path) if _format_of(p, cfg.format) and not _hidden(p, path))
-        elif fs.isfile(path):
-            paths = [path]
-        else:
-            paths = []
-    except Exception as e:
-        raise InputError(f"cannot list input {cfg.uri!r}: {type(e).__name__}: {e}") from None
+            return sorted(p for p in fs.glob(path) if fs.isfile(p))
+        if fs.isdir(path):
+            return sorted(p for p in fs.find(path) if _format_of(p, cfg.format) and not _hidden(p, path))
+        if fs.isfile(path):
+            return [path]
+        return []
+
+    try:
+        paths = io(listing, f"list input {cfg.uri!r}")
+    except StorageError as e:
+        raise InputError(f"cannot list input {cfg.uri!r}: {e}") from None
     if not paths:
         raise InputError(f"input not found: no file matches {cfg.uri!r} (input.uri)")
     shards = []
@@ -107,12 +127,15 @@ def resolve_shards(cfg: InputConfig) -> list[Shard]:
             raise InputError(f"input shard {p!r}: unknown format; name it *.parquet or *.jsonl, or set input.format")
         url = _unstrip(fs, p)
         try:
-            n = _check_shard(fs, p, fmt, cfg)
+            n, fp = io(lambda: (_check_shard(fs, p, fmt, cfg), fingerprint(fs.info(p))), f"read input shard {url!r}")
         except InputError:
             raise
-        except Exception as e:
-            raise InputError(f"input shard {url!r} is unreadable as {fmt}: {type(e).__name__}: {e}") from None
-        shards.append(Shard(index=i, url=url, format=fmt, num_rows=n))
+        except StorageError as e:
+            cause = e.__cause__
+            if isinstance(cause, InputError):
+                raise cause from None
+            raise InputError(f"input shard {url!r} is unreadable as {fmt}: {type(cause).__name__}: {cause}") from None
+        shards.append(Shard(index=i, url=url, format=fmt, num_rows=n, fingerprint=fp))
     return shards
 
 
@@ -174,7 +197,13 @@ def _row(shard: Shard, i: int, id_: Any, text: Any, error: str | None = None) ->
     }
 
 
-def read_shard(shard: Shard | dict, cfg: InputConfig) -> pa.Table:
+def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None) -> pa.Table:
+    """:func:`_read_shard` with transient storage errors retried (see pipeline.retry)."""
+    s = Shard(**shard) if isinstance(shard, dict) else shard
+    return retrying(retry)(lambda: _read_shard(s, cfg), f"read input shard {s.url!r}")
+
+
+def _read_shard(shard: Shard | dict, cfg: InputConfig) -> pa.Table:
     """Read one shard into :data:`INPUT_SCHEMA` (one row per input row, in file order).
 
     Raises:
@@ -213,8 +242,8 @@ def read_shard(shard: Shard | dict, cfg: InputConfig) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)
 
 
-def read_shards_batch(batch: pa.Table, cfg: dict) -> pa.Table:
+def read_shards_batch(batch: pa.Table, cfg: dict, retry: dict | None = None) -> pa.Table:
     """``map_batches`` function: a batch of shard records -> their rows (INPUT_SCHEMA)."""
     icfg = InputConfig.model_validate(cfg)
-    tables = [read_shard(rec, icfg) for rec in batch.to_pylist()]
+    tables = [read_shard(rec, icfg, retry) for rec in batch.to_pylist()]
     return pa.concat_tables(tables) if tables else INPUT_SCHEMA.empty_table()

@@ -9,8 +9,17 @@ actor.  Then it builds the Ray Data dataset::
       --map_batches(GenerateActor, actor pool)--> rows (OUTPUT_SCHEMA)
 
 and streams the result back to the driver, which shows a progress bar of rows done,
-collects each shard's rows and writes that shard's part to staging when the shard is
-complete, and finally commits (parts, ``_summary.json``, ``_SUCCESS``; see pipeline.write).
+collects each shard's rows and commits that shard (part, then manifest entry) as soon as
+the shard is complete, and finally writes ``_summary.json`` and ``_SUCCESS`` (see
+pipeline.write).
+
+Reliability.  Shards already committed in the output by an earlier run of the same job
+are skipped (resume; ``output.overwrite`` starts afresh).  A dead actor is restarted by
+Ray (``compute.max_actor_restarts``) and its batch resubmitted (``compute.max_batch_retries``);
+if Ray gives up, or the pool cannot run (every actor dead), the dataset raises and the run
+fails with the shards committed so far intact.  Storage calls are retried with backoff
+(``retry:``).  A run that fails leaves no ``_SUCCESS``; rerunning it does only the shards
+that are missing.
 """
 
 from __future__ import annotations
@@ -49,11 +58,11 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter]:
         InputError, ModelError, OutputError (all ``ValueError``), or ValueError for a chat
         template that is required but missing.
     """
-    shards = resolve_shards(cfg.input)
+    shards = resolve_shards(cfg.input, cfg.retry)
     checked = check_models(cfg.models, cfg.uses_drafter)
     PromptBuilder(checked["tokenizer"], cfg.task)  # task.chat_template: true needs a template
-    writer = OutputWriter(cfg.output)
-    writer.prepare()
+    writer = OutputWriter(cfg.output, retry=cfg.retry)
+    writer.skip = writer.prepare(shards)
     return shards, writer
 
 
@@ -92,7 +101,7 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     ds = ds.map_batches(
         read_shards_batch,
-        fn_kwargs={"cfg": cfg.input.model_dump()},
+        fn_kwargs={"cfg": cfg.input.model_dump(), "retry": cfg.retry.model_dump()},
         batch_size=1,
         batch_format="pyarrow",
         num_cpus=0.25,
@@ -106,6 +115,10 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
         compute=ActorPoolStrategy(size=cfg.compute.num_actors),
         num_gpus=cfg.compute.gpus_per_actor or None,
         num_cpus=cfg.compute.cpus_per_actor,
+        # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
+        # actor every time would be retried forever)
+        max_restarts=cfg.compute.max_actor_restarts,
+        max_task_retries=cfg.compute.max_batch_retries,
     )
     return ds
 
@@ -119,43 +132,57 @@ def _progress(total: int, enabled: bool):
 def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     """Run one job to completion and return its summary (also written as ``_summary.json``).
 
+    Shards already committed in the output by an earlier run (same source file, same
+    fingerprint) are skipped unless ``output.overwrite``; when all are committed and the
+    output is complete, nothing is written and the stored summary is returned (with
+    ``this_run.nothing_to_do: true``).
+
     Raises:
         InputError, ModelError, OutputError, ConfigError: before any model loads.
         RunError: the output rows do not match the input rows.
-        Any Ray / storage error during the run; the output then has no ``_SUCCESS``.
+        Any Ray / storage error during the run; the output then has no ``_SUCCESS``, and
+        the shards committed before the error stay committed.
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
     shards, writer = preflight(cfg)
-    total_rows = sum(s.num_rows for s in shards)
-    log.info("%d shards, %d rows -> %s (run %s)", len(shards), total_rows, writer.url(), writer.run_id)
+    skip: set[int] = writer.skip
+    todo = [s for s in shards if s.index not in skip]
+    if writer.nothing_to_do:
+        log.info("%s is complete: all %d shards committed; nothing to do", writer.url(), len(shards))
+        summary = writer.read_summary()
+        summary["this_run"] = {"run_id": writer.run_id, "nothing_to_do": True, "shards_run": [],
+                               "shards_skipped": [part_name(s.index) for s in shards]}
+        return summary
+    total_rows = sum(s.num_rows for s in todo)
+    log.info("%d shards (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
+             len(shards), len(skip), total_rows, writer.url(), writer.run_id)
     try:
-        init_ray(cfg)
-        totals = RunTotals()
-        parts: list[dict[str, Any]] = []
+        totals = RunTotals()  # this run's rows
         pending: dict[str, list[pa.Table]] = {}
-        counts: dict[str, int] = {s.url: 0 for s in shards}
-        by_url = {s.url: s for s in shards}
+        counts: dict[str, int] = {s.url: 0 for s in todo}
+        by_url = {s.url: s for s in todo}
 
         def flush(shard: Shard) -> None:
             tables = pending.pop(shard.url, [])
             table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()
             table = table.sort_by("source_row") if table.num_rows else table
-            writer.write_part(shard.index, table)
-            errs = table.num_rows - table.column("error").null_count
-            parts.append({"part": part_name(shard.index), "source_file": shard.url, "rows": table.num_rows, "errors": errs})
+            shard_totals = RunTotals()
+            shard_totals.add(table)
+            writer.write_part(shard, table, shard_totals.state())
 
-        for s in shards:
+        for s in todo:
             if s.num_rows == 0:
                 flush(s)
         t_gen = time.perf_counter()
         first: tuple[float, int] | None = None  # (seconds to the first output batch, its new tokens)
         if total_rows:
-            ds = build_dataset(cfg, [s for s in shards if s.num_rows])
+            ds = build_dataset(cfg, [s for s in todo if s.num_rows])
             with _progress(total_rows, progress) as bar:
                 for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                     if batch.num_rows == 0:
                         continue
+                    batch = _with_audit_column(batch)
                     totals.add(batch)
                     if first is None:
                         first = (time.perf_counter() - t_gen, totals.to_dict()["new_tokens"])
@@ -173,27 +200,59 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
         missing = {u: (counts[u], by_url[u].num_rows) for u in counts if counts[u] != by_url[u].num_rows}
         if missing:
             raise RunError(f"rows missing from the output (got, expected) per shard: {missing}")
-        parts.sort(key=lambda p: p["part"])
+        overall = RunTotals()  # every committed shard: earlier runs' and this run's
+        entries = [writer.entries[k] for k in sorted(writer.entries)]
+        for e in entries:
+            overall.merge(e.get("totals"))
+        this = totals.to_dict(generate_elapsed_s=generate_elapsed)
         summary = {
             "run_id": writer.run_id,
             "status": "succeeded",
             "output": writer.url(),
+            "run_date": cfg.output.effective_run_date() if cfg.output.partition_by_date else None,
             "started_at": started.isoformat(),
             "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             "elapsed_s": time.perf_counter() - t0,
             "shards": len(shards),
-            **totals.to_dict(generate_elapsed_s=generate_elapsed),
+            **overall.to_dict(),
+            "generate_elapsed_s": generate_elapsed,
+            "tokens_per_s": this["tokens_per_s"],  # this run's new tokens / this run's generate time
             **_first_batch(first),
-            "parts": parts,
+            "audit": {"fraction": cfg.audit.fraction, "seed": cfg.audit.seed,
+                      "greedy": not cfg.generation.do_sample},
+            "this_run": {
+                "run_id": writer.run_id,
+                "nothing_to_do": False,
+                "shards_run": [part_name(s.index) for s in todo],
+                "shards_skipped": [part_name(i) for i in sorted(skip)],
+                "rows": this["rows"], "errors": this["errors"], "new_tokens": this["new_tokens"],
+                "audit_rows": this["audit_rows"], "audit_mismatches": this["audit_mismatches"],
+            },
+            "runs": sorted({e.get("run_id") for e in entries if e.get("run_id")}),
+            "parts": [{k: e.get(k) for k in ("part", "source_file", "rows", "errors", "run_id")} for e in entries],
             "config": cfg.resolved(),
             "environment": _environment(),
         }
+        expected = sum(s.num_rows for s in shards)
+        if overall.rows != expected:
+            raise RunError(f"committed rows {overall.rows} != input rows {expected}")
         writer.commit(summary)
-        log.info("run %s committed: %d rows (%d errors) in %s", writer.run_id, totals.rows, totals.errors, writer.url())
+        log.info("run %s committed: %d rows (%d errors) in %s; this run: %d shards, %d skipped",
+                 writer.run_id, overall.rows, overall.errors, writer.url(), len(todo), len(skip))
+        if overall.audit_rows:
+            log.info("audit: %d rows re-decoded with plain decoding, %d mismatches",
+                     overall.audit_rows, overall.audit_mismatches)
         return summary
     except BaseException:
         writer.abort()
         raise
+
+
+def _with_audit_column(batch: pa.Table) -> pa.Table:
+    """Batches from an actor of an older schema have no ``audit`` column: add a null one."""
+    if "audit" in batch.column_names:
+        return batch
+    return batch.append_column("audit", pa.nulls(batch.num_rows, pa.bool_()))
 
 
 def _first_batch(first: tuple[float, int] | None) -> dict[str, Any]:

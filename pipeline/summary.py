@@ -11,6 +11,13 @@ divided (never a mean of per-row rates).
 - ``engine_tokens_per_s`` = sum(new_tokens) / sum(wall_time_s): one actor's throughput
 - ``accepted_per_position`` / ``drafted_per_position``: summed element-wise over rows;
   ``acceptance_by_position[i]`` = accepted / drafted at draft position i+1.
+- ``audit_rows`` / ``audit_mismatches``: rows re-decoded by the lossless audit, and those
+  whose plain decoding gave other token ids (see ``audit:`` in the job config).
+
+A resumed run's summary covers every committed shard of the output: the totals of the
+shards committed by earlier runs come from their manifest entries (:meth:`RunTotals.state`,
+:meth:`RunTotals.merge`); ``this_run`` says which shards this run did and skipped, and
+``generate_elapsed_s`` / ``tokens_per_s`` are this run's.
 """
 
 from __future__ import annotations
@@ -45,6 +52,33 @@ class RunTotals:
         self.error_kinds: Counter[str] = Counter()
         self.drafted_per_position: list[int] = []
         self.accepted_per_position: list[int] = []
+        self.audit_rows = 0
+        self.audit_mismatches = 0
+
+    def state(self) -> dict[str, Any]:
+        """Plain data that :meth:`merge` adds back (stored in each shard's manifest entry)."""
+        return {
+            "rows": self.rows, "errors": self.errors, "sums": dict(self.sums),
+            "finish_reasons": dict(self.finish_reasons), "error_kinds": dict(self.error_kinds),
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "audit_rows": self.audit_rows, "audit_mismatches": self.audit_mismatches,
+        }
+
+    def merge(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self.rows += state.get("rows", 0)
+        self.errors += state.get("errors", 0)
+        for k, v in (state.get("sums") or {}).items():
+            if k in self.sums:
+                self.sums[k] += v or 0
+        self.finish_reasons.update(state.get("finish_reasons") or {})
+        self.error_kinds.update(state.get("error_kinds") or {})
+        _add_lists(self.drafted_per_position, state.get("drafted_per_position"))
+        _add_lists(self.accepted_per_position, state.get("accepted_per_position"))
+        self.audit_rows += state.get("audit_rows", 0)
+        self.audit_mismatches += state.get("audit_mismatches", 0)
 
     def add(self, table: pa.Table) -> None:
         self.rows += table.num_rows
@@ -63,6 +97,10 @@ class RunTotals:
             _add_lists(self.drafted_per_position, v)
         for v in table.column("accepted_per_position").to_pylist():
             _add_lists(self.accepted_per_position, v)
+        if "audit" in table.column_names:
+            audit = table.column("audit")
+            self.audit_rows += len(audit) - audit.null_count
+            self.audit_mismatches += sum(1 for a in audit.to_pylist() if a is False)
 
     def to_dict(self, generate_elapsed_s: float | None = None) -> dict[str, Any]:
         s = self.sums
@@ -91,5 +129,7 @@ class RunTotals:
             "acceptance_by_position": [
                 a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)
             ],
+            "audit_rows": self.audit_rows,
+            "audit_mismatches": self.audit_mismatches,
         }
         return d

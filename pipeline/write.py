@@ -1,26 +1,46 @@
-"""Stage 4, write: Parquet parts through fsspec, published only when the run completes.
+"""Stage 4, write: Parquet parts through fsspec, committed shard by shard.
 
-Layout of an output directory (any fsspec URL: local path, ``s3://bucket/prefix``...)::
+Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD`` with
+``output.partition_by_date``; any fsspec URL: local path, ``s3://bucket/prefix``...)::
 
-    <uri>/part-00000.parquet   one part per input shard (shard index 0 -> part-00000),
-    <uri>/part-00001.parquet   rows in the shard's order; OUTPUT_SCHEMA
-    <uri>/_summary.json        the run summary (see pipeline.summary)
-    <uri>/_SUCCESS             written last: the commit marker
-    <uri>/_staging/<run_id>/   parts of a run in progress (removed on commit or failure)
+    <dir>/part-00000.parquet          one part per input shard (shard index 0 -> part-00000),
+    <dir>/part-00001.parquet          rows in the shard's order; OUTPUT_SCHEMA
+    <dir>/_manifest/part-00000.json   the shard's commit record (see below)
+    <dir>/_summary.json               the run summary over all committed shards (pipeline.summary)
+    <dir>/_SUCCESS                    written last: every shard of the input is committed
+    <dir>/_staging/<run_id>/          files of a run in progress, before they are published
 
-Commit protocol.  Parts are written under ``_staging/<run_id>/`` and moved into place
-only after every shard is done; then ``_summary.json``, then ``_SUCCESS``.  On a local
-filesystem each move is a rename.  S3 has no atomic rename (a move is copy + delete), so
-the **``_SUCCESS`` marker, written last, is the commit point**: an output without it is
-incomplete, whatever parts it holds.  A run that fails removes its staging directory and
-never writes ``_SUCCESS``; a run with ``output.overwrite`` removes an earlier run's
-``_SUCCESS`` before it starts, so a failed rerun does not look complete either.
-pyarrow's dataset discovery skips names starting with ``_`` or ``.``, so
-``pq.read_table(<uri>)`` reads exactly the published parts.
+Commit protocol, per shard.  When every row of an input shard is back, its part is
+written to ``_staging/<run_id>/`` and published under its final name (a rename on a local
+filesystem; copy + delete on S3, where a copy is atomic: the object appears whole or not
+at all).  Then the shard's **manifest entry** ``_manifest/part-NNNNN.json`` is written:
+source URL, fingerprint (size + mtime or ETag), row and error counts, the run id and the
+shard's totals.  The manifest entry is the shard's commit point: a part without one is
+not committed (a run died between the two writes) and is rewritten by the next run.
+
+Resume (``overwrite: false``, the default): :meth:`OutputWriter.prepare` reads the
+manifest and returns the shards already committed *from the same source* (same URL and
+fingerprint); the run skips them, so committed rows are never duplicated or rewritten.
+A manifest entry that disagrees with today's input (another file at that index, or the
+file changed) is refused with :class:`OutputError`: rerun with ``overwrite: true``.
+When every shard is already committed and ``_SUCCESS`` exists, the run writes nothing.
+
+Overwrite (``overwrite: true``): parts, manifest, summary and ``_SUCCESS`` are deleted
+first and the run starts afresh.
+
+The run ends with :meth:`OutputWriter.commit`: parts without a manifest entry are
+removed, then ``_summary.json``, then ``_SUCCESS``.  A reader that wants a complete
+output checks ``_SUCCESS``; one that takes what is there reads the parts that have a
+manifest entry.  pyarrow's dataset discovery skips names starting with ``_`` or ``.``,
+so ``pq.read_table(<dir>)`` reads the published parts.
+
+Every storage call goes through :func:`pipeline.retry.with_retries` (transient errors
+retried with exponential backoff; see ``retry:`` in the job config).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import posixpath
 import uuid
@@ -31,6 +51,7 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from pipeline.config import OutputConfig
+from pipeline.retry import retrying
 
 #: One row of output.  ``error`` is null when the row succeeded; statistics are null when
 #: it failed.  Counts are tokens of the target tokenizer; times are seconds.
@@ -58,12 +79,14 @@ OUTPUT_SCHEMA = pa.schema(
         ("error", pa.string()),  # "ExceptionType: message" when the row failed, else null
         ("source_file", pa.string()),  # input shard URL
         ("source_row", pa.int64()),  # row (Parquet) or non-blank line (JSONL) in that shard, 0-based
+        ("audit", pa.bool_()),  # lossless audit: null = not audited, true = plain decoding gave the same ids
     ]
 )
 
 SUCCESS = "_SUCCESS"
 SUMMARY = "_summary.json"
 STAGING = "_staging"
+MANIFEST = "_manifest"
 
 
 class OutputError(ValueError):
@@ -76,79 +99,244 @@ def part_name(shard_index: int) -> str:
 
 
 class OutputWriter:
-    """Writes one run's parts to staging and publishes them on :meth:`commit`.
+    """Publishes one run's parts shard by shard, with a manifest entry per committed shard.
 
-    Use: ``prepare()`` (driver, before models load) -> ``write_part()`` per shard ->
-    ``commit(summary)``; on any failure ``abort()``.
+    Use: ``prepare(shards)`` (driver, before models load; returns the committed shard
+    indices to skip) -> ``write_part()`` per shard -> ``commit(summary)``; on failure ``abort()``.
+
+    Args:
+        cfg: the output section; the directory is ``cfg.location()``.
+        run_id: this run's id (default: random).
+        retry: a RetryConfig (or its dict) for storage calls; None = defaults.
     """
 
-    def __init__(self, cfg: OutputConfig, run_id: str | None = None):
+    def __init__(self, cfg: OutputConfig, run_id: str | None = None, retry: Any = None):
         self.cfg = cfg
         self.run_id = run_id or uuid.uuid4().hex[:12]
-        self.fs, root = url_to_fs(cfg.uri, **cfg.storage_options)
+        self.location = cfg.location()
+        self.fs, root = url_to_fs(self.location, **cfg.storage_options)
         self.root = root.rstrip("/") or "/"
         self.staging = posixpath.join(self.root, STAGING, self.run_id)
-        self.written: list[str] = []
+        self.io = retrying(retry)
+        self.written: list[str] = []  # final paths of the parts this run published
+        self.entries: dict[str, dict[str, Any]] = {}  # part name -> manifest entry (committed)
+        self.skipped: list[str] = []  # part names committed by earlier runs, skipped by this one
+        self.nothing_to_do = False
+        self.skip: set[int] = set()  # set by pipeline.run.preflight from prepare()
+        protos = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protos or "local" in protos
 
     def _p(self, *names: str) -> str:
         return posixpath.join(self.root, *names)
 
     def existing_parts(self) -> list[str]:
-        try:
-            return sorted(self.fs.glob(self._p("part-*.parquet")))
-        except FileNotFoundError:
-            return []
+        def glob() -> list[str]:
+            try:
+                return sorted(self.fs.glob(self._p("part-*.parquet")))
+            except FileNotFoundError:
+                return []
 
-    def prepare(self) -> None:
-        """Refuse a finished output unless overwriting; check that staging is writable.
+        return self.io(glob, f"list {self.url()}")
+
+    def _exists(self, path: str) -> bool:
+        return self.io(lambda: self.fs.exists(path), f"check {path}")
+
+    def read_manifest(self) -> dict[str, dict[str, Any]]:
+        """Part name -> manifest entry, for every committed shard of this output."""
+        def load() -> dict[str, dict[str, Any]]:
+            try:
+                paths = sorted(self.fs.glob(self._p(MANIFEST, "part-*.json")))
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for p in paths:
+                with self.fs.open(p, "r") as f:
+                    entry = json.load(f)
+                out[entry["part"]] = entry
+            return out
+
+        return self.io(load, f"read the manifest of {self.url()}")
+
+    def prepare(self, shards: list | None = None) -> set[int]:
+        """Check the output against the input; on overwrite, clear it; check staging is writable.
+
+        Args:
+            shards: the input shards (:class:`pipeline.read.Shard`); None = no resume check.
+
+        Returns:
+            Indices of the shards already committed from the same source (to skip).
 
         Raises:
-            OutputError: ``_SUCCESS`` or parts exist and ``overwrite`` is off, or a probe
-                file cannot be written (bad bucket, credentials, permissions).
+            OutputError: the output holds a finished run written without a manifest, or its
+                manifest disagrees with the input (and ``overwrite`` is off); or the
+                location is not writable (bad bucket, credentials, permissions).
         """
-        has_success = self.fs.exists(self._p(SUCCESS))
-        parts = self.existing_parts()
-        if (has_success or parts) and not self.cfg.overwrite:
-            raise OutputError(
-                f"output {self.cfg.uri!r} already holds a run ({'_SUCCESS' if has_success else f'{len(parts)} parts'}); "
-                "set output.overwrite: true or choose another output.uri"
-            )
+        self.fs.invalidate_cache()
+        try:
+            if self.cfg.overwrite:
+                self._clear()
+                skip: set[int] = set()
+            else:
+                skip = self._resume_check(shards)
+        except OutputError:
+            raise
+        except Exception as e:
+            raise OutputError(f"output {self.url()!r} is not usable: {type(e).__name__}: {e}") from None
+        if shards is not None and len(skip) == len(shards) and self._exists(self._p(SUCCESS)):
+            self.nothing_to_do = True
+            return skip
         try:
             for name in (SUCCESS, SUMMARY):
-                if self.fs.exists(self._p(name)):
-                    self.fs.rm(self._p(name))
-            self.fs.makedirs(self.staging, exist_ok=True)
+                if self._exists(self._p(name)):
+                    self.io(lambda n=name: self.fs.rm(self._p(n)), f"remove {name}")
             probe = posixpath.join(self.staging, ".probe")
-            with self.fs.open(probe, "wb") as f:
-                f.write(b"ok")
-            self.fs.rm(probe)
-        except Exception as e:
-            raise OutputError(f"output {self.cfg.uri!r} is not writable: {type(e).__name__}: {e}") from None
 
-    def write_part(self, shard_index: int, table: pa.Table) -> str:
-        """Write one shard's rows (OUTPUT_SCHEMA) to staging; returns the staged path."""
-        path = posixpath.join(self.staging, part_name(shard_index))
-        with self.fs.open(path, "wb") as f:
-            pq.write_table(table.cast(OUTPUT_SCHEMA), f)
-        self.written.append(path)
-        return path
+            def write_probe() -> None:
+                self.fs.makedirs(self.staging, exist_ok=True)
+                with self.fs.open(probe, "wb") as f:
+                    f.write(b"ok")
+                self.fs.rm(probe)
+
+            self.io(write_probe, f"write to {self.url()}")
+        except Exception as e:
+            raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
+        return skip
+
+    def _clear(self) -> None:
+        """Overwrite: forget every earlier run (markers first, so the output never looks complete)."""
+        for name in (SUCCESS, SUMMARY):
+            if self._exists(self._p(name)):
+                self.io(lambda n=name: self.fs.rm(self._p(n)), f"remove {name}")
+        if self._exists(self._p(MANIFEST)):
+            self.io(lambda: self.fs.rm(self._p(MANIFEST), recursive=True), "remove the manifest")
+        for old in self.existing_parts():
+            self.io(lambda o=old: self.fs.rm(o), f"remove {old}")
+
+    def _resume_check(self, shards: list | None) -> set[int]:
+        entries = self.read_manifest()
+        has_success = self._exists(self._p(SUCCESS))
+        if not entries:
+            if has_success:
+                raise OutputError(
+                    f"output {self.url()!r} already holds a run without a manifest (written before resumable "
+                    "runs); set output.overwrite: true (--overwrite) or choose another output.uri"
+                )
+            return set()
+        if shards is None:
+            raise OutputError(f"output {self.url()!r} already holds committed shards; set output.overwrite: true")
+        by_part = {part_name(s.index): s for s in shards}
+        skip = set()
+        for part, entry in sorted(entries.items()):
+            shard = by_part.get(part)
+            if shard is None:
+                raise OutputError(
+                    f"output {self.url()!r}: {part} was committed from {entry.get('source_file')!r}, but the input "
+                    f"has only {len(shards)} shards now; set output.overwrite: true (--overwrite) to start afresh"
+                )
+            if entry.get("source_file") != shard.url or entry.get("fingerprint") != shard.fingerprint:
+                raise OutputError(
+                    f"output {self.url()!r}: {part} was committed from {entry.get('source_file')!r} "
+                    f"({entry.get('fingerprint')}), but input shard {shard.index} is now {shard.url!r} "
+                    f"({shard.fingerprint}): the input changed since; set output.overwrite: true (--overwrite) "
+                    "to start afresh, or choose another output.uri"
+                )
+            skip.add(shard.index)
+        self.entries = dict(entries)
+        self.skipped = sorted(entries)
+        return skip
+
+    def write_part(self, shard: Any, table: pa.Table, totals: dict[str, Any] | None = None) -> str:
+        """Commit one shard: write its part (OUTPUT_SCHEMA) to staging, publish it under its
+        final name, then write its manifest entry (the commit point).  Returns the part's path.
+
+        Args:
+            shard: a :class:`pipeline.read.Shard` (or a bare index, for tests: no fingerprint).
+            table: the shard's rows.
+            totals: the shard's :meth:`pipeline.summary.RunTotals.state` (goes into the manifest).
+        """
+        index = shard if isinstance(shard, int) else shard.index
+        name = part_name(index)
+        staged = posixpath.join(self.staging, name)
+        final = self._p(name)
+        table = table.cast(OUTPUT_SCHEMA)
+
+        def write() -> None:
+            self.fs.makedirs(self.staging, exist_ok=True)
+            with self.fs.open(staged, "wb") as f:
+                pq.write_table(table, f)
+
+        self.io(write, f"write {name} to staging")
+        self._publish(staged, final, name)
+        entry = {
+            "part": name,
+            "source_file": None if isinstance(shard, int) else shard.url,
+            "fingerprint": None if isinstance(shard, int) else shard.fingerprint,
+            "rows": table.num_rows,
+            "errors": table.num_rows - table.column("error").null_count,
+            "run_id": self.run_id,
+            "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "totals": totals,
+        }
+        staged_entry = posixpath.join(self.staging, name + ".json")
+
+        def write_entry() -> None:
+            with self.fs.open(staged_entry, "w") as f:
+                json.dump(entry, f, default=str)
+
+        self.io(write_entry, f"write the manifest entry of {name}")
+        self.io(lambda: self.fs.makedirs(self._p(MANIFEST), exist_ok=True), "create the manifest")
+        self._publish(staged_entry, self._p(MANIFEST, name.replace(".parquet", ".json")), f"manifest entry of {name}")
+        self.written.append(final)
+        self.entries[name] = entry
+        return final
+
+    def _publish(self, src: str, dst: str, what: str) -> None:
+        if self.local:  # an atomic rename
+            self.io(lambda: self.fs.mv(src, dst), f"publish {what}")
+            return
+
+        def copy() -> None:  # S3: an atomic server-side copy, then drop the staged object
+            self.fs.copy(src, dst)
+
+        def drop() -> None:
+            try:
+                self.fs.rm(src)
+            except FileNotFoundError:
+                pass
+
+        self.io(copy, f"publish {what}")
+        self.io(drop, f"remove staged {what}")
 
     def commit(self, summary: dict[str, Any]) -> None:
-        """Publish: drop an earlier run's parts, move staged parts in, then summary, then ``_SUCCESS``."""
-        keep = {part_name_of(p) for p in self.written}
+        """Finish the output: remove parts without a manifest entry, write the summary, then ``_SUCCESS``."""
+        self.fs.invalidate_cache()
         for old in self.existing_parts():
-            if posixpath.basename(old) not in keep:
-                self.fs.rm(old)
-        for p in self.written:
-            self.fs.mv(p, self._p(posixpath.basename(p)))
-        with self.fs.open(self._p(SUMMARY), "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-        self._rm_staging()
-        with self.fs.open(self._p(SUCCESS), "w") as f:
-            f.write(self.run_id + "\n")
+            if posixpath.basename(old) not in self.entries:
+                self.io(lambda o=old: self.fs.rm(o), f"remove uncommitted {posixpath.basename(old)}")
+
+        def write_summary() -> None:
+            with self.fs.open(self._p(SUMMARY), "w") as f:
+                json.dump(summary, f, indent=2, default=str)
+
+        self.io(write_summary, f"write {SUMMARY}")
+        self.io(self._rm_staging, "remove staging")
+
+        def write_success() -> None:
+            with self.fs.open(self._p(SUCCESS), "w") as f:
+                f.write(self.run_id + "\n")
+
+        self.io(write_success, f"write {SUCCESS}")
+
+    def read_summary(self) -> dict[str, Any]:
+        def load() -> dict[str, Any]:
+            with self.fs.open(self._p(SUMMARY), "r") as f:
+                return json.load(f)
+
+        return self.io(load, f"read {SUMMARY}")
 
     def abort(self) -> None:
-        """Remove this run's staging directory (best effort); never writes a marker."""
+        """Remove this run's staging directory (best effort, no retries); never writes a marker.
+        Shards committed so far stay committed: a rerun resumes after them."""
         try:
             self._rm_staging()
         except Exception:

@@ -48,7 +48,7 @@ def test_one_output_row_per_input_row(result, inputs):
     cfg, out, summary = result
     assert is_complete(str(out))
     assert sorted(p.name for p in out.iterdir()) == [
-        "_SUCCESS", "_summary.json", "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+        "_SUCCESS", "_manifest", "_summary.json", "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     table = pq.read_table(out)
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
     assert table.num_rows == 11

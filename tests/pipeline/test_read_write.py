@@ -89,20 +89,30 @@ def test_commit_protocol(tmp_path):
     w = OutputWriter(OutputConfig(uri=str(out)))
     w.prepare()
     w.write_part(0, _table(3))
+    # a shard is published as soon as it is written: part first, then its manifest entry
+    assert (out / "part-00000.parquet").exists() and (out / "_manifest" / "part-00000.json").exists()
+    assert not is_complete(str(out))
     w.write_part(1, _table(2))
-    assert not is_complete(str(out)) and not list(out.glob("part-*"))
+    (out / "part-00007.parquet").write_bytes(b"stray part without a manifest entry")
     w.commit({"rows": 5})
-    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_summary.json", "part-00000.parquet", "part-00001.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "_SUCCESS", "_manifest", "_summary.json", "part-00000.parquet", "part-00001.parquet"]
     assert pq.read_table(out).num_rows == 5  # pyarrow skips _-prefixed files
     assert json.loads((out / "_summary.json").read_text()) == {"rows": 5}
+    entry = json.loads((out / "_manifest" / "part-00001.json").read_text())
+    assert entry["rows"] == 2 and entry["run_id"] == w.run_id
 
-    with pytest.raises(OutputError, match="already holds a run"):
-        OutputWriter(OutputConfig(uri=str(out))).prepare()
+    # An output written before manifests existed (parts + _SUCCESS only) is refused.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "_SUCCESS").write_text("x")
+    with pytest.raises(OutputError, match="without a manifest"):
+        OutputWriter(OutputConfig(uri=str(old))).prepare()
 
     # An overwriting run that fails: the old run no longer looks complete, no staging left.
     w2 = OutputWriter(OutputConfig(uri=str(out), overwrite=True))
     w2.prepare()
-    assert not is_complete(str(out))
+    assert not is_complete(str(out)) and not (out / "_manifest").exists() and not list(out.glob("part-*"))
     w2.write_part(0, _table(1))
     w2.abort()
     assert not (out / "_staging").exists() and not is_complete(str(out))

@@ -48,8 +48,8 @@ def test_s3_in_s3_out(ray_local, tiny_models, s3_server, bucket):
     assert summary["rows"] == 6 and summary["errors"] == 0
 
     keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="prompts", Prefix="out/run1/")["Contents"])
-    assert keys == ["out/run1/_SUCCESS", "out/run1/_summary.json",
-                    "out/run1/part-00000.parquet", "out/run1/part-00001.parquet"]
+    assert keys == ["out/run1/_SUCCESS", "out/run1/_manifest/part-00000.json", "out/run1/_manifest/part-00001.json",
+                    "out/run1/_summary.json", "out/run1/part-00000.parquet", "out/run1/part-00001.parquet"]
 
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
