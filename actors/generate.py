@@ -4,7 +4,16 @@ Each actor loads the model pair once (on its GPU when Ray gave it one, else on t
 builds one :class:`pipeline.engine.SpeculativeEngine`, and then, per batch, runs the
 engine row by row.  A row that fails (null/empty/non-string prompt, a prompt longer than
 the target's context, any exception in the engine, a CUDA out-of-memory) gets its
-``error`` string and null statistics; the other rows of the batch go on.
+``error`` string and null statistics; the other rows of the batch go on.  A row is never
+retried inside the actor: an exception is final and recorded.  A row that kills the
+process (segfault, OOM kill) loses the actor: Ray restarts it (``compute.max_actor_restarts``)
+and resubmits the batch (``compute.max_batch_retries``); a batch that keeps killing its
+actor fails the run after those retries, with the shards committed so far kept.
+
+Lossless audit (``audit.fraction`` > 0): a deterministic sample of rows is decoded a
+second time with plain decoding (same model, same generation settings and seed) and the
+token ids are compared; the row's ``audit`` is true on a match, false on a mismatch, null
+when the row was not sampled (or failed).
 
 Used as::
 
@@ -16,6 +25,7 @@ Used as::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import time
@@ -60,6 +70,15 @@ class GenerateActor:
             drafter_tokenizer=self.models.drafter_tokenizer,
         )
         self.settings = self.cfg.generation.generation_settings()
+        self.audit_fraction = self.cfg.audit.fraction
+        self.audit_seed = self.cfg.audit.seed
+        self.plain_engine = None
+        if self.audit_fraction > 0:
+            from pipeline.engine import SpeculationSettings
+
+            self.plain_engine = SpeculativeEngine(
+                self.models.target, SpeculationSettings(method="plain"), tokenizer=self.models.tokenizer
+            )
         self.meta = {
             "method": self.cfg.method.name,
             "target_model": self.cfg.models.target,
@@ -87,6 +106,13 @@ class GenerateActor:
             out["finish_reason"] = res.finish_reason
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             out["error"] = None
+            if self.plain_engine is not None and audit_selected(
+                    row.get("source_file"), row.get("source_row"), self.audit_fraction, self.audit_seed):
+                try:
+                    plain = self.plain_engine.generate(ids, self.settings)
+                    out["audit"] = list(plain.token_ids) == list(res.token_ids)
+                except Exception:  # noqa: BLE001 - the row itself succeeded; audit stays null
+                    out["audit"] = None
         except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
             out["prompt"] = prompt
             out["error"] = f"{type(e).__name__}: {e}"
@@ -113,6 +139,17 @@ class GenerateActor:
             "load_time_s": self.load_time_s,
             "device": self.models.device,
         }
+
+
+def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int) -> bool:
+    """Whether the lossless audit re-decodes this row: a hash of (shard URL, row, seed)
+    mapped to [0, 1) is below ``fraction``; the same rows are chosen on every run."""
+    if fraction <= 0:
+        return False
+    if fraction >= 1:
+        return True
+    h = hashlib.sha256(f"{seed}\x00{source_file}\x00{source_row}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
 def _limit_cpu_threads(cpus: float) -> None:

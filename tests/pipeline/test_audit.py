@@ -1,0 +1,76 @@
+"""Lossless audit: a sampled fraction of rows is decoded again with plain decoding; 0
+mismatches for a lossless method with greedy decoding, mismatches when verification is
+deliberately corrupted."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline.engine.loop
+from actors.generate import GenerateActor, audit_selected
+from pipeline_testkit import TEXTS, job_config, write_jsonl
+from pipeline.read import INPUT_SCHEMA
+from pipeline.run import run_job
+
+
+def _rows(texts):
+    return pa.Table.from_pylist(
+        [{"source_file": "f", "source_row": i, "id": f"r{i}", "text": t, "input_error": None} for i, t in enumerate(texts)],
+        schema=INPUT_SCHEMA,
+    )
+
+
+@pytest.fixture(scope="module")
+def audited_actor(tiny_models, tmp_path_factory):
+    cfg = job_config(tiny_models, "unused", str(tmp_path_factory.mktemp("o")),
+                     overrides=["audit.fraction=1.0", "generation.max_new_tokens=16"])
+    return GenerateActor(cfg.model_dump(), device="cpu")
+
+
+def test_audit_matches_for_a_lossless_method(audited_actor):
+    out = audited_actor(_rows(TEXTS[:6] + [None])).to_pylist()
+    assert [r["audit"] for r in out[:6]] == [True] * 6
+    assert out[6]["audit"] is None and out[6]["error"]  # a failed row is not audited
+    assert sum(r["accepted_tokens"] for r in out[:6]) < sum(r["draft_tokens"] for r in out[:6])  # drafts were rejected
+
+
+def test_audit_reports_mismatches_when_verification_is_corrupted(audited_actor, monkeypatch):
+    """Verification that accepts every draft token (wrong): the speculative output departs
+    from plain decoding wherever the drafter disagrees with the target."""
+    real = pipeline.engine.loop.verify_greedy
+
+    def accept_everything(draft_tokens, scores, draft_probs=None, ensemble_weight=None):
+        n = draft_tokens.shape[0]
+        if n == 0:
+            return real(draft_tokens, scores, draft_probs, ensemble_weight)  # plain decoding stays right
+        return n, int(scores[n].argmax())
+
+    monkeypatch.setattr(pipeline.engine.loop, "verify_greedy", accept_everything)
+    out = audited_actor(_rows(TEXTS[:6])).to_pylist()
+    audits = [r["audit"] for r in out]
+    assert None not in audits and audits.count(False) >= 1, audits
+
+
+def test_audit_sample_is_deterministic():
+    keys = [("s3://b/shard-1.jsonl", i) for i in range(2000)]
+    picked = [audit_selected(f, r, 0.1, seed=7) for f, r in keys]
+    assert picked == [audit_selected(f, r, 0.1, seed=7) for f, r in keys]
+    assert 140 < sum(picked) < 260
+    assert picked != [audit_selected(f, r, 0.1, seed=8) for f, r in keys]
+    assert not any(audit_selected(f, r, 0.0, 0) for f, r in keys[:50])
+    assert all(audit_selected(f, r, 1.0, 0) for f, r in keys[:50])
+
+
+def test_audit_end_to_end(ray_local, tiny_models, tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS)])
+    cfg = job_config(tiny_models, str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
+                     overrides=["audit.fraction=0.5", "audit.seed=3", "generation.max_new_tokens=8"])
+    summary = run_job(cfg, progress=False)
+    t = pq.read_table(tmp_path / "out")
+    audited = [a for a in t.column("audit").to_pylist() if a is not None]
+    expected = [audit_selected(f, r, 0.5, 3) for f, r in zip(t.column("source_file").to_pylist(),
+                                                              t.column("source_row").to_pylist())]
+    assert [a is not None for a in t.column("audit").to_pylist()] == expected
+    assert summary["audit_rows"] == len(audited) == sum(expected) > 0
+    assert summary["audit_mismatches"] == 0 and all(audited)
+    assert summary["audit"] == {"fraction": 0.5, "seed": 3, "greedy": True}
