@@ -9,9 +9,17 @@ overhead shows, and a large one (tens of millions), where the forward pass domin
 each with a small random drafter (acceptance ~0: pure overhead) and the oracle drafter
 (a copy of the target: acceptance 1.0, so the controlled upper bound).
 
+Also: self-speculative early exit (the target's first quarter of layers drafts; with KV
+reuse, and as a separate shallow draft model without it, which is how ``generate(
+assistant_early_exit=L)`` runs it); static ensemble verification (w = 0.7, lossy: the
+"= plain" column counts rows equal to plain decoding); universal assisted decoding with a
+random drafter that has its own byte-level BPE tokenizer (trained on tinyshakespeare; the
+target's vocabulary is a second such tokenizer, so every id the target emits decodes).
+Random models: early-exit and universal acceptance say nothing about real checkpoints.
+
 Not a test: timings are noisy on shared machines.  Usage::
 
-    python bench/bench_engine.py [--rows 4] [--new-tokens 64] [--repeats 3] [--threads 1]
+    python bench/bench_engine.py [--rows 4] [--new-tokens 64] [--repeats 3] [--threads 1] [--layerskip-scale 0.1]
 """
 
 from __future__ import annotations
@@ -40,6 +48,35 @@ def llama(vocab: int, hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
+def bpe_tokenizer(vocab_size: int, bos: str, eos: str, path: str = "/work/shared/data/tinyshakespeare/input.txt"):
+    """A byte-level BPE tokenizer (any id sequence decodes, any text round-trips)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[bos, eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    with open(path) as f:
+        tok.train_from_iterator(f.read().splitlines(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
+
+
+def shallow_copy(target, layers: int) -> LlamaForCausalLM:
+    """The target's first ``layers`` layers + final norm + LM head as a separate model
+    (shared weights, its own KV cache): early exit without KV reuse."""
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = layers
+    with torch.device("meta"):
+        shallow = LlamaForCausalLM(cfg)
+    shallow.model.embed_tokens = target.model.embed_tokens
+    shallow.model.layers = torch.nn.ModuleList(target.model.layers[:layers])
+    shallow.model.norm, shallow.model.rotary_emb = target.model.norm, target.model.rotary_emb
+    shallow.lm_head = target.lm_head
+    return shallow.eval()
+
+
 def setup_assistant(model) -> None:
     # generate() reads the draft settings from the assistant's generation_config (TRANSFORMERS-NOTES.md)
     model.generation_config.num_assistant_tokens = K
@@ -66,11 +103,14 @@ def timed(fn, prompts, repeats):
     return statistics.median(times), outputs
 
 
-def bench_size(name, target, drafter, prompts, new_tokens, repeats):
+def bench_size(name, target, drafter, prompts, new_tokens, repeats, uad=None, only=None):
     oracle = copy.deepcopy(target)  # the target's weights in a separate model: acceptance 1.0
-    setup_assistant(drafter)
-    setup_assistant(oracle)
+    exit_layer = max(1, target.config.num_hidden_layers // 4)
+    shallow = shallow_copy(target, exit_layer)
+    for model in (drafter, oracle, shallow, target):  # the target's own config drives generate(assistant_early_exit=)
+        setup_assistant(model)
     settings = GenerationSettings(max_new_tokens=new_tokens)
+    w = 0.7
     methods = {
         "plain": (dict(method="plain"), {}, {}),
         "draft_model (small)": (dict(method="draft_model", num_assistant_tokens=K), dict(drafter=drafter),
@@ -79,7 +119,29 @@ def bench_size(name, target, drafter, prompts, new_tokens, repeats):
                                  dict(assistant_model=oracle)),
         "prompt_lookup": (dict(method="prompt_lookup", prompt_lookup_num_tokens=K), {},
                           dict(prompt_lookup_num_tokens=K, max_matching_ngram_size=2)),
+        f"early_exit L={exit_layer} (KV reuse)": (
+            dict(method="early_exit", assistant_early_exit=exit_layer, num_assistant_tokens=K), {},
+            dict(assistant_early_exit=exit_layer)),
+        f"early_exit L={exit_layer} (separate cache)": (
+            dict(method="draft_model", num_assistant_tokens=K), dict(drafter=shallow),
+            dict(assistant_early_exit=exit_layer)),
+        f"draft_model (small) ensemble w={w}": (
+            dict(method="draft_model", num_assistant_tokens=K, assistant_ensemble_weight=w), dict(drafter=drafter),
+            dict(assistant_model=drafter, assistant_ensemble_weight=w)),
+        f"early_exit L={exit_layer} ensemble w={w}": (
+            dict(method="early_exit", assistant_early_exit=exit_layer, num_assistant_tokens=K,
+                 assistant_ensemble_weight=w), {},
+            dict(assistant_early_exit=exit_layer, assistant_ensemble_weight=w)),
     }
+    if uad is not None:
+        tok_t, u_drafter, tok_d = uad
+        setup_assistant(u_drafter)
+        methods["universal (random drafter)"] = (
+            dict(method="universal", num_assistant_tokens=K),
+            dict(drafter=u_drafter, tokenizer=tok_t, drafter_tokenizer=tok_d),
+            dict(assistant_model=u_drafter, tokenizer=tok_t, assistant_tokenizer=tok_d))
+    if only is not None:
+        methods = {m: v for m, v in methods.items() if m.startswith(only)}
     results = {}
     for method, (spec, engine_kw, hf_kw) in methods.items():
         engine = SpeculativeEngine(target, SpeculationSettings(**spec), **engine_kw)
@@ -96,23 +158,26 @@ def bench_size(name, target, drafter, prompts, new_tokens, repeats):
         t_ours, out_ours = timed(ours, prompts, repeats)
         t_hf, out_hf = timed(hf, prompts, repeats)
         same = sum(o.token_ids == h for o, h in zip(out_ours, out_hf))
+        if method == "plain":
+            plain_out = [o.token_ids for o in out_ours]
+        lossless = sum(o.token_ids == p for o, p in zip(out_ours, plain_out))
         drafted = sum(o.stats.draft_tokens for o in out_ours)
         accepted = sum(o.stats.accepted_tokens for o in out_ours)
         steps = sum(o.stats.verify_steps for o in out_ours)
         tokens = sum(o.stats.new_tokens for o in out_ours)
         results[method] = dict(t_ours=t_ours, t_hf=t_hf, same=same, alpha=accepted / drafted if drafted else None,
-                               mal=tokens / steps)
+                               mal=tokens / steps, lossless=lossless)
     plain = results["plain"]
     print(f"\n## {name}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f} M params, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M, k={K}, "
           f"{len(prompts)} rows x {new_tokens} new tokens, median of {repeats}")
-    print(f"| method | acceptance | tokens/step | ours s | generate() s | ours/generate() | ours spec/plain | generate() spec/plain | outputs equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| method | acceptance | tokens/step | ours s | generate() s | ours/generate() | ours spec/plain | generate() spec/plain | outputs equal | = plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for method, r in results.items():
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"
         print(f"| {method} | {alpha} | {r['mal']:.2f} | {r['t_ours']:.3f} | {r['t_hf']:.3f} | "
               f"{r['t_ours'] / r['t_hf']:.2f} | {r['t_ours'] / plain['t_ours']:.2f} | {r['t_hf'] / plain['t_hf']:.2f} | "
-              f"{r['same']}/{len(prompts)} |")
+              f"{r['same']}/{len(prompts)} | {r['lossless']}/{len(prompts)} |")
     return results
 
 
@@ -123,16 +188,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is steadiest here)")
     parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--layerskip-scale", type=float, default=0.1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = {
-        "small": lambda: (llama(4096, 192, 4, 0), llama(4096, 64, 1, 1)),
-        "large": lambda: (llama(16000, 512, 8, 0), llama(16000, 128, 2, 1)),
+    sizes = {  # vocabularies: the target's byte-level tokenizer, the universal drafter's
+        "small": lambda v, u: (llama(v, 192, 4, 0), llama(v, 64, 1, 1), llama(u, 64, 1, 2)),
+        "large": lambda v, u: (llama(v, 512, 8, 0), llama(v, 128, 2, 1), llama(u, 128, 2, 2)),
     }
+    vocabs = {"small": (4096, 3000), "large": (16000, 12000)}
     for size in args.sizes.split(","):
-        target, drafter = sizes[size]()
+        tok_t = bpe_tokenizer(vocabs[size][0], "<bos>", "<eos>")
+        tok_d = bpe_tokenizer(vocabs[size][1], "<s>", "</s>")
+        target, drafter, u_drafter = sizes[size](len(tok_t), len(tok_d))
         prompts = rows(target.config.vocab_size, args.rows)
-        bench_size(size, target, drafter, prompts, args.new_tokens, args.repeats)
+        bench_size(size, target, drafter, prompts, args.new_tokens, args.repeats, uad=(tok_t, u_drafter, tok_d))
+        # LayerSkip-style: the later layers' residual contributions scaled down, so the early exit
+        # agrees with the full model often (a stand-in for a checkpoint trained with early-exit loss)
+        layerskip = copy.deepcopy(target)
+        with torch.no_grad():
+            for layer in layerskip.model.layers[max(1, layerskip.config.num_hidden_layers // 4):]:
+                layer.self_attn.o_proj.weight.mul_(args.layerskip_scale)
+                layer.mlp.down_proj.weight.mul_(args.layerskip_scale)
+        bench_size(f"{size}, LayerSkip-style target (later layers x{args.layerskip_scale})", layerskip, drafter,
+                   prompts, args.new_tokens, args.repeats, only=("plain", "early_exit"))
 
 
 if __name__ == "__main__":

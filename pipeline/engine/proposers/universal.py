@@ -20,12 +20,15 @@ Each step:
    how the committed text is tokenised (it continues a word the target cut), the suffix
    is encoded on its own instead; a candidate is used only if the committed ids plus
    the draft decode exactly to the committed text plus the drafted text.  At most ``k``
-   target ids are proposed.
+   target ids are proposed.  (A tokenizer that adds a dummy-prefix space when encoding a
+   lone suffix, as SentencePiece Llama tokenizers do, fails that check when the drafted
+   text continues a word the target cut: that step proposes nothing.)
 
 The proposer is deterministic (``q`` one-hot), so greedy and sampled decoding both stay
 lossless; static ensemble verification is refused (no draft logits in the target's
 vocabulary).  A drafter whose context cannot hold the row proposes nothing (the step
-is a plain decoding step).
+is a plain decoding step).  Cost per step: one decode of the committed sequence and one
+encode of its text with the drafter's tokenizer (linear in the row's length).
 """
 
 from __future__ import annotations
