@@ -74,7 +74,8 @@ class Run:
 
 def load_run(uri: str, storage_options: dict[str, Any] | None = None) -> Run:
     """Read a run output: a directory of Parquet parts (names starting ``_``/``.`` skipped,
-    so staging directories are ignored) or one Parquet file; its summary JSON if present.
+    so staging directories are ignored; subdirectories are read only when the directory
+    itself holds no part) or one Parquet file; its summary JSON if present.
 
     Raises:
         ReportError: nothing to read, or a needed column is missing.
@@ -82,8 +83,14 @@ def load_run(uri: str, storage_options: dict[str, Any] | None = None) -> Run:
     fs, root = url_to_fs(uri, **(storage_options or {}))
     root = root.rstrip("/") or "/"
     if fs.isdir(root):
-        files = sorted(p for p in fs.find(root) if p.endswith((".parquet", ".pq"))
-                       and not any(part.startswith(("_", ".")) for part in p[len(root):].strip("/").split("/")))
+        def visible(p):
+            return p.endswith((".parquet", ".pq")) and not any(
+                part.startswith(("_", ".")) for part in p[len(root):].strip("/").split("/"))
+
+        # The parts directly in the directory; only when there are none, those below it
+        # (e.g. one run's ``date=YYYY-MM-DD`` partition), so two layouts are never mixed.
+        files = sorted(p for p in fs.find(root, maxdepth=1) if visible(p)) or sorted(
+            p for p in fs.find(root) if visible(p))
         base = root
     elif fs.exists(root):
         files, base = [root], posixpath.dirname(root)

@@ -106,6 +106,8 @@ def test_fsspec_url_and_cli(tmp_path):
     fs = fsspec.filesystem("memory")
     _write_run(fs, "/rep/plain", PLAIN)
     _write_run(fs, "/rep/pld", [dict(r, method="prompt_lookup") for r in DRAFT])
+    _write_run(fs, "/rep/dated/date=2026-01-01", PLAIN)  # a partitioned output: read below the root
+    assert load_run("memory://rep/dated").table.num_rows == 3
     res = summarize_runs([load_run("memory://rep/plain"), load_run("memory://rep/pld")])
     assert res["runs"][1]["label"] == "prompt_lookup" and res["runs"][1]["speedup"] == pytest.approx(2.0)
     # The command line, on local copies (a subprocess does not share the memory filesystem).
