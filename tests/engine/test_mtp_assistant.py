@@ -29,22 +29,23 @@ from tiny_models import build, check_stats
 
 VOCAB = 96
 COMMON = dict(
-    vocab_size=VOCAB, num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, sliding_window=6,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, sliding_window=6,
     max_position_embeddings=256, bos_token_id=None, eos_token_id=None, initializer_range=0.2,
 )
 
 
-def write_gemma4_pair(root, seed=0, backbone=32):
-    """A Gemma 4 target and its assistant, saved as checkpoints; returns their dirs."""
+def write_gemma4_pair(root, seed=0, backbone=32, vocab=VOCAB, layers=4):
+    """A Gemma 4 target (``layers`` layers, the second half KV-shared) and its assistant,
+    saved as checkpoints; returns their dirs."""
     text = Gemma4TextConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2,
-        pad_token_id=0, **COMMON,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab, num_kv_shared_layers=layers // 2 if layers > 2 else 0,
+        vocab_size=vocab, pad_token_id=0, **COMMON,
     )
     assistant_text = Gemma4TextConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, pad_token_id=None, **COMMON,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, vocab_size=vocab, pad_token_id=None, **COMMON,
     )
     torch.manual_seed(seed)
     target_dir, assistant_dir = root / "gemma-4-tiny", root / "gemma-4-tiny-assistant"
@@ -156,3 +157,27 @@ def test_bad_drafters_are_clear_errors(gemma_pair, tmp_path):
     other = Gemma4AssistantForCausalLM.from_pretrained(other_dir, dtype=torch.float64)
     with pytest.raises(ValueError, match="backbone_hidden_size"):
         SpeculativeEngine(target, SpeculationSettings(method="mtp_assistant"), drafter=other)
+
+
+def test_sampling_follows_target_distribution(tmp_path):
+    """Chi-square test of the first two tokens (one verification of a two-token draft)
+    against the exact target distribution, as in test_sampling."""
+    from collections import Counter
+
+    from test_sampling import PROMPT, RUNS, SETTINGS, V, chi_square_p_value, exact_two_token_distribution
+
+    target_dir, assistant_dir = write_gemma4_pair(tmp_path, seed=11, vocab=V, layers=2)  # 2 layers: cheaper
+    target = Gemma4ForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float64).eval()
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(assistant_dir, dtype=torch.float64).eval()
+    exact = exact_two_token_distribution(target)
+    assert len(exact) > 20
+    engine = SpeculativeEngine(target, SpeculationSettings(method="mtp_assistant", num_assistant_tokens=2), drafter=assistant)
+    samples: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(RUNS):
+        result = engine.generate(PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **SETTINGS))
+        samples[tuple(result.token_ids[:2])] += 1
+        drafted += result.stats.draft_tokens
+        accepted += result.stats.accepted_tokens
+    assert 50 < accepted < drafted - 50  # acceptance and rejection paths both ran
+    assert chi_square_p_value(samples, exact) > 1e-3
