@@ -10,7 +10,7 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
     generation: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
                 seed, stop_strings
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_actor_restarts,
-                max_batch_retries
+                max_batch_retries, actor_start_timeout_s
     output:     uri, overwrite, partition_by_date, run_date, storage_options
     retry:      attempts, initial_backoff_s, max_backoff_s (transient storage errors)
     audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
@@ -202,6 +202,9 @@ class ComputeConfig(_Section):
     #: A batch whose actor died is resubmitted up to this many times; a batch that keeps
     #: killing its actor then fails the run (shards committed so far stay committed).
     max_batch_retries: int = Field(3, ge=0)
+    #: fail (instead of waiting forever) when the pool's actors cannot start in this time,
+    #: e.g. no node has the GPUs they ask for
+    actor_start_timeout_s: int = Field(600, ge=1)
 
 
 class OutputConfig(_Section):

@@ -96,6 +96,7 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
     ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
     ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
     ctx.print_on_execution_start = False
+    ctx.wait_for_min_actors_s = cfg.compute.actor_start_timeout_s  # default -1: wait forever
 
     items = [s.to_dict() for s in shards]
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))

@@ -125,6 +125,7 @@ class OutputWriter:
         self.skip: set[int] = set()  # set by pipeline.run.preflight from prepare()
         protos = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.local = "file" in protos or "local" in protos
+        self.object_store = any(p in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss") for p in protos)
 
     def _p(self, *names: str) -> str:
         return posixpath.join(self.root, *names)
@@ -192,7 +193,7 @@ class OutputWriter:
             probe = posixpath.join(self.staging, ".probe")
 
             def write_probe() -> None:
-                self.fs.makedirs(self.staging, exist_ok=True)
+                self._makedirs(self.staging)
                 with self.fs.open(probe, "wb") as f:
                     f.write(b"ok")
                 self.fs.rm(probe)
@@ -261,7 +262,7 @@ class OutputWriter:
         table = table.cast(OUTPUT_SCHEMA)
 
         def write() -> None:
-            self.fs.makedirs(self.staging, exist_ok=True)
+            self._makedirs(self.staging)
             with self.fs.open(staged, "wb") as f:
                 pq.write_table(table, f)
 
@@ -284,11 +285,18 @@ class OutputWriter:
                 json.dump(entry, f, default=str)
 
         self.io(write_entry, f"write the manifest entry of {name}")
-        self.io(lambda: self.fs.makedirs(self._p(MANIFEST), exist_ok=True), "create the manifest")
+        self.io(lambda: self._makedirs(self._p(MANIFEST)), "create the manifest")
         self._publish(staged_entry, self._p(MANIFEST, name.replace(".parquet", ".json")), f"manifest entry of {name}")
         self.written.append(final)
         self.entries[name] = entry
         return final
+
+    def _makedirs(self, path: str) -> None:
+        """On an object store there is nothing to create, and s3fs's makedirs may try to
+        create the *bucket* when a listing fails during an outage (CreateBucket then fails
+        for good): skipped there."""
+        if not self.object_store:
+            self.fs.makedirs(path, exist_ok=True)
 
     def _publish(self, src: str, dst: str, what: str) -> None:
         if self.local:  # an atomic rename

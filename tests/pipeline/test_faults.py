@@ -1,0 +1,290 @@
+"""Faults: an actor process killed mid-run (restarted by Ray, its batch retried, every row
+exactly once); a batch that keeps killing its actor fails the run after bounded retries
+(no hang); an object-storage outage mid-run (retried with backoff, or the run fails
+clearly and a rerun completes only the missing shards).
+
+The outage is simulated with a pausable TCP proxy on 127.0.0.1 in front of one moto
+server: while paused it drops every open connection and closes new ones at once, as a
+stopped server would, but the server keeps its objects (a restarted moto would come
+back empty, losing the committed shards the test wants to check)."""
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+from ray import cloudpickle
+import pytest
+
+import pipeline.write
+from actors.generate import GenerateActor
+from pipeline_testkit import TEXTS, free_port, job_config, write_jsonl
+from pipeline.retry import StorageError
+from pipeline.run import run_job
+
+KEY, SECRET = "testing-key", "testing-secret"
+
+
+# ---------------------------------------------------------------------------- actors
+
+
+def _alive_generate_actors(ray):
+    from ray._private import state
+
+    return {aid: a for aid, a in state.actors().items()
+            if "GenerateActor" in a["ActorClassName"] and a["State"] == "ALIVE"}
+
+
+def test_actor_killed_mid_run_is_restarted_and_every_row_is_written_once(ray_local, tiny_models, tmp_path):
+    """Kill the actor's process (SIGKILL to the PID from Ray's actor table) after the first
+    shard is committed; Ray restarts it, resubmits the lost batch; the run completes."""
+    import pyarrow.parquet as pq
+
+    for i in range(4):
+        write_jsonl(tmp_path / "in" / f"s{i}.jsonl", [{"id": f"s{i}-{j}", "text": TEXTS[(i + j) % 8]} for j in range(4)])
+    out = tmp_path / "out"
+    cfg = job_config(tiny_models, str(tmp_path / "in"), str(out), overrides=[
+        "compute.rows_per_batch=2", "generation.max_new_tokens=16", "compute.max_actor_restarts=2",
+        "compute.max_batch_retries=2"])
+    killed: dict = {}
+
+    def killer():
+        deadline = time.time() + 120
+        while time.time() < deadline and not killed:
+            if (out / "_manifest" / "part-00000.json").exists():
+                for aid, a in _alive_generate_actors(ray_local).items():
+                    os.kill(a["Pid"], signal.SIGKILL)
+                    killed[aid] = a["Pid"]
+                    break
+            time.sleep(0.02)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    summary = run_job(cfg, progress=False)
+    t.join(timeout=5)
+    assert killed, "the actor was not killed before the run ended"
+    assert summary["this_run"]["shards_run"] == [f"part-{i:05d}.parquet" for i in range(4)]
+    ids = pq.read_table(out).column("id").to_pylist()
+    assert sorted(ids) == sorted(f"s{i}-{j}" for i in range(4) for j in range(4))  # every row exactly once
+    assert summary["rows"] == 16 and summary["errors"] == 0
+    from ray._private import state
+
+    (aid,) = killed
+    assert state.actors(actor_id=aid)["NumRestarts"] >= 1  # Ray restarted the killed actor
+
+
+class _CrashingActor(GenerateActor):
+    """Dies (the whole process) on the prompt 'crash me'."""
+
+    def generate_row(self, row):
+        if row.get("text") == "crash me":
+            os._exit(1)
+        return super().generate_row(row)
+
+
+def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, tiny_models, tmp_path, monkeypatch):
+    """Bounded retries, then the run fails (no hang) and publishes no ``_SUCCESS``.  (Batches
+    in flight on the same actor die with it, so shard a may or may not have been committed.)"""
+    import actors.generate
+
+    import sys
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(actors.generate, "GenerateActor", _CrashingActor)
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "a", "text": TEXTS[0]}])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": "b", "text": "crash me"}])
+    out = tmp_path / "out"
+    cfg = job_config(tiny_models, str(tmp_path / "in"), str(out), overrides=[
+        "compute.rows_per_batch=1", "generation.max_new_tokens=4", "compute.max_actor_restarts=2",
+        "compute.max_batch_retries=1"])
+    t0 = time.time()
+    try:
+        with pytest.raises(Exception) as e:
+            run_job(cfg, progress=False)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert time.time() - t0 < 180
+    assert not isinstance(e.value, StorageError)
+    assert "actor" in str(e.value).lower()
+    assert not (out / "_manifest" / "part-00001.json").exists() and not (out / "_SUCCESS").exists()
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+class PausableProxy:
+    """A TCP proxy 127.0.0.1:<port> -> 127.0.0.1:<target>; ``pause()`` = the server is down."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.paused = threading.Event()
+        self.conns: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.refused = 0
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.paused.is_set():
+                self.refused += 1
+                c.close()
+                continue
+            try:
+                u = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                c.close()
+                continue
+            with self.lock:
+                self.conns |= {c, u}
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+
+    def _pipe(self, a, b):
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def pause(self):
+        self.paused.set()
+        with self.lock:
+            conns, self.conns = self.conns, set()
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def resume(self):
+        self.paused.clear()
+
+    def close(self):
+        self.closed = True
+        self.pause()
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    proxy = PausableProxy(port)
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id=KEY,
+                          aws_secret_access_key=SECRET, region_name="us-east-1")
+    client.create_bucket(Bucket="faults")
+    for i in range(3):
+        body = "".join(json.dumps({"id": f"s{i}-{j}", "text": TEXTS[(i + j) % 8]}) + "\n" for j in range(2))
+        client.put_object(Bucket="faults", Key=f"in/shard-{i}.jsonl", Body=body.encode())
+    yield client, proxy
+    proxy.close()
+    server.stop()
+
+
+def _cfg(tiny_models, proxy, out, *extra):
+    opts = json.dumps({
+        "key": KEY, "secret": SECRET,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}", "region_name": "us-east-1"},
+        # keep botocore's own retry loop short: the pipeline's backoff is under test
+        "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 2, "read_timeout": 5},
+    })
+    return job_config(tiny_models, "s3://faults/in/*.jsonl", out, overrides=[
+        f"input.storage_options={opts}", f"output.storage_options={opts}", "compute.rows_per_batch=2",
+        "generation.max_new_tokens=6", *extra])
+
+
+def _keys(client, prefix):
+    return sorted(o["Key"] for o in client.list_objects_v2(Bucket="faults", Prefix=prefix).get("Contents", []))
+
+
+def _ids(client, prefix):
+    import io
+
+    import pyarrow.parquet as pq
+
+    ids = []
+    for k in _keys(client, prefix):
+        if k.endswith(".parquet") and "/_" not in k:
+            ids += pq.read_table(io.BytesIO(client.get_object(Bucket="faults", Key=k)["Body"].read())).column("id").to_pylist()
+    return sorted(ids)
+
+
+EXPECTED = sorted(f"s{i}-{j}" for i in range(3) for j in range(2))
+
+
+def _outage_at_shard(monkeypatch, proxy, index, seconds=None):
+    """Take the storage down when the driver starts committing shard ``index``
+    (back after ``seconds``, or never)."""
+    original = pipeline.write.OutputWriter.write_part
+
+    def hooked(self, shard, table, totals=None):
+        if getattr(shard, "index", shard) == index and not proxy.paused.is_set():
+            proxy.pause()
+            if seconds is not None:
+                threading.Timer(seconds, proxy.resume).start()
+        return original(self, shard, table, totals)
+
+    monkeypatch.setattr(pipeline.write.OutputWriter, "write_part", hooked)
+
+
+def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypatch, caplog):
+    client, proxy = s3
+    _outage_at_shard(monkeypatch, proxy, 1, seconds=6.0)
+    cfg = _cfg(tiny_models, proxy, "s3://faults/out/retried", "retry.attempts=10", "retry.initial_backoff_s=0.25",
+               "retry.max_backoff_s=2")
+    with caplog.at_level("WARNING", logger="specbatch"):
+        summary = run_job(cfg, progress=False)
+    assert proxy.refused > 0  # the outage really happened
+    assert any("transient error" in r.getMessage() for r in caplog.records)
+    assert summary["rows"] == 6
+    assert "out/retried/_SUCCESS" in _keys(client, "out/retried/")
+    assert _ids(client, "out/retried/") == EXPECTED
+
+
+def test_persistent_outage_fails_clearly_and_a_rerun_completes_only_the_missing_shards(
+        ray_local, tiny_models, s3, monkeypatch):
+    client, proxy = s3
+    _outage_at_shard(monkeypatch, proxy, 1)  # never comes back during run 1
+    cfg = _cfg(tiny_models, proxy, "s3://faults/out/resumed", "retry.attempts=2", "retry.initial_backoff_s=0.2")
+    try:
+        with pytest.raises(StorageError, match="part-00001.parquet.*failed after 2 attempts"):
+            run_job(cfg, progress=False)
+    finally:
+        proxy.resume()
+    monkeypatch.undo()
+    keys = _keys(client, "out/resumed/")
+    assert "out/resumed/_manifest/part-00000.json" in keys  # committed before the outage: intact
+    assert "out/resumed/_SUCCESS" not in keys and "out/resumed/_manifest/part-00001.json" not in keys
+
+    summary = run_job(_cfg(tiny_models, proxy, "s3://faults/out/resumed"), progress=False)
+    assert summary["this_run"]["shards_skipped"] == ["part-00000.parquet"]
+    assert summary["this_run"]["shards_run"] == ["part-00001.parquet", "part-00002.parquet"]
+    assert summary["rows"] == 6 and len(summary["runs"]) == 2
+    assert _ids(client, "out/resumed/") == EXPECTED  # every row exactly once
+    assert "out/resumed/_SUCCESS" in _keys(client, "out/resumed/")
