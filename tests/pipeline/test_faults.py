@@ -288,3 +288,37 @@ def test_persistent_outage_fails_clearly_and_a_rerun_completes_only_the_missing_
     assert summary["rows"] == 6 and len(summary["runs"]) == 2
     assert _ids(client, "out/resumed/") == EXPECTED  # every row exactly once
     assert "out/resumed/_SUCCESS" in _keys(client, "out/resumed/")
+
+
+def test_retry_helper_backs_off_on_transient_errors_only():
+    from pipeline.retry import is_transient, with_retries
+
+    sleeps: list[float] = []
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] < 4:
+            raise ConnectionRefusedError("connection refused")
+        return "ok"
+
+    assert with_retries(flaky, what="x", attempts=5, initial_backoff_s=0.5, max_backoff_s=1.5, sleep=sleeps.append) == "ok"
+    assert sleeps == [0.5, 1.0, 1.5]
+    with pytest.raises(StorageError, match="x failed after 2 attempts: TimeoutError"):
+        with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), what="x", attempts=2, sleep=sleeps.append)
+    sleeps.clear()
+    with pytest.raises(StorageError, match=r"\(not retried\): FileNotFoundError"):
+        with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), what="x", sleep=sleeps.append)
+    assert sleeps == []
+
+    class EndpointConnectionError(Exception):  # botocore's, matched by name
+        pass
+
+    class ClientError(Exception):
+        def __init__(self, code, status):
+            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+    assert is_transient(EndpointConnectionError("down"))
+    assert is_transient(ClientError("SlowDown", 503)) and not is_transient(ClientError("AccessDenied", 403))
+    assert not is_transient(PermissionError("denied")) and not is_transient(ValueError("bad"))
+    assert is_transient(OSError(5, "Connection reset by peer"))
