@@ -25,6 +25,7 @@ Not a test: timings are noisy on shared machines.  Usage::
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import copy
 import statistics
 import time
@@ -48,7 +49,7 @@ def llama(vocab: int, hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def bpe_tokenizer(vocab_size: int, bos: str, eos: str, path: str = "/work/shared/data/tinyshakespeare/input.txt"):
+def bpe_tokenizer(vocab_size: int, bos: str, eos: str, path: str = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt")):
     """A byte-level BPE tokenizer (any id sequence decodes, any text round-trips)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

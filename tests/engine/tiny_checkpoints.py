@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-SHAKESPEARE = Path(os.environ.get("SHARED_DATA", "/work/shared/data")) / "tinyshakespeare" / "input.txt"
+# ../shared/data beside the checkout (as in CI); SHARED_DATA overrides
+SHARED_DATA = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
 
 
 def shakespeare_lines(n: int = 400, start: int = 0) -> list[str]:
