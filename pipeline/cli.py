@@ -9,7 +9,8 @@ skipped; ``--overwrite`` starts afresh.  ``--run-date`` (default: today in UTC) 
 ``date=YYYY-MM-DD`` partition of the output (and turns ``output.partition_by_date`` on).
 
 Exit status: 0 on success, 2 for a bad config / input / model path / output location
-(reported in one line, before any model loads), 1 for any other failure.
+(reported in one line, before any model loads), 1 for any other failure (a storage error
+that outlasted its retries is reported in one line; rerunning resumes).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
 
     from pipeline.models import ModelError
     from pipeline.read import InputError
+    from pipeline.retry import StorageError
     from pipeline.write import OutputError
 
     try:
@@ -105,6 +107,10 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
     except (ConfigError, InputError, ModelError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:
+        print(f"error: storage: {e}\nShards committed before the error are kept; "
+              "rerun the same command to do only the missing ones.", file=sys.stderr)
+        return 1
     headline = {k: summary.get(k) for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
                                             "mean_accepted_length", "tokens_per_s", "elapsed_s", "audit_rows",
                                             "audit_mismatches")}
