@@ -159,6 +159,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     log.info("%d shards (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
              len(shards), len(skip), total_rows, writer.url(), writer.run_id)
     try:
+        init_ray(cfg)
         totals = RunTotals()  # this run's rows
         pending: dict[str, list[pa.Table]] = {}
         counts: dict[str, int] = {s.url: 0 for s in todo}

@@ -16,6 +16,9 @@ from pipeline_testkit import REPO, TEXTS, write_jsonl
 def _run(args, cwd=REPO, timeout=300):
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
+    # as a user runs it: not the PYTHONPATH that the ray_local fixture put in this process's
+    # environment (it would hide a missing init_ray in the job)
+    env.pop("PYTHONPATH", None)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
