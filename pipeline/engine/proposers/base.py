@@ -87,5 +87,28 @@ class TargetForward(Protocol):
         logits of the last ``logits_to_keep`` positions, ``(logits_to_keep, V)``."""
 
 
+def draft_token(
+    logits: torch.Tensor, prefix: torch.Tensor, request: DraftRequest, need_q: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick a drafter's next token the way the target would: the row's logits processors
+    shape ``logits`` ``(1, V_target)`` (``prefix`` ``(1, L)`` is the text before it), then the
+    token is sampled from ``q = softmax`` when sampling, else the argmax.
+
+    Returns ``(token (1, 1) int64, q (1, V_target) or None)``; ``q`` (float32 or wider) is
+    returned when sampling, when ``request.want_probs`` or when ``need_q``.
+    """
+    shaper = request.shaper
+    if shaper.active:
+        logits = shaper.shape(prefix, logits)
+    q = None
+    if shaper.do_sample or request.want_probs or need_q:
+        q = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
+    if shaper.do_sample:
+        token = torch.multinomial(q, 1, generator=request.generator).view(1, 1)
+    else:
+        token = logits.argmax(-1, keepdim=True)
+    return token, q
+
+
 def empty_draft(device: torch.device | str) -> Draft:
     return Draft(tokens=torch.empty(0, dtype=torch.long, device=device))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .base import Draft, DraftRequest
+from .base import Draft, DraftRequest, draft_token
 
 
 def text_config(model):
@@ -65,7 +65,6 @@ class DraftModelProposer:
         seq = request.sequence.to(self.device)
         shaper = request.shaper
         want_probs = request.want_probs
-        sampling = shaper.do_sample
         feed = seq[:, self.seen :]
         if self.draft_vocab < self.target_vocab:
             # Padding ids of the target that the drafter lacks (a target never emits them
@@ -78,14 +77,7 @@ class DraftModelProposer:
             logits = self.model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             self.seen += feed.shape[1]
             logits = self._to_target_width(logits)
-            if shaper.active:
-                logits = shaper.shape(prefix, logits)
-            if sampling or want_probs or self.threshold > 0:
-                q = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
-            if sampling:
-                token = torch.multinomial(q, 1, generator=request.generator).view(1, 1)
-            else:
-                token = logits.argmax(-1, keepdim=True)
+            token, q = draft_token(logits, prefix, request, need_q=self.threshold > 0)
             tokens.append(token)
             if want_probs:
                 probs.append(q)

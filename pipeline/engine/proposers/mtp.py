@@ -37,7 +37,7 @@ import re
 
 import torch
 
-from .base import Draft, DraftRequest, empty_draft
+from .base import Draft, DraftRequest, empty_draft, draft_token
 
 
 # --------------------------------------------------------------------------- loading
@@ -258,8 +258,6 @@ class MTPProposer:
         n = min(request.k, self.num_layers)
         if L < 2 or self.hidden.end < L - 1 or n <= 0:
             return empty_draft(seq.device)  # no target hidden state yet (one-token prompt)
-        shaper = request.shaper
-        sampling = shaper.do_sample
         ext = seq
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
@@ -273,14 +271,7 @@ class MTPProposer:
             self.outs[i].put(a, out)
             self.lengths[i] = b
             logits = self.mtp._project_to_logits(out[:, -1:]).to(seq.device)[:, -1]
-            if shaper.active:
-                logits = shaper.shape(ext, logits)
-            if sampling or request.want_probs:
-                q = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
-            if sampling:
-                token = torch.multinomial(q, 1, generator=request.generator).view(1, 1)
-            else:
-                token = logits.argmax(-1, keepdim=True)
+            token, q = draft_token(logits, ext, request)
             tokens.append(token)
             if request.want_probs:
                 probs.append(q)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Draft, DraftRequest, empty_draft
+from .base import Draft, DraftRequest, empty_draft, draft_token
 from .draft_model import text_config
 
 
@@ -131,8 +131,6 @@ class MTPAssistantProposer:
         i = L - 2 - self.hidden_start  # the hidden state that predicted the last token
         if self.hidden is None or not 0 <= i < self.hidden.shape[1] or self.kv_end != L - 1:
             return empty_draft(seq.device)  # one-token prompt: no target pass yet
-        shaper = request.shaper
-        sampling = shaper.do_sample
         hidden = self.hidden[:, i : i + 1]
         token = seq[:, -1:]
         position_ids = torch.tensor([[L - 1]], dtype=torch.long, device=seq.device)
@@ -144,14 +142,7 @@ class MTPAssistantProposer:
             out = self.assistant(inputs_embeds=embeds, position_ids=position_ids, shared_kv_states=self.kv, use_cache=False)
             hidden = out.last_hidden_state
             logits = out.logits[:, -1].to(seq.device)
-            if shaper.active:
-                logits = shaper.shape(ext, logits)
-            if sampling or request.want_probs:
-                q = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
-            if sampling:
-                token = torch.multinomial(q, 1, generator=request.generator).view(1, 1)
-            else:
-                token = logits.argmax(-1, keepdim=True)
+            token, q = draft_token(logits, ext, request)
             tokens.append(token)
             if request.want_probs:
                 probs.append(q)

@@ -10,8 +10,6 @@ draft, so the step is an ordinary target step.  Deterministic: ``q`` is one-hot.
 
 from __future__ import annotations
 
-import torch
-
 from .base import Draft, DraftRequest, empty_draft
 
 
