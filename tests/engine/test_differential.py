@@ -9,7 +9,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 

@@ -143,12 +143,6 @@ def test_sampling_follows_target_distribution():
     assert len(exact) > 20
     eng = SpeculativeEngine(target, SpeculationSettings(method="early_exit", assistant_early_exit=1,
                                                         num_assistant_tokens=2))
-    samples: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(ts.RUNS):
-        result = eng.generate(ts.PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **ts.SETTINGS))
-        samples[tuple(result.token_ids[:2])] += 1
-        drafted += result.stats.draft_tokens
-        accepted += result.stats.accepted_tokens
+    samples, drafted, accepted = ts.sample_first_two_tokens(eng)
     assert 50 < accepted < drafted - 50
     assert ts.chi_square_p_value(samples, exact) > 1e-3

@@ -10,7 +10,6 @@ target's).
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 
 import pytest
 import torch
@@ -117,13 +116,7 @@ def test_output_follows_the_mixture_distribution():
     assert abs(sum(exact.values()) - 1) < 1e-9 and len(exact) > 20
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=2,
                                                            assistant_ensemble_weight=weight), drafter=drafter)
-    samples: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(ts.RUNS):
-        result = engine.generate(ts.PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **ts.SETTINGS))
-        samples[tuple(result.token_ids[:2])] += 1
-        drafted += result.stats.draft_tokens
-        accepted += result.stats.accepted_tokens
+    samples, drafted, accepted = ts.sample_first_two_tokens(engine)
     assert 50 < accepted < drafted - 50  # acceptance and rejection paths both ran
     assert ts.chi_square_p_value(samples, exact) > 1e-3
     # teeth: the same samples do not follow the target's own (lossless) distribution

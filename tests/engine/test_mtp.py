@@ -7,7 +7,6 @@ loaded through the real paths: ``from_pretrained`` and transformers' MTP loader.
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from pipeline.engine.proposers.mtp import MTPProposer, load_mtp
 from pipeline.engine.sampling import LogitsShaper
 
 from mtp_models import load_target, write_mtp_checkpoint
-from test_sampling import PROMPT, RUNS, SETTINGS, V, chi_square_p_value, exact_two_token_distribution
+from test_sampling import V, chi_square_p_value, exact_two_token_distribution, sample_first_two_tokens
 from tiny_models import check_stats
 
 VOCAB = 96
@@ -134,13 +133,7 @@ def test_sampling_follows_target_distribution(tmp_path):
     exact = exact_two_token_distribution(target)
     assert len(exact) > 20
     engine = SpeculativeEngine(target, SpeculationSettings(method="mtp", num_assistant_tokens=2))
-    samples: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        result = engine.generate(PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **SETTINGS))
-        samples[tuple(result.token_ids[:2])] += 1
-        drafted += result.stats.draft_tokens
-        accepted += result.stats.accepted_tokens
+    samples, drafted, accepted = sample_first_two_tokens(engine)
     assert 50 < accepted < drafted - 50  # acceptance and rejection paths both ran
     assert chi_square_p_value(samples, exact) > 1e-3
 

@@ -162,9 +162,7 @@ def test_bad_drafters_are_clear_errors(gemma_pair, tmp_path):
 def test_sampling_follows_target_distribution(tmp_path):
     """Chi-square test of the first two tokens (one verification of a two-token draft)
     against the exact target distribution, as in test_sampling."""
-    from collections import Counter
-
-    from test_sampling import PROMPT, RUNS, SETTINGS, V, chi_square_p_value, exact_two_token_distribution
+    from test_sampling import V, chi_square_p_value, exact_two_token_distribution, sample_first_two_tokens
 
     target_dir, assistant_dir = write_gemma4_pair(tmp_path, seed=11, vocab=V, layers=2)  # 2 layers: cheaper
     target = Gemma4ForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float64).eval()
@@ -172,12 +170,6 @@ def test_sampling_follows_target_distribution(tmp_path):
     exact = exact_two_token_distribution(target)
     assert len(exact) > 20
     engine = SpeculativeEngine(target, SpeculationSettings(method="mtp_assistant", num_assistant_tokens=2), drafter=assistant)
-    samples: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        result = engine.generate(PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **SETTINGS))
-        samples[tuple(result.token_ids[:2])] += 1
-        drafted += result.stats.draft_tokens
-        accepted += result.stats.accepted_tokens
+    samples, drafted, accepted = sample_first_two_tokens(engine)
     assert 50 < accepted < drafted - 50  # acceptance and rejection paths both ran
     assert chi_square_p_value(samples, exact) > 1e-3

@@ -64,6 +64,20 @@ def chi_square_p_value(samples: Counter, exact: dict) -> float:
     return chisquare(observed, expected).pvalue
 
 
+def sample_first_two_tokens(engine) -> tuple[Counter, int, int]:
+    """Run ``RUNS`` seeded rows (budget 3, so with k=2 both tokens come from one
+    verification: positions 1 and 2 of a draft); return the counts of the first two
+    generated tokens, and the drafted and accepted totals."""
+    samples: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(RUNS):
+        result = engine.generate(PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **SETTINGS))
+        samples[tuple(result.token_ids[:2])] += 1
+        drafted += result.stats.draft_tokens
+        accepted += result.stats.accepted_tokens
+    return samples, drafted, accepted
+
+
 @pytest.mark.parametrize("method", ["plain", "draft_model", "prompt_lookup"])
 def test_first_two_tokens_follow_target_distribution(tiny_vocab_pair, method):
     target, drafter = tiny_vocab_pair
@@ -74,14 +88,7 @@ def test_first_two_tokens_follow_target_distribution(tiny_vocab_pair, method):
         SpeculationSettings(method=method, num_assistant_tokens=2, prompt_lookup_num_tokens=2),
         drafter=drafter if method == "draft_model" else None,
     )
-    samples: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        # budget 3, k 2: both tokens come from one verification (positions 1 and 2 of a draft)
-        result = engine.generate(PROMPT, GenerationSettings(max_new_tokens=3, seed=seed, **SETTINGS))
-        samples[tuple(result.token_ids[:2])] += 1
-        drafted += result.stats.draft_tokens
-        accepted += result.stats.accepted_tokens
+    samples, drafted, accepted = sample_first_two_tokens(engine)
     if method != "plain":
         assert 50 < accepted < drafted - 50  # acceptance and rejection paths both ran
     assert chi_square_p_value(samples, exact) > 1e-3
