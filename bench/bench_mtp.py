@@ -29,16 +29,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "engine"))
 
+from bench_engine import timed  # noqa: E402  (same folder)
 from mtp_models import load_target, write_mtp_checkpoint  # noqa: E402
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine  # noqa: E402
 from pipeline.engine.proposers.mtp import load_mtp  # noqa: E402
@@ -79,16 +78,6 @@ def gemma4_pair(vocab, hidden, layers, seed=0):
 def rows(vocab: int, n: int, length: int = 48) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(1, vocab, (1, length), generator=gen) for _ in range(n)]
-
-
-def timed(fn, prompts, repeats):
-    """Median over repeats of the total seconds for all rows; returns (seconds, outputs)."""
-    times, outputs = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outputs = [fn(p) for p in prompts]
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), outputs
 
 
 def run_methods(title, target, methods, prompts, new_tokens, repeats, extra=""):
