@@ -20,6 +20,14 @@ directory name appended):
   otherwise), both over the *same rows*: ids present and without error in both runs
 - ``same output`` = rows whose ``output_text`` equals the baseline's (greedy decoding must
   give 100 %)
+- ``bound S`` = the expected wall-time speedup of Leviathan et al. 2023 (arXiv 2211.17192,
+  §3), ``S = (1 − α^(k+1)) / ((1 − α)(k·c + 1))``, from the run's own measured figures on
+  the common rows: α its acceptance rate, k its draft length (the longest draft it verified,
+  i.e. the configured ``num_assistant_tokens`` / ``prompt_lookup_num_tokens``), and
+  c = drafter seconds per draft token (Σ draft_time_s / Σ draft_tokens) / the baseline's
+  seconds per target step (Σ wall_time_s / Σ verify_steps); ``efficiency`` = speedup / S
+  (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of
+  methods that often draft fewer (prompt lookup without a match).
 
 Accepted length per step.  The per-row Parquet has no per-step record, but the
 per-position counts determine the distribution exactly: drafts are verified left to right
@@ -135,6 +143,7 @@ class Stats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     wall_time_s: float = 0.0
+    draft_time_s: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     row_mean_accepted_length: list[float] = field(default_factory=list)
@@ -169,6 +178,8 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
     """:class:`Stats` of the rows without error (and, if given, whose id is in ``ids``)."""
     s = Stats()
     cols = {c: table.column(c).to_pylist() for c in _NEEDED}
+    draft_time = (table.column("draft_time_s").to_pylist() if "draft_time_s" in table.column_names
+                  else [None] * table.num_rows)
     for i in range(table.num_rows):
         if cols["error"][i] is not None or cols["verify_steps"][i] is None:
             continue
@@ -180,6 +191,7 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
         s.draft_tokens += int(cols["draft_tokens"][i] or 0)
         s.accepted_tokens += int(cols["accepted_tokens"][i] or 0)
         s.wall_time_s += float(cols["wall_time_s"][i] or 0.0)
+        s.draft_time_s += float(draft_time[i] or 0.0)
         _add(s.drafted_per_position, cols["drafted_per_position"][i])
         _add(s.accepted_per_position, cols["accepted_per_position"][i])
         if cols["verify_steps"][i]:
@@ -198,12 +210,33 @@ def _outputs(table: pa.Table) -> dict[str, str]:
     return dict(zip(table.column("id").to_pylist(), table.column("output_text").to_pylist()))
 
 
+def speedup_bound(alpha: float | None, k: int, c: float) -> float | None:
+    """Expected wall-time speedup ``S(α, k, c) = (1 − α^(k+1)) / ((1 − α)(k·c + 1))``
+    (Leviathan et al. 2023, arXiv 2211.17192, §3; METRICS.md): α per-token acceptance rate,
+    k draft length (tokens), c drafter/target cost per step.  ``None`` without drafts (k = 0
+    or α unknown); α = 1 takes the limit ``(k + 1) / (k·c + 1)``."""
+    if alpha is None or k <= 0:
+        return None
+    tokens_per_pass = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens_per_pass / (k * c + 1.0)
+
+
+def _bound(s: Stats, base: Stats | None) -> tuple[float | None, float | None, int]:
+    """(S, c, k) of a run's common-row stats against the baseline's (see the module docstring)."""
+    k = len(s.drafted_per_position)
+    if base is None or not base.verify_steps or not base.wall_time_s or not s.draft_tokens:
+        return None, None, k
+    c = (s.draft_time_s / s.draft_tokens) / (base.wall_time_s / base.verify_steps)
+    return speedup_bound(s.acceptance_rate, k, c), c, k
+
+
 def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
     """Per-run figures, and comparisons with the baseline run over common rows.
 
     Returns ``{"baseline": label | None, "common_rows": n, "runs": [row dicts]}``; each row
     dict has ``label, method, uri, rows, errors, acceptance_rate, mean_accepted_length,
-    tokens_per_s, job_tokens_per_s, speedup, same_output, compared_rows`` and the
+    tokens_per_s, job_tokens_per_s, speedup, same_output, compared_rows, k, cost_ratio,
+    speedup_bound, efficiency`` and the
     :class:`Stats` of all its rows (``stats``) and of the common rows (``common``).
     """
     labels: dict[str, int] = {}
@@ -228,9 +261,13 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
             "tokens_per_s": s_all.tokens_per_s,
             "job_tokens_per_s": (r.summary or {}).get("tokens_per_s"),
             "stats": s_all, "common": s_c, "speedup": None, "same_output": None, "compared_rows": len(common),
+            "k": None, "cost_ratio": None, "speedup_bound": None, "efficiency": None,
         }
         if base_common is not None and base_common.tokens_per_s and s_c.tokens_per_s:
             d["speedup"] = s_c.tokens_per_s / base_common.tokens_per_s
+        d["speedup_bound"], d["cost_ratio"], d["k"] = _bound(s_c, base_common)
+        d["efficiency"] = (d["speedup"] / d["speedup_bound"]
+                           if d["speedup"] is not None and d["speedup_bound"] else None)
         if base is not None and base_out:
             mine = _outputs(r.table)
             d["same_output"] = sum(1 for i in common if mine.get(i) == base_out.get(i))
@@ -246,14 +283,17 @@ def _fmt(v, spec=".3f", none="–") -> str:
 
 def markdown_table(result: dict[str, Any]) -> str:
     head = ("| method | rows ok | acceptance rate | mean accepted length | tokens/s | speedup vs "
-            f"{result['baseline'] or 'baseline'} | job tokens/s | same output as {result['baseline'] or 'baseline'} |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            f"{result['baseline'] or 'baseline'} | bound S(α,k,c) | efficiency | job tokens/s | "
+            f"same output as {result['baseline'] or 'baseline'} |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for d in result["runs"]:
         same = (f"{d['same_output']}/{d['compared_rows']}" if d["same_output"] is not None else "–")
         lines.append(
             f"| {d['label']} | {d['rows'] - d['errors']} | {_fmt(d['acceptance_rate'])} | "
             f"{_fmt(d['mean_accepted_length'], '.2f')} | {_fmt(d['tokens_per_s'], '.1f')} | "
             f"{_fmt(d['speedup'], '.2f')}{'×' if d['speedup'] is not None else ''} | "
+            f"{_fmt(d['speedup_bound'], '.2f')}{'×' if d['speedup_bound'] is not None else ''} | "
+            f"{_fmt(d['efficiency'], '.2f')} | "
             f"{_fmt(d['job_tokens_per_s'], '.1f')} | {same} |")
     return "\n".join(lines)
 
@@ -370,7 +410,9 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
         lines.append(f"Speedup and same-output columns compare each run with `{result['baseline']}` over the "
                      f"{result['common_rows']} rows that every run completed without error. tokens/s = Σ new tokens / "
                      "Σ per-row engine wall time; job tokens/s (from the run summary) also counts the Ray stage's "
-                     "start-up and model loading.")
+                     "start-up and model loading. bound S(α,k,c) is the expected speedup of Leviathan et al. "
+                     "(2023) from the run's own α, k and measured drafter/target cost ratio c; efficiency = "
+                     "speedup / S (METRICS.md).")
     else:
         lines.append(f"No `{baseline}` run given: no speedup column.")
     lines += ["", "Rates are run-level: tokens and steps summed over rows, then divided (METRICS.md).", ""]
@@ -379,7 +421,8 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
         s = d["stats"]
         lines.append(f"- **{d['label']}** (`{d['uri']}`): {d['rows']} rows, {d['errors']} errors; "
                      f"{s.new_tokens} new tokens in {s.verify_steps} verify steps; {s.accepted_tokens}/{s.draft_tokens} "
-                     f"draft tokens accepted; engine time {s.wall_time_s:.1f} s")
+                     f"draft tokens accepted; engine time {s.wall_time_s:.1f} s"
+                     + (f"; k = {d['k']}, c = {d['cost_ratio']:.3f}" if d["cost_ratio"] is not None else ""))
         if s.acceptance_by_position:
             lines.append("  - acceptance by draft position: "
                          + ", ".join(f"{i + 1}: {_fmt(a, '.2f')}" for i, a in enumerate(s.acceptance_by_position)))

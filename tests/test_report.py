@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.report import load_run, summarize_runs, write_report
+from pipeline.report import load_run, speedup_bound, summarize_runs, write_report
 from pipeline.write import OUTPUT_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None):
+def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None, draft_time=0.0):
     ok = error is None
     return {
         "id": id_, "prompt": f"p{id_}", "output_text": out if ok else None, "finish_reason": "length" if ok else None,
@@ -25,7 +25,7 @@ def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wa
         "acceptance_rate": (accepted / drafted if drafted else None) if ok else None,
         "mean_accepted_length": new / steps if ok else None,
         "drafted_per_position": list(dpp) if ok else None, "accepted_per_position": list(app) if ok else None,
-        "draft_time_s": 0.0, "verify_time_s": 0.0, "wall_time_s": wall if ok else None, "method": method,
+        "draft_time_s": draft_time, "verify_time_s": 0.0, "wall_time_s": wall if ok else None, "method": method,
         "target_model": "t", "draft_model": None, "error": error, "source_file": "in.jsonl", "source_row": 0,
     }
 
@@ -34,8 +34,8 @@ PLAIN = [_row("a", "plain", "x y", 10, 10, wall=1.0), _row("b", "plain", "u v", 
          _row("c", "plain", "w", 30, 30, wall=3.0)]
 # k = 3.  Row a: 4 drafts, accepted prefixes 3,2,1,0 -> per position accepted [3,2,1].
 # Row b: 8 drafts, accepted prefixes 3,3,2,2,1,1,0,0 -> [6,4,2].  Row c failed.
-DRAFT = [_row("a", "draft_model", "x y", 10, 4, 12, 6, [4, 4, 4], [3, 2, 1], wall=0.5),
-         _row("b", "draft_model", "DIFFERENT", 20, 8, 24, 12, [8, 8, 8], [6, 4, 2], wall=1.0),
+DRAFT = [_row("a", "draft_model", "x y", 10, 4, 12, 6, [4, 4, 4], [3, 2, 1], wall=0.5, draft_time=0.1),
+         _row("b", "draft_model", "DIFFERENT", 20, 8, 24, 12, [8, 8, 8], [6, 4, 2], wall=1.0, draft_time=0.2),
          _row("c", "draft_model", None, 0, 0, error="RuntimeError: boom")]
 
 
@@ -80,6 +80,12 @@ def test_figures_are_recomputed_from_rows(runs):
     assert draft["speedup"] == pytest.approx((30 / 1.5) / (30 / 3.0))
     assert plain["speedup"] == pytest.approx(1.0)
     assert draft["same_output"] == 1 and plain["same_output"] == 2
+    # Bound S(α, k, c) from the common rows: α = 18/36, k = 3, c = (0.3 s / 36 draft tokens) /
+    # (plain's 3.0 s / 30 steps) = 1/12  ->  (1 − 0.5⁴) / 0.5 / (3/12 + 1) = 1.5.
+    assert draft["k"] == 3 and draft["cost_ratio"] == pytest.approx(1 / 12)
+    assert draft["speedup_bound"] == pytest.approx(1.5)
+    assert draft["efficiency"] == pytest.approx(2.0 / 1.5)
+    assert plain["speedup_bound"] is None and plain["efficiency"] is None
     assert draft["job_tokens_per_s"] == 12.5
     s = draft["stats"]
     assert s.acceptance_by_position == pytest.approx([9 / 12, 6 / 12, 3 / 12])
@@ -88,12 +94,21 @@ def test_figures_are_recomputed_from_rows(runs):
     assert plain["stats"].accepted_length_steps == [60]
 
 
+def test_speedup_bound_follows_leviathan():
+    # E = (1 − α^(k+1)) / (1 − α) tokens per target pass, divided by the cost k·c + 1.
+    assert speedup_bound(0.8, 4, 0.0) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert speedup_bound(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+    assert speedup_bound(0.0, 5, 0.1) == pytest.approx(1 / 1.5)  # nothing accepted: pure drafting cost
+    assert speedup_bound(1.0, 4, 0.25) == pytest.approx(5 / 2)  # the α → 1 limit
+    assert speedup_bound(None, 4, 0.1) is None and speedup_bound(0.5, 0, 0.1) is None
+
+
 def test_report_files(runs, tmp_path):
     out = tmp_path / "report"
     write_report(runs, out, title="t")
     md = (out / "report.md").read_text()
-    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | 12.5 | 1/2 |" in md
-    assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | 7.5 | 2/2 |" in md
+    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | 1.50× | 1.33 | 12.5 | 1/2 |" in md
+    assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | – | – | 7.5 | 2/2 |" in md
     for name in ("accepted_length.png", "acceptance_by_position.png", "throughput.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
