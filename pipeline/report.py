@@ -18,6 +18,10 @@ directory name appended):
   ``tokens_per_s`` (new tokens over the wall time of the whole generate stage)
 - ``speedup`` = tokens/s of the run / tokens/s of the baseline run (``plain`` unless told
   otherwise), both over the *same rows*: ids present and without error in both runs
+- ``decode tokens/s`` = Σ new_tokens / Σ (wall_time_s − prefill_time_s): the target's prompt
+  prefill, the same work for every method, left out (a drafter's own prefill stays in, it is
+  a cost of speculation); ``decode speedup`` its ratio to the baseline's on the same rows.
+  Both are empty for outputs written before the ``prefill_time_s`` column existed.
 - ``same output`` = rows whose ``output_text`` equals the baseline's (greedy decoding must
   give 100 %)
 - ``bound S`` = the expected wall-time speedup of Leviathan et al. 2023 (arXiv 2211.17192,
@@ -25,8 +29,8 @@ directory name appended):
   the common rows: α its acceptance rate, k its draft length (the longest draft it verified,
   i.e. the configured ``num_assistant_tokens`` / ``prompt_lookup_num_tokens``), and
   c = drafter seconds per draft token (Σ draft_time_s / Σ draft_tokens) / the baseline's
-  seconds per target step (Σ wall_time_s / Σ verify_steps); ``efficiency`` = speedup / S
-  (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of
+  seconds per target step (Σ (wall_time_s − prefill_time_s) / Σ verify_steps); ``efficiency``
+  = decode speedup / S (speedup / S without prefill times) (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of
   methods that often draft fewer (prompt lookup without a match).
 
 Accepted length per step.  The per-row Parquet has no per-step record, but the
@@ -144,6 +148,7 @@ class Stats:
     accepted_tokens: int = 0
     wall_time_s: float = 0.0
     draft_time_s: float = 0.0
+    prefill_time_s: float | None = 0.0  # None: some row has no prefill time (older outputs)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     row_mean_accepted_length: list[float] = field(default_factory=list)
@@ -159,6 +164,15 @@ class Stats:
     @property
     def tokens_per_s(self) -> float | None:
         return self.new_tokens / self.wall_time_s if self.wall_time_s else None
+
+    @property
+    def decode_time_s(self) -> float | None:
+        return self.wall_time_s - self.prefill_time_s if self.prefill_time_s is not None else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        t = self.decode_time_s
+        return self.new_tokens / t if t else None
 
     @property
     def acceptance_by_position(self) -> list[float | None]:
@@ -178,8 +192,10 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
     """:class:`Stats` of the rows without error (and, if given, whose id is in ``ids``)."""
     s = Stats()
     cols = {c: table.column(c).to_pylist() for c in _NEEDED}
-    draft_time = (table.column("draft_time_s").to_pylist() if "draft_time_s" in table.column_names
-                  else [None] * table.num_rows)
+    def optional(name):
+        return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+
+    draft_time, prefill_time = optional("draft_time_s"), optional("prefill_time_s")
     for i in range(table.num_rows):
         if cols["error"][i] is not None or cols["verify_steps"][i] is None:
             continue
@@ -192,6 +208,10 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
         s.accepted_tokens += int(cols["accepted_tokens"][i] or 0)
         s.wall_time_s += float(cols["wall_time_s"][i] or 0.0)
         s.draft_time_s += float(draft_time[i] or 0.0)
+        if prefill_time[i] is None or s.prefill_time_s is None:
+            s.prefill_time_s = None
+        else:
+            s.prefill_time_s += float(prefill_time[i])
         _add(s.drafted_per_position, cols["drafted_per_position"][i])
         _add(s.accepted_per_position, cols["accepted_per_position"][i])
         if cols["verify_steps"][i]:
@@ -224,9 +244,11 @@ def speedup_bound(alpha: float | None, k: int, c: float) -> float | None:
 def _bound(s: Stats, base: Stats | None) -> tuple[float | None, float | None, int]:
     """(S, c, k) of a run's common-row stats against the baseline's (see the module docstring)."""
     k = len(s.drafted_per_position)
-    if base is None or not base.verify_steps or not base.wall_time_s or not s.draft_tokens:
+    base_time = base.decode_time_s if base is not None and base.decode_time_s is not None else (
+        base.wall_time_s if base is not None else None)
+    if base is None or not base.verify_steps or not base_time or not s.draft_tokens:
         return None, None, k
-    c = (s.draft_time_s / s.draft_tokens) / (base.wall_time_s / base.verify_steps)
+    c = (s.draft_time_s / s.draft_tokens) / (base_time / base.verify_steps)
     return speedup_bound(s.acceptance_rate, k, c), c, k
 
 
@@ -235,7 +257,8 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
 
     Returns ``{"baseline": label | None, "common_rows": n, "runs": [row dicts]}``; each row
     dict has ``label, method, uri, rows, errors, acceptance_rate, mean_accepted_length,
-    tokens_per_s, job_tokens_per_s, speedup, same_output, compared_rows, k, cost_ratio,
+    tokens_per_s, job_tokens_per_s, speedup, decode_tokens_per_s, decode_speedup, same_output,
+    compared_rows, k, cost_ratio,
     speedup_bound, efficiency`` and the
     :class:`Stats` of all its rows (``stats``) and of the common rows (``common``).
     """
@@ -258,16 +281,19 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
             "label": r.label, "method": r.method, "uri": r.uri, "rows": r.table.num_rows,
             "errors": r.table.num_rows - r.table.column("error").null_count,
             "acceptance_rate": s_all.acceptance_rate, "mean_accepted_length": s_all.mean_accepted_length,
-            "tokens_per_s": s_all.tokens_per_s,
+            "tokens_per_s": s_all.tokens_per_s, "decode_tokens_per_s": s_all.decode_tokens_per_s,
+            "decode_speedup": None,
             "job_tokens_per_s": (r.summary or {}).get("tokens_per_s"),
             "stats": s_all, "common": s_c, "speedup": None, "same_output": None, "compared_rows": len(common),
             "k": None, "cost_ratio": None, "speedup_bound": None, "efficiency": None,
         }
         if base_common is not None and base_common.tokens_per_s and s_c.tokens_per_s:
             d["speedup"] = s_c.tokens_per_s / base_common.tokens_per_s
+        if base_common is not None and base_common.decode_tokens_per_s and s_c.decode_tokens_per_s:
+            d["decode_speedup"] = s_c.decode_tokens_per_s / base_common.decode_tokens_per_s
         d["speedup_bound"], d["cost_ratio"], d["k"] = _bound(s_c, base_common)
-        d["efficiency"] = (d["speedup"] / d["speedup_bound"]
-                           if d["speedup"] is not None and d["speedup_bound"] else None)
+        measured = d["decode_speedup"] if d["decode_speedup"] is not None else d["speedup"]
+        d["efficiency"] = measured / d["speedup_bound"] if measured is not None and d["speedup_bound"] else None
         if base is not None and base_out:
             mine = _outputs(r.table)
             d["same_output"] = sum(1 for i in common if mine.get(i) == base_out.get(i))
@@ -282,16 +308,18 @@ def _fmt(v, spec=".3f", none="–") -> str:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    head = ("| method | rows ok | acceptance rate | mean accepted length | tokens/s | speedup vs "
-            f"{result['baseline'] or 'baseline'} | bound S(α,k,c) | efficiency | job tokens/s | "
-            f"same output as {result['baseline'] or 'baseline'} |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    b = result["baseline"] or "baseline"
+    head = (f"| method | rows ok | acceptance rate | mean accepted length | tokens/s | speedup vs {b} | "
+            f"decode tokens/s | decode speedup | bound S(α,k,c) | efficiency | job tokens/s | same output as {b} |")
+    lines = [head, "| --- |" + " ---: |" * 11]
     for d in result["runs"]:
         same = (f"{d['same_output']}/{d['compared_rows']}" if d["same_output"] is not None else "–")
         lines.append(
             f"| {d['label']} | {d['rows'] - d['errors']} | {_fmt(d['acceptance_rate'])} | "
             f"{_fmt(d['mean_accepted_length'], '.2f')} | {_fmt(d['tokens_per_s'], '.1f')} | "
             f"{_fmt(d['speedup'], '.2f')}{'×' if d['speedup'] is not None else ''} | "
+            f"{_fmt(d['decode_tokens_per_s'], '.1f')} | "
+            f"{_fmt(d['decode_speedup'], '.2f')}{'×' if d['decode_speedup'] is not None else ''} | "
             f"{_fmt(d['speedup_bound'], '.2f')}{'×' if d['speedup_bound'] is not None else ''} | "
             f"{_fmt(d['efficiency'], '.2f')} | "
             f"{_fmt(d['job_tokens_per_s'], '.1f')} | {same} |")
@@ -373,9 +401,16 @@ def plot_throughput(result, path: Path) -> None:
     ax1.bar_label(bars, fmt="%.1f")
     ax1.set_ylabel("new tokens / s (engine)")
     ax1.set_title("Throughput")
-    sp = [d["speedup"] or 0.0 for d in runs]
-    bars = ax2.bar(labels, sp, color="tab:green")
-    ax2.bar_label(bars, fmt="%.2f×")
+    xs = list(range(len(runs)))
+    series = [("end to end", [d["speedup"] or 0.0 for d in runs], "tab:green")]
+    if any(d["decode_speedup"] is not None for d in runs):
+        series.append(("decode (prefill left out)", [d["decode_speedup"] or 0.0 for d in runs], "tab:olive"))
+    width = 0.8 / len(series)
+    for n, (name, vals, color) in enumerate(series):
+        bars = ax2.bar([x + (n - (len(series) - 1) / 2) * width for x in xs], vals, width=width, color=color, label=name)
+        ax2.bar_label(bars, fmt="%.2f×")
+    ax2.set_xticks(xs, labels)
+    ax2.legend(loc="lower right")
     ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax2.set_ylabel(f"speedup vs {result['baseline'] or 'baseline'} (same rows)")
     ax2.set_title("Speedup")
@@ -410,9 +445,10 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
         lines.append(f"Speedup and same-output columns compare each run with `{result['baseline']}` over the "
                      f"{result['common_rows']} rows that every run completed without error. tokens/s = Σ new tokens / "
                      "Σ per-row engine wall time; job tokens/s (from the run summary) also counts the Ray stage's "
-                     "start-up and model loading. bound S(α,k,c) is the expected speedup of Leviathan et al. "
+                     "start-up and model loading. decode tokens/s leaves out the target's prompt prefill (the "
+                     "same work for every method). bound S(α,k,c) is the expected speedup of Leviathan et al. "
                      "(2023) from the run's own α, k and measured drafter/target cost ratio c; efficiency = "
-                     "speedup / S (METRICS.md).")
+                     "decode speedup / S (METRICS.md).")
     else:
         lines.append(f"No `{baseline}` run given: no speedup column.")
     lines += ["", "Rates are run-level: tokens and steps summed over rows, then divided (METRICS.md).", ""]

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 _SUMS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
-         "draft_time_s", "verify_time_s", "wall_time_s")
+         "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s")
 
 
 def _add_lists(acc: list[int], values: list[int] | None) -> None:
@@ -119,9 +119,13 @@ class RunTotals:
             "acceptance_rate": s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else None,
             "mean_accepted_length": new / s["verify_steps"] if s["verify_steps"] else None,
             "draft_time_s": s["draft_time_s"],
+            "prefill_time_s": s["prefill_time_s"],
             "verify_time_s": s["verify_time_s"],
             "engine_time_s": s["wall_time_s"],
             "engine_tokens_per_s": new / s["wall_time_s"] if s["wall_time_s"] else None,
+            # decode throughput: the target's prompt prefill (same for every method) left out
+            "decode_tokens_per_s": (new / (s["wall_time_s"] - s["prefill_time_s"])
+                                    if s["wall_time_s"] > s["prefill_time_s"] else None),
             "generate_elapsed_s": generate_elapsed_s,
             "tokens_per_s": new / generate_elapsed_s if generate_elapsed_s else None,
             "drafted_per_position": self.drafted_per_position,

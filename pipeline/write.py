@@ -70,8 +70,9 @@ OUTPUT_SCHEMA = pa.schema(
         ("mean_accepted_length", pa.float64()),  # new_tokens / verify_steps
         ("drafted_per_position", pa.list_(pa.int64())),  # [i]: drafts that reached position i+1
         ("accepted_per_position", pa.list_(pa.int64())),  # [i]: drafts accepted at position i+1
-        ("draft_time_s", pa.float64()),
-        ("verify_time_s", pa.float64()),
+        ("draft_time_s", pa.float64()),  # proposing, a drafter's prompt prefill included
+        ("prefill_time_s", pa.float64()),  # the target's prompt forward
+        ("verify_time_s", pa.float64()),  # target passes after the prefill
         ("wall_time_s", pa.float64()),  # the engine's time for this row (generate() call)
         ("method", pa.string()),
         ("target_model", pa.string()),

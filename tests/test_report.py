@@ -16,7 +16,7 @@ from pipeline.write import OUTPUT_SCHEMA
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None, draft_time=0.0):
+def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None, draft_time=0.0, prefill=None):
     ok = error is None
     return {
         "id": id_, "prompt": f"p{id_}", "output_text": out if ok else None, "finish_reason": "length" if ok else None,
@@ -25,7 +25,7 @@ def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wa
         "acceptance_rate": (accepted / drafted if drafted else None) if ok else None,
         "mean_accepted_length": new / steps if ok else None,
         "drafted_per_position": list(dpp) if ok else None, "accepted_per_position": list(app) if ok else None,
-        "draft_time_s": draft_time, "verify_time_s": 0.0, "wall_time_s": wall if ok else None, "method": method,
+        "draft_time_s": draft_time, "prefill_time_s": prefill if ok else None, "verify_time_s": 0.0, "wall_time_s": wall if ok else None, "method": method,
         "target_model": "t", "draft_model": None, "error": error, "source_file": "in.jsonl", "source_row": 0,
     }
 
@@ -94,6 +94,26 @@ def test_figures_are_recomputed_from_rows(runs):
     assert plain["stats"].accepted_length_steps == [60]
 
 
+def test_decode_figures_leave_the_prefill_out(tmp_path):
+    fs = fsspec.filesystem("file")
+    plain = [_row(r["id"], "plain", r["output_text"], r["new_tokens"], r["verify_steps"], wall=r["wall_time_s"],
+                  prefill=p) for r, p in zip(PLAIN, (0.5, 1.0, 1.0))]
+    draft = [_row("a", "draft_model", "x y", 10, 4, 12, 6, [4, 4, 4], [3, 2, 1], wall=0.5, draft_time=0.1, prefill=0.25),
+             _row("b", "draft_model", "u v", 20, 8, 24, 12, [8, 8, 8], [6, 4, 2], wall=1.0, draft_time=0.2, prefill=0.5)]
+    _write_run(fs, str(tmp_path / "plain"), plain)
+    _write_run(fs, str(tmp_path / "draft"), draft)
+    res = summarize_runs([load_run(str(tmp_path / "plain")), load_run(str(tmp_path / "draft"))])
+    p, d = res["runs"]
+    assert p["decode_tokens_per_s"] == pytest.approx(60 / (6.0 - 2.5))
+    # Common rows a, b: plain decodes 30 tokens in (1 − 0.5) + (2 − 1) = 1.5 s, the drafter run in 0.75 s.
+    assert d["decode_tokens_per_s"] == pytest.approx(30 / 0.75)
+    assert d["decode_speedup"] == pytest.approx(2.0) and d["speedup"] == pytest.approx(2.0)
+    # c = (0.3 s / 36 draft tokens) / (1.5 s / 30 target steps) = 1/6  ->  S = 1.875 / 1.5 = 1.25.
+    assert d["cost_ratio"] == pytest.approx(1 / 6) and d["speedup_bound"] == pytest.approx(1.25)
+    assert d["efficiency"] == pytest.approx(2.0 / 1.25)
+    assert d["same_output"] == 2
+
+
 def test_speedup_bound_follows_leviathan():
     # E = (1 − α^(k+1)) / (1 − α) tokens per target pass, divided by the cost k·c + 1.
     assert speedup_bound(0.8, 4, 0.0) == pytest.approx((1 - 0.8 ** 5) / 0.2)
@@ -107,8 +127,9 @@ def test_report_files(runs, tmp_path):
     out = tmp_path / "report"
     write_report(runs, out, title="t")
     md = (out / "report.md").read_text()
-    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | 1.50× | 1.33 | 12.5 | 1/2 |" in md
-    assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | – | – | 7.5 | 2/2 |" in md
+    # No prefill_time_s in these rows (outputs of an older version): no decode columns.
+    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | – | – | 1.50× | 1.33 | 12.5 | 1/2 |" in md
+    assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | – | – | – | – | 7.5 | 2/2 |" in md
     for name in ("accepted_length.png", "acceptance_by_position.png", "throughput.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

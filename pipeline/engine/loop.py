@@ -137,7 +137,7 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         if prompt_len > 1:
             self._target_forward(self.target, prompt[:, :-1], cache, 1)
-        stats.verify_time_s += time.perf_counter() - t0
+        stats.prefill_time_s = time.perf_counter() - t0
 
         sequence = prompt
         generated: list[int] = []

@@ -20,7 +20,12 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RowStats:
-    """Exact statistics of one row.  Times are seconds (``time.perf_counter``)."""
+    """Exact statistics of one row.  Times are seconds (``time.perf_counter``).
+
+    ``prefill_time_s`` is the target's prompt forward (the time to first token, less
+    drafting); ``verify_time_s`` the target passes after it; ``draft_time_s`` all
+    proposing (a drafter's own prompt prefill included); ``wall_time_s`` the whole call.
+    """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -30,6 +35,7 @@ class RowStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
+    prefill_time_s: float = 0.0
     verify_time_s: float = 0.0
     wall_time_s: float = 0.0
     finish_reason: str | None = None

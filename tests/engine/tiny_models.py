@@ -108,4 +108,5 @@ def check_stats(result, k: int | None = None) -> None:
         assert s.new_tokens in (s.accepted_tokens + s.verify_steps, s.accepted_tokens + s.verify_steps - 1)
     if k is not None:
         assert len(s.drafted_per_position) <= k
-    assert s.wall_time_s >= s.draft_time_s + s.verify_time_s - 1e-6
+    assert s.wall_time_s >= s.draft_time_s + s.prefill_time_s + s.verify_time_s - 1e-6
+    assert s.prefill_time_s > 0 or s.prompt_tokens == 1  # a 1-token prompt needs no prefill

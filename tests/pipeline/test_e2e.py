@@ -90,7 +90,7 @@ def test_statistics_equal_the_engine_in_process(result):
         for k in STAT_COLUMNS:
             assert row[k] == st[k], (row["id"], k)
         assert row["output_text"] == m.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        assert row["wall_time_s"] > 0 and row["verify_time_s"] > 0
+        assert row["wall_time_s"] > 0 and row["verify_time_s"] > 0 and row["prefill_time_s"] > 0
         assert row["method"] == "draft_model" and row["draft_model"] == cfg.models.drafter
 
 
