@@ -26,10 +26,16 @@ directory name appended):
   give 100 %)
 - ``bound S`` = the expected wall-time speedup of Leviathan et al. 2023 (arXiv 2211.17192,
   §3), ``S = (1 − α^(k+1)) / ((1 − α)(k·c + 1))``, from the run's own measured figures on
-  the common rows: α its acceptance rate, k its draft length (the longest draft it verified,
+  the common rows: α the per-token acceptance of that paper (the chance a draft token is
+  accepted given that every token before it was), estimated from the per-position counts as
+  Σ accepted / Σ evaluated with evaluated at position 1 = drafted_per_position[0] and at
+  position i > 1 = min(accepted_per_position[i-2], drafted_per_position[i-1]) (exact when no
+  draft was cut short by the budget).  It is higher than the acceptance rate (accepted /
+  drafted), which also counts the tokens after a rejection; k its draft length (the longest draft it verified,
   i.e. the configured ``num_assistant_tokens`` / ``prompt_lookup_num_tokens``), and
   c = drafter seconds per draft token (Σ draft_time_s / Σ draft_tokens) / the baseline's
-  seconds per target step (Σ (wall_time_s − prefill_time_s) / Σ verify_steps); ``efficiency``
+  seconds per target step (Σ (wall_time_s − prefill_time_s) / Σ verify_steps) (the drafter's
+  own prompt prefill is in its draft time, so c is an upper estimate); ``efficiency``
   = decode speedup / S (speedup / S without prefill times) (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of
   methods that often draft fewer (prompt lookup without a match).
 
@@ -175,6 +181,15 @@ class Stats:
         return self.new_tokens / t if t else None
 
     @property
+    def token_acceptance(self) -> float | None:
+        """Leviathan et al.'s per-token α: Σ accepted / Σ evaluated (see the module docstring)."""
+        acc, dr = self.accepted_per_position, self.drafted_per_position
+        if not dr or not dr[0]:
+            return None
+        evaluated = dr[0] + sum(min(acc[i - 1], dr[i]) for i in range(1, len(dr)))
+        return sum(acc) / evaluated if evaluated else None
+
+    @property
     def acceptance_by_position(self) -> list[float | None]:
         return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
@@ -249,7 +264,7 @@ def _bound(s: Stats, base: Stats | None) -> tuple[float | None, float | None, in
     if base is None or not base.verify_steps or not base_time or not s.draft_tokens:
         return None, None, k
     c = (s.draft_time_s / s.draft_tokens) / (base_time / base.verify_steps)
-    return speedup_bound(s.acceptance_rate, k, c), c, k
+    return speedup_bound(s.token_acceptance, k, c), c, k
 
 
 def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
@@ -447,7 +462,8 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
                      "Σ per-row engine wall time; job tokens/s (from the run summary) also counts the Ray stage's "
                      "start-up and model loading. decode tokens/s leaves out the target's prompt prefill (the "
                      "same work for every method). bound S(α,k,c) is the expected speedup of Leviathan et al. "
-                     "(2023) from the run's own α, k and measured drafter/target cost ratio c; efficiency = "
+                     "(2023) from the run's own per-token α (the chance a draft token is accepted when all before "
+                     "it were; not the acceptance rate), k and measured drafter/target cost ratio c; efficiency = "
                      "decode speedup / S (METRICS.md).")
     else:
         lines.append(f"No `{baseline}` run given: no speedup column.")
@@ -458,7 +474,8 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
         lines.append(f"- **{d['label']}** (`{d['uri']}`): {d['rows']} rows, {d['errors']} errors; "
                      f"{s.new_tokens} new tokens in {s.verify_steps} verify steps; {s.accepted_tokens}/{s.draft_tokens} "
                      f"draft tokens accepted; engine time {s.wall_time_s:.1f} s"
-                     + (f"; k = {d['k']}, c = {d['cost_ratio']:.3f}" if d["cost_ratio"] is not None else ""))
+                     + (f"; per-token α = {d['common'].token_acceptance:.3f}, k = {d['k']}, c = {d['cost_ratio']:.3f}"
+                        if d["cost_ratio"] is not None else ""))
         if s.acceptance_by_position:
             lines.append("  - acceptance by draft position: "
                          + ", ".join(f"{i + 1}: {_fmt(a, '.2f')}" for i, a in enumerate(s.acceptance_by_position)))
@@ -472,6 +489,7 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
     plain = {"baseline": result["baseline"], "common_rows": result["common_rows"], "runs": [
         {k: v for k, v in d.items() if k not in ("stats", "common")}
         | {"acceptance_by_position": d["stats"].acceptance_by_position,
+           "token_acceptance": d["stats"].token_acceptance,
            "accepted_length_steps": d["stats"].accepted_length_steps}
         for d in result["runs"]]}
     (out / "report.json").write_text(json.dumps(plain, indent=2), encoding="utf-8")

@@ -80,11 +80,15 @@ def test_figures_are_recomputed_from_rows(runs):
     assert draft["speedup"] == pytest.approx((30 / 1.5) / (30 / 3.0))
     assert plain["speedup"] == pytest.approx(1.0)
     assert draft["same_output"] == 1 and plain["same_output"] == 2
-    # Bound S(α, k, c) from the common rows: α = 18/36, k = 3, c = (0.3 s / 36 draft tokens) /
-    # (plain's 3.0 s / 30 steps) = 1/12  ->  (1 − 0.5⁴) / 0.5 / (3/12 + 1) = 1.5.
+    # Bound S(α, k, c) from the common rows.  Per-token α: 18 accepted of 12 + 9 + 6 = 27
+    # evaluated (position 2 is evaluated only after position 1 was accepted, ...), so α = 2/3
+    # (the acceptance rate 18/36 also counts tokens after a rejection).  k = 3, c = (0.3 s / 36
+    # draft tokens) / (plain's 3.0 s / 30 steps) = 1/12  ->  (1 − (2/3)⁴) / (1/3) / (3/12 + 1).
+    s_common = draft["common"]
+    assert s_common.token_acceptance == pytest.approx(2 / 3)
     assert draft["k"] == 3 and draft["cost_ratio"] == pytest.approx(1 / 12)
-    assert draft["speedup_bound"] == pytest.approx(1.5)
-    assert draft["efficiency"] == pytest.approx(2.0 / 1.5)
+    assert draft["speedup_bound"] == pytest.approx((1 - (2 / 3) ** 4) * 3 / 1.25)
+    assert draft["efficiency"] == pytest.approx(2.0 / ((1 - (2 / 3) ** 4) * 3 / 1.25))
     assert plain["speedup_bound"] is None and plain["efficiency"] is None
     assert draft["job_tokens_per_s"] == 12.5
     s = draft["stats"]
@@ -108,9 +112,10 @@ def test_decode_figures_leave_the_prefill_out(tmp_path):
     # Common rows a, b: plain decodes 30 tokens in (1 − 0.5) + (2 − 1) = 1.5 s, the drafter run in 0.75 s.
     assert d["decode_tokens_per_s"] == pytest.approx(30 / 0.75)
     assert d["decode_speedup"] == pytest.approx(2.0) and d["speedup"] == pytest.approx(2.0)
-    # c = (0.3 s / 36 draft tokens) / (1.5 s / 30 target steps) = 1/6  ->  S = 1.875 / 1.5 = 1.25.
-    assert d["cost_ratio"] == pytest.approx(1 / 6) and d["speedup_bound"] == pytest.approx(1.25)
-    assert d["efficiency"] == pytest.approx(2.0 / 1.25)
+    # c = (0.3 s / 36 draft tokens) / (1.5 s / 30 target steps) = 1/6, α = 2/3, k = 3.
+    bound = (1 - (2 / 3) ** 4) * 3 / (3 / 6 + 1)
+    assert d["cost_ratio"] == pytest.approx(1 / 6) and d["speedup_bound"] == pytest.approx(bound)
+    assert d["efficiency"] == pytest.approx(2.0 / bound)
     assert d["same_output"] == 2
 
 
@@ -128,7 +133,7 @@ def test_report_files(runs, tmp_path):
     write_report(runs, out, title="t")
     md = (out / "report.md").read_text()
     # No prefill_time_s in these rows (outputs of an older version): no decode columns.
-    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | – | – | 1.50× | 1.33 | 12.5 | 1/2 |" in md
+    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | – | – | 1.93× | 1.04 | 12.5 | 1/2 |" in md
     assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | – | – | – | – | 7.5 | 2/2 |" in md
     for name in ("accepted_length.png", "acceptance_by_position.png", "throughput.png"):
         data = (out / name).read_bytes()
