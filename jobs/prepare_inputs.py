@@ -8,7 +8,7 @@ Outputs (the jobs read ``id`` and ``text``; ``reference`` is kept for scoring):
 - ``xsum_1000.jsonl``: the 1,000 XSum BBC articles of ``xsum_helm_1000/xsum_0shot.jsonl``, with the
   HELM prompt wrapper (``###\\nArticle: `` ... ``Summarize the above article in 1 sentence.``)
   removed, so the job's own template applies; ids ``xsum-0000`` ... in file order.
-  ``xsum_200.jsonl``: its first 200 rows (the subset measured in the README).
+  ``xsum_200.jsonl``: its first 200 rows (a quicker subset).
 - ``spec_bench_summarization.jsonl``: Spec-Bench's 80 CNN/DM prompts (question ids 241-320) without
   their ``Summarize: `` prefix (configs/spec_bench_summarize.yaml puts it back); ids ``spec-bench-<id>``.
 - ``spec_bench_translation.jsonl``: Spec-Bench's 80 WMT14 German sentences (ids 161-240) without
@@ -45,7 +45,7 @@ def prepare(data: Path, out: Path) -> dict[str, int]:
             rows.append({"id": f"xsum-{i:04d}", "text": _strip(r["article"], HELM_PREFIX, HELM_SUFFIX),
                          "reference": r["summary_gt"]})
     counts["xsum_1000.jsonl"] = _write(out / "xsum_1000.jsonl", rows)
-    counts["xsum_200.jsonl"] = _write(out / "xsum_200.jsonl", rows[:200])  # the README's measured subset
+    counts["xsum_200.jsonl"] = _write(out / "xsum_200.jsonl", rows[:200])  # a quicker subset
     summ, trans = [], []
     with open(data / "spec_bench" / "question.jsonl", encoding="utf-8") as f:
         for line in f:

@@ -474,6 +474,9 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
         lines.append(f"- **{d['label']}** (`{d['uri']}`): {d['rows']} rows, {d['errors']} errors; "
                      f"{s.new_tokens} new tokens in {s.verify_steps} verify steps; {s.accepted_tokens}/{s.draft_tokens} "
                      f"draft tokens accepted; engine time {s.wall_time_s:.1f} s"
+                     + (f", target prefill {d['common'].prefill_time_s:.1f} s on the common rows (the same work in "
+                        "every run: compare it across runs to see how steady the machine was)"
+                        if d["common"].prefill_time_s is not None and d["common"].rows else "")
                      + (f"; per-token α = {d['common'].token_acceptance:.3f}, k = {d['k']}, c = {d['cost_ratio']:.3f}"
                         if d["cost_ratio"] is not None else ""))
         if s.acceptance_by_position:
