@@ -425,7 +425,8 @@ def plot_throughput(result, path: Path) -> None:
         bars = ax2.bar([x + (n - (len(series) - 1) / 2) * width for x in xs], vals, width=width, color=color, label=name)
         ax2.bar_label(bars, fmt="%.2f×")
     ax2.set_xticks(xs, labels)
-    ax2.legend(loc="lower right")
+    ax2.set_ylim(0, 1.3 * max([1.0] + [v for _, vals, _ in series for v in vals]))  # room for labels, legend
+    ax2.legend(loc="upper left")
     ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax2.set_ylabel(f"speedup vs {result['baseline'] or 'baseline'} (same rows)")
     ax2.set_title("Speedup")
