@@ -104,13 +104,51 @@ def timed(fn, prompts, repeats):
     return statistics.median(times), outputs
 
 
+def measure_methods(target, methods, prompts, new_tokens, repeats) -> dict[str, dict]:
+    """Time each method against ``generate()`` with the matching arguments (greedy).
+
+    ``methods``: ``{name: (SpeculationSettings kwargs, SpeculativeEngine kwargs, generate() kwargs)}``,
+    ``plain`` first.  Returns per method: ``t_ours``, ``t_hf`` (median seconds over all prompts),
+    ``same`` (rows equal to ``generate()``), ``lossless`` (rows equal to our plain run),
+    ``alpha`` (accepted / drafted), ``mal`` (new tokens / verify steps), ``k`` (longest draft).
+    """
+    settings = GenerationSettings(max_new_tokens=new_tokens)
+    results, plain_out = {}, None
+    for method, (spec, engine_kw, hf_kw) in methods.items():
+        engine = SpeculativeEngine(target, SpeculationSettings(**spec), **engine_kw)
+
+        def ours(p):
+            return engine.generate(p, settings)
+
+        def hf(p):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return target.generate(p, max_new_tokens=new_tokens, do_sample=False, **hf_kw)[0, p.shape[1]:].tolist()
+
+        ours(prompts[0]), hf(prompts[0])  # warm-up
+        t_ours, out_ours = timed(ours, prompts, repeats)
+        t_hf, out_hf = timed(hf, prompts, repeats)
+        if plain_out is None:
+            plain_out = [o.token_ids for o in out_ours]
+        drafted = sum(o.stats.draft_tokens for o in out_ours)
+        accepted = sum(o.stats.accepted_tokens for o in out_ours)
+        results[method] = dict(
+            t_ours=t_ours, t_hf=t_hf,
+            same=sum(o.token_ids == h for o, h in zip(out_ours, out_hf)),
+            lossless=sum(o.token_ids == p for o, p in zip(out_ours, plain_out)),
+            alpha=accepted / drafted if drafted else None,
+            mal=sum(o.stats.new_tokens for o in out_ours) / sum(o.stats.verify_steps for o in out_ours),
+            k=max((len(o.stats.drafted_per_position) for o in out_ours), default=0),
+        )
+    return results
+
+
 def bench_size(name, target, drafter, prompts, new_tokens, repeats, uad=None, only=None):
     oracle = copy.deepcopy(target)  # the target's weights in a separate model: acceptance 1.0
     exit_layer = max(1, target.config.num_hidden_layers // 4)
     shallow = shallow_copy(target, exit_layer)
     for model in (drafter, oracle, shallow, target):  # the target's own config drives generate(assistant_early_exit=)
         setup_assistant(model)
-    settings = GenerationSettings(max_new_tokens=new_tokens)
     w = 0.7
     methods = {
         "plain": (dict(method="plain"), {}, {}),
@@ -143,36 +181,12 @@ def bench_size(name, target, drafter, prompts, new_tokens, repeats, uad=None, on
             dict(assistant_model=u_drafter, tokenizer=tok_t, assistant_tokenizer=tok_d))
     if only is not None:
         methods = {m: v for m, v in methods.items() if m.startswith(only)}
-    results = {}
-    for method, (spec, engine_kw, hf_kw) in methods.items():
-        engine = SpeculativeEngine(target, SpeculationSettings(**spec), **engine_kw)
-
-        def ours(p):
-            return engine.generate(p, settings)
-
-        def hf(p):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return target.generate(p, max_new_tokens=new_tokens, do_sample=False, **hf_kw)[0, p.shape[1]:].tolist()
-
-        ours(prompts[0]), hf(prompts[0])  # warm-up
-        t_ours, out_ours = timed(ours, prompts, repeats)
-        t_hf, out_hf = timed(hf, prompts, repeats)
-        same = sum(o.token_ids == h for o, h in zip(out_ours, out_hf))
-        if method == "plain":
-            plain_out = [o.token_ids for o in out_ours]
-        lossless = sum(o.token_ids == p for o, p in zip(out_ours, plain_out))
-        drafted = sum(o.stats.draft_tokens for o in out_ours)
-        accepted = sum(o.stats.accepted_tokens for o in out_ours)
-        steps = sum(o.stats.verify_steps for o in out_ours)
-        tokens = sum(o.stats.new_tokens for o in out_ours)
-        results[method] = dict(t_ours=t_ours, t_hf=t_hf, same=same, alpha=accepted / drafted if drafted else None,
-                               mal=tokens / steps, lossless=lossless)
+    results = measure_methods(target, methods, prompts, new_tokens, repeats)
     plain = results["plain"]
     print(f"\n## {name}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f} M params, "
           f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M, k={K}, "
           f"{len(prompts)} rows x {new_tokens} new tokens, median of {repeats}")
-    print(f"| method | acceptance | tokens/step | ours s | generate() s | ours/generate() | ours spec/plain | generate() spec/plain | outputs equal | = plain |")
+    print("| method | acceptance | tokens/step | ours s | generate() s | ours/generate() | ours spec/plain | generate() spec/plain | outputs equal | = plain |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for method, r in results.items():
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"

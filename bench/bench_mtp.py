@@ -31,15 +31,13 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "engine"))
 
-from bench_engine import timed  # noqa: E402  (same folder)
+from bench_engine import measure_methods  # noqa: E402  (same folder)
 from mtp_models import load_target, write_mtp_checkpoint  # noqa: E402
-from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine  # noqa: E402
 from pipeline.engine.proposers.mtp import load_mtp  # noqa: E402
 
 K = 4
@@ -81,29 +79,7 @@ def rows(vocab: int, n: int, length: int = 48) -> list[torch.Tensor]:
 
 
 def run_methods(title, target, methods, prompts, new_tokens, repeats, extra=""):
-    settings = GenerationSettings(max_new_tokens=new_tokens)
-    results = {}
-    for method, (spec, engine_kw, hf_kw) in methods.items():
-        engine = SpeculativeEngine(target, SpeculationSettings(**spec), **engine_kw)
-
-        def ours(p):
-            return engine.generate(p, settings)
-
-        def hf(p):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return target.generate(p, max_new_tokens=new_tokens, do_sample=False, **hf_kw)[0, p.shape[1]:].tolist()
-
-        ours(prompts[0]), hf(prompts[0])  # warm-up
-        t_ours, out_ours = timed(ours, prompts, repeats)
-        t_hf, out_hf = timed(hf, prompts, repeats)
-        same = sum(o.token_ids == h for o, h in zip(out_ours, out_hf))
-        drafted = sum(o.stats.draft_tokens for o in out_ours)
-        accepted = sum(o.stats.accepted_tokens for o in out_ours)
-        steps = sum(o.stats.verify_steps for o in out_ours)
-        tokens = sum(o.stats.new_tokens for o in out_ours)
-        results[method] = dict(t_ours=t_ours, t_hf=t_hf, same=same, alpha=accepted / drafted if drafted else None,
-                               mal=tokens / steps, k=max((len(o.stats.drafted_per_position) for o in out_ours), default=0))
+    results = measure_methods(target, methods, prompts, new_tokens, repeats)
     plain = results["plain"]
     print(f"\n## {title}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f} M params{extra}, "
           f"{len(prompts)} rows x {new_tokens} new tokens, median of {repeats}")
