@@ -31,13 +31,14 @@ directory name appended):
   Σ accepted / Σ evaluated with evaluated at position 1 = drafted_per_position[0] and at
   position i > 1 = min(accepted_per_position[i-2], drafted_per_position[i-1]) (exact when no
   draft was cut short by the budget).  It is higher than the acceptance rate (accepted /
-  drafted), which also counts the tokens after a rejection; k its draft length (the longest draft it verified,
-  i.e. the configured ``num_assistant_tokens`` / ``prompt_lookup_num_tokens``), and
-  c = drafter seconds per draft token (Σ draft_time_s / Σ draft_tokens) / the baseline's
-  seconds per target step (Σ (wall_time_s − prefill_time_s) / Σ verify_steps) (the drafter's
-  own prompt prefill is in its draft time, so c is an upper estimate); ``efficiency``
-  = decode speedup / S (speedup / S without prefill times) (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of
-  methods that often draft fewer (prompt lookup without a match).
+  drafted), which also counts the tokens after a rejection.  k is the draft length (the
+  longest draft verified, i.e. the configured ``num_assistant_tokens`` /
+  ``prompt_lookup_num_tokens``), and c = drafter seconds per draft token (Σ draft_time_s /
+  Σ draft_tokens) / the baseline's seconds per target step (Σ (wall_time_s − prefill_time_s)
+  / Σ verify_steps); the drafter's own prompt prefill is in its draft time, so c is an upper
+  estimate.  ``efficiency`` = decode speedup / S (speedup / S without prefill times)
+  (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of methods
+  that often draft fewer (prompt lookup without a match).
 
 Accepted length per step.  The per-row Parquet has no per-step record, but the
 per-position counts determine the distribution exactly: drafts are verified left to right
@@ -207,6 +208,7 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
     """:class:`Stats` of the rows without error (and, if given, whose id is in ``ids``)."""
     s = Stats()
     cols = {c: table.column(c).to_pylist() for c in _NEEDED}
+
     def optional(name):
         return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
 
@@ -259,9 +261,10 @@ def speedup_bound(alpha: float | None, k: int, c: float) -> float | None:
 def _bound(s: Stats, base: Stats | None) -> tuple[float | None, float | None, int]:
     """(S, c, k) of a run's common-row stats against the baseline's (see the module docstring)."""
     k = len(s.drafted_per_position)
-    base_time = base.decode_time_s if base is not None and base.decode_time_s is not None else (
-        base.wall_time_s if base is not None else None)
-    if base is None or not base.verify_steps or not base_time or not s.draft_tokens:
+    if base is None or not base.verify_steps or not s.draft_tokens:
+        return None, None, k
+    base_time = base.decode_time_s if base.decode_time_s is not None else base.wall_time_s
+    if not base_time:
         return None, None, k
     c = (s.draft_time_s / s.draft_tokens) / (base_time / base.verify_steps)
     return speedup_bound(s.token_acceptance, k, c), c, k
@@ -273,8 +276,7 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
     Returns ``{"baseline": label | None, "common_rows": n, "runs": [row dicts]}``; each row
     dict has ``label, method, uri, rows, errors, acceptance_rate, mean_accepted_length,
     tokens_per_s, job_tokens_per_s, speedup, decode_tokens_per_s, decode_speedup, same_output,
-    compared_rows, k, cost_ratio,
-    speedup_bound, efficiency`` and the
+    compared_rows, k, cost_ratio, speedup_bound, efficiency`` and the
     :class:`Stats` of all its rows (``stats``) and of the common rows (``common``).
     """
     labels: dict[str, int] = {}
