@@ -1,54 +1,72 @@
-"""The single-sequence speculative loop.
+"""The speculative loop, for many rows in flight (continuous batching); one row is the
+case of a batch of one.
 
-One row at a time::
+Each step, for every row in flight::
 
-    prefill the target on prompt[:-1]
-    repeat:
-        k   <- min(schedule, remaining budget - 1)
-        d   <- proposer drafts k tokens             (may be fewer, or none)
-        one target pass over [last, d_1 .. d_n]      -> n + 1 distributions
-        (a, t) <- verify(d, p, q)                    accepted prefix + one target token
-        commit d_1..d_a, t token by token, stopping at EOS / stop string
-        crop the target's and the drafter's KV caches to the committed length
+    k   <- min(its schedule, its budget - 1, what the context allows, the load's limit)
+    d   <- the proposer drafts up to k tokens for every row at once   (may be fewer, or none)
+    one target pass over every row's [last, d_1 .. d_n]               -> n + 1 distributions each
+    (a, t) <- verify(d, p, q)  per row                                accepted prefix + one target token
+    commit d_1..d_a, t token by token, stopping at EOS / stop string / budget / context
+    the row's caches are valid up to its committed length (KV-cache rollback)
 
-Invariant: the target's cache holds every committed token but the last, which opens the
-next verification pass, so a step with no draft is exactly a plain decoding step and the
-accepted prefix is never recomputed.
+then finished rows leave and waiting rows take their slots at once (their prompt is
+prefilled before the next step).  Rows are ragged: each keeps its own length, positions
+and draft, in caches where position ``p`` sits in slot ``p`` (:mod:`pipeline.engine.cache`),
+so a row's output never depends on which rows share its batch.
+
+Invariant: the target's cache holds every committed token of a row but the last, which
+opens the row's next verification pass, so a step with no draft is exactly a plain
+decoding step and the accepted prefix is never recomputed.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
-from transformers import DynamicCache
 
+from .batch import RowState, per_row_settings
+from .draft_length import DraftLengthPolicy
 from .proposers import ProposerInputs, build_proposer
-from .proposers.base import DraftRequest, Proposer, empty_draft
-from .proposers.draft_model import text_config
+from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
+from .runner import ModelRunner, model_layout, prefill, text_config
 from .sampling import LogitsShaper
 from .settings import GenerationSettings, SpeculationSettings
 from .stats import GenerationResult, RowStats
 from .stopping import StopChecker
-from .verify import verify_greedy, verify_sampling
+from .verify import greedy_accept, verify_greedy, verify_sampling
+
+#: rows in flight when neither the engine nor the call says
+DEFAULT_MAX_BATCH_SIZE = 16
 
 
 class SpeculativeEngine:
-    """Speculative decoding of one sequence at a time with a target model.
+    """Speculative decoding of many rows at once with a target model.
 
     Args:
         target: a causal LM (``transformers.PreTrainedModel``), in eval mode, on any
-            device (or split with ``device_map``; inputs go to ``target.device``).
+            device (or split with ``device_map``; inputs go to ``target.device``), with
+            eager or SDPA attention.
         speculation: the method and its parameters (:class:`SpeculationSettings`).
         drafter: the draft model for ``method="draft_model"`` (same tokenizer; its
-            vocabulary may be padded to another size).
+            vocabulary may be padded to another size), the drafter of ``universal``, or
+            the assistant of ``mtp_assistant``.
         tokenizer: the target's tokenizer; needed for ``text`` and ``stop_strings``.
         drafter_tokenizer: the drafter's tokenizer, if known: checked to equal the
             target's where both vocabularies overlap.
+        max_batch_size: rows decoded in lockstep (default 16; ``universal`` drafts one
+            row at a time).
+        adaptive_draft_length: let the measured verification cost cut ``k`` (down to 0)
+            as the batch grows (:mod:`pipeline.engine.draft_length`): ``None`` (default)
+            when two or more rows are in flight, ``True`` always, ``False`` never.  Greedy
+            outputs never depend on it.
 
     Raises:
-        ValueError: a bad setting (naming it), a method without the model it needs, or a
-            drafter whose vocabulary cannot map onto the target's.
+        ValueError: a bad setting (naming it), a method without the model it needs, a
+            drafter whose vocabulary cannot map onto the target's, or a model the engine
+            cannot run exactly (recurrent layers, ``dynamic`` RoPE: the message names it).
     """
 
     def __init__(
@@ -58,62 +76,149 @@ class SpeculativeEngine:
         drafter=None,
         tokenizer=None,
         drafter_tokenizer=None,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        adaptive_draft_length: bool | None = None,
     ):
         self.spec = (speculation or SpeculationSettings()).validate()
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.target = target
         self.tokenizer = tokenizer
+        self.layout = model_layout(target, "target", self.spec.method)
+        self.context = self.layout.context
         self.target_vocab = text_config(target).vocab_size
-        self.context = getattr(text_config(target), "max_position_embeddings", None)
         self.proposer: Proposer | None = build_proposer(
             ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer)
         )
-        hook = getattr(self.proposer, "target_forward", None)
-        self._target_forward = hook if hook is not None else self._plain_target_forward
+        self._hook = getattr(self.proposer, "target_forward", None)
+        if self._hook is not None and self.layout.longrope_switch is not None:
+            raise ValueError(
+                f"method {self.spec.method!r} reuses the target's own passes, which a LongRoPE target recomputes when "
+                "a row crosses original_max_position_embeddings; use draft_model or prompt_lookup with this target"
+            )
+        limit = getattr(self.proposer, "max_rows", None)
+        self.max_batch_size = max_batch_size if limit is None else min(max_batch_size, limit)
+        self.adaptive = adaptive_draft_length
+        self.policy = DraftLengthPolicy(self.spec.draft_length) if adaptive_draft_length is not False and self.proposer else None
+        self._runner: ModelRunner | None = None
 
-    @staticmethod
-    def _plain_target_forward(target, input_ids, cache, logits_to_keep: int) -> torch.Tensor:
-        return target(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits[0]
+    # ------------------------------------------------------------------ plumbing
+    def _bind(self, rows: int) -> ModelRunner:
+        """The target's runner (and the proposer's state) for ``rows`` slots, built once."""
+        if self._runner is None or self._runner.cache.max_rows < rows:
+            self._runner = ModelRunner(self.target, rows, self.layout)
+            if self.proposer is not None:
+                self.proposer.bind(rows, self._runner)
+        return self._runner
 
+    def _target_pass(self, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
+        if self._hook is not None:
+            return self._hook(self._runner, slots, tokens, starts, logits_to_keep)
+        return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
 
     # ------------------------------------------------------------------ generation
-    @torch.inference_mode()
     def generate(self, input_ids, settings: GenerationSettings | None = None) -> GenerationResult:
-        """Generate one row.
+        """Generate one row (a batch of one).
 
         Args:
             input_ids: the prompt, ``list[int]`` or int64 tensor ``(1, seq_len)`` / ``(seq_len,)``.
             settings: :class:`GenerationSettings` (default: greedy, 128 new tokens).
 
         Returns:
-            :class:`GenerationResult` with the generated ids (prompt excluded), the text,
-            the finish reason (``"stop"`` | ``"length"``) and exact :class:`RowStats`.
+            :class:`GenerationResult`: the generated ids (prompt excluded), the text, the
+            finish reason (``"stop"`` | ``"length"`` | ``"context"``) and exact :class:`RowStats`.
 
         Raises:
-            ValueError: a bad setting, an empty prompt, or a prompt that does not fit the
-                target's context (``max_position_embeddings``).
+            ValueError: a bad setting, an empty prompt, a token id outside the target's
+                vocabulary, or a prompt that leaves no room in the target's context.
         """
-        settings = (settings or GenerationSettings()).validate()
-        start = time.perf_counter()
-        device = self.target.device
-        prompt = torch.as_tensor(input_ids, dtype=torch.long).view(1, -1).to(device)
-        prompt_len = prompt.shape[1]
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty (input_ids has no tokens)")
-        budget = settings.max_new_tokens
-        if self.context is not None:
-            if prompt_len >= self.context:
-                raise ValueError(
-                    f"the prompt has {prompt_len} tokens, more than the target's context allows "
-                    f"(max_position_embeddings={self.context})"
-                )
-            budget = min(budget, self.context - prompt_len)
+        result = self.generate_batch([input_ids], settings)[0]
+        if result.error is not None:
+            raise ValueError(result.error)
+        return result
 
+    @torch.inference_mode()
+    def generate_batch(self, prompts, settings=None, max_batch_size: int | None = None) -> list[GenerationResult]:
+        """Generate many rows, up to ``max_batch_size`` in flight, in input order.
+
+        Args:
+            prompts: a list of prompts, each ``list[int]`` or an int64 tensor.
+            settings: one :class:`GenerationSettings` for every row, or a list with one per
+                prompt; rows may differ only in ``max_new_tokens``, ``eos_token_id``,
+                ``stop_strings`` and ``seed``.
+            max_batch_size: rows in flight (default: the engine's).
+
+        Returns:
+            One :class:`GenerationResult` per prompt, in order, each what :meth:`generate`
+            gives for that row alone (greedy: the same tokens; sampling: the same law,
+            drawn from the row's own generator).  A row that cannot run (empty prompt,
+            prompt longer than the context, bad token ids) has ``error`` set and the
+            others go on.
+
+        Raises:
+            ValueError: bad or mixed settings (before any decoding).
+        """
+        prompts = list(prompts)
+        rows_settings = per_row_settings(settings, len(prompts))
+        size = min(max_batch_size or self.max_batch_size, max(1, len(prompts)))
+        if getattr(self.proposer, "max_rows", None) is not None:
+            size = min(size, self.proposer.max_rows)
+        runner = self._bind(size)
+        device = runner.device
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        waiting = deque(range(len(prompts)))
+        free = list(range(size))[::-1]
+        active: list[RowState] = []
+        while waiting or active:
+            admitted: list[RowState] = []
+            while waiting and free:
+                i = waiting.popleft()
+                t0 = time.perf_counter()
+                row_or_error = self._new_row(i, prompts[i], rows_settings[i], free[-1], device)
+                if isinstance(row_or_error, str):
+                    results[i] = GenerationResult.failed(row_or_error, time.perf_counter() - t0)
+                    continue
+                free.pop()
+                admitted.append(row_or_error)
+            if admitted:
+                self._admit(admitted)
+                active.extend(admitted)
+            if not active:
+                continue
+            self._step(active)
+            still = []
+            for row in active:
+                if row.finish is None:
+                    still.append(row)
+                else:
+                    results[row.index] = self._result(row)
+                    free.append(row.slot)
+            active = still
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ rows
+    def _new_row(self, index: int, prompt, settings: GenerationSettings, slot: int, device) -> RowState | str:
+        """A row ready to prefill, or why it cannot run."""
+        try:
+            ids = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).to(device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            return f"the prompt is not a list of token ids: {e}"
+        n = ids.shape[1]
+        if n == 0:
+            return "the prompt is empty (input_ids has no tokens)"
+        if int(ids.min()) < 0 or int(ids.max()) >= self.target_vocab:
+            return f"the prompt has token ids outside the target's vocabulary (0 .. {self.target_vocab - 1})"
+        budget, bound = settings.max_new_tokens, False
+        if self.context is not None:
+            if n >= self.context:
+                return (f"the prompt has {n} tokens, more than the target's context allows "
+                        f"({self.context} positions, from max_position_embeddings and the RoPE scaling)")
+            if self.context - n < budget:
+                budget, bound = self.context - n, True
         eos = settings.eos_token_id
         if eos is None:
             eos = getattr(self.target.generation_config, "eos_token_id", None)
         eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-        stopper = StopChecker(eos_ids, settings.stop_strings, self.tokenizer)
-        shaper = LogitsShaper(settings)
         generator = None
         if settings.do_sample:
             generator = torch.Generator(device=device)
@@ -121,74 +226,140 @@ class SpeculativeEngine:
                 generator.seed()
             else:
                 generator.manual_seed(settings.seed)
-        ensemble = self.spec.assistant_ensemble_weight
-        want_probs = settings.do_sample or ensemble is not None
-        stats = RowStats(prompt_tokens=prompt_len)
-        proposer = self.proposer
-        cache = DynamicCache(config=self.target.config)
-        # sliding-window layers (Gemma, Mistral) must keep rejected states until the crop
-        cache.activate_past_recording()
-        if proposer is not None:
-            proposer.reset(cache)
-        k_schedule = self.spec.draft_length
-        heuristic = self.spec.num_assistant_tokens_schedule == "heuristic" and proposer is not None and proposer.adaptive
+        return RowState(
+            index=index, slot=slot, sequence=ids, prompt_len=n, budget=budget, context_bound=bound,
+            settings=settings, shaper=LogitsShaper(settings), stopper=StopChecker(eos_ids, settings.stop_strings, self.tokenizer),
+            generator=generator, stats=RowStats(prompt_tokens=n), k=self.spec.draft_length,
+            rope_regime=self.layout.regime(n - 1),
+        )
 
-        # Prefill: the cache holds every committed token but the last.
+    def _admit(self, rows: list[RowState]) -> None:
+        """Let the proposer take the new rows in (a drafter prefills them), then prefill their
+        prompts (all but the last token) on the target; the time is shared by the rows'
+        prompt tokens."""
         t0 = time.perf_counter()
-        if prompt_len > 1:
-            self._target_forward(self.target, prompt[:, :-1], cache, 1)
-        stats.prefill_time_s = time.perf_counter() - t0
+        slots = [r.slot for r in rows]
+        prompts = [r.sequence for r in rows]
+        if self.proposer is not None:
+            self.proposer.admit(slots, prompts)  # before the prefill, which hooks may record
+        t1 = time.perf_counter()
+        prefill(self._target_pass, slots, prompts)
+        t2 = time.perf_counter()
+        total = sum(r.prompt_len for r in rows)
+        for r in rows:
+            share = r.prompt_len / total
+            r.stats.draft_time_s += (t1 - t0) * share
+            r.stats.prefill_time_s += (t2 - t1) * share
+            r.stats.wall_time_s += (t2 - t0) * share
 
-        sequence = prompt
-        generated: list[int] = []
-        finish = "length"
-        while len(generated) < budget:
-            k = min(k_schedule, budget - len(generated) - 1)
-            t0 = time.perf_counter()
-            if proposer is not None and k > 0:
-                draft = proposer.propose(DraftRequest(sequence, k, shaper, generator, want_probs))
-            else:
-                draft = empty_draft(device)
-            t1 = time.perf_counter()
-            n = len(draft)
-            d_tokens = draft.tokens.to(device)
-            step_input = torch.cat([sequence[:, -1:], d_tokens.view(1, -1)], dim=1)
-            logits = self._target_forward(self.target, step_input, cache, n + 1)
-            d_probs = draft.probs.to(device) if draft.probs is not None else None
-            if settings.do_sample:
-                p = shaper.probs(sequence, logits, d_tokens)
-                if d_probs is not None:
-                    d_probs = d_probs.to(p.dtype)
-                accepted, token = verify_sampling(d_tokens, p, d_probs, generator, ensemble)
-            else:
-                scores = shaper.shape(sequence, logits, d_tokens)
-                accepted, token = verify_greedy(d_tokens, scores, d_probs, ensemble)
-            cache.crop(accepted - n)  # crop(0) trims sliding-window layers back to their window
-            if proposer is not None:
-                proposer.rollback(sequence.shape[1] + accepted)
-            stats.verify_steps += 1
-            stats.draft_time_s += t1 - t0
-            stats.verify_time_s += time.perf_counter() - t1
+    def _draft_length(self, row: RowState) -> int:
+        """The most tokens this row may draft now: its schedule, its budget (one token is
+        the target's), its context, and a verification pass that must not straddle a
+        LongRoPE switch."""
+        if self.proposer is None:
+            return 0
+        k = min(row.k, row.remaining - 1)
+        switch = self.layout.longrope_switch
+        if switch is not None and row.length <= switch:
+            k = min(k, switch - row.length)
+        return max(0, k)
 
-            block = d_tokens[:accepted].tolist() + [token]
-            emitted = 0
-            for tok in block:
-                generated.append(tok)
-                emitted += 1
-                if stopper.hit(generated):
-                    finish = "stop"
-                    break
-            if n:
-                stats.record_draft(n, min(accepted, emitted))
-            if finish == "stop":
+    def _step(self, rows: list[RowState]) -> None:
+        """One propose -> verify -> commit step for every row in flight."""
+        t0 = time.perf_counter()
+        ks = [self._draft_length(r) for r in rows]
+        if self.policy is not None and (self.adaptive or len(rows) > 1):
+            limit = self.policy.limit(len(rows))
+            ks = [min(k, limit) for k in ks]
+        want_probs = rows[0].settings.do_sample or self.spec.assistant_ensemble_weight is not None
+        drafts: list[Draft] = [empty_draft(r.sequence.device) for r in rows]
+        asks = [i for i, k in enumerate(ks) if k > 0]
+        if asks:
+            requests = [DraftRequest(rows[i].slot, rows[i].sequence, ks[i], rows[i].shaper, rows[i].generator, want_probs)
+                        for i in asks]
+            for i, d in zip(asks, self.proposer.propose(requests)):
+                drafts[i] = d
+        t1 = time.perf_counter()
+        if self.policy is not None and asks:
+            self.policy.observe_propose(len(asks), max(ks), t1 - t0)
+
+        tokens, starts = [], []
+        switch = self.layout.longrope_switch
+        for r, d in zip(rows, drafts):
+            d_tokens = d.tokens.to(r.sequence.device)
+            if switch is not None and r.rope_regime == 0 and r.length > switch:
+                # first pass past LongRoPE's switch: recompute the row under the long
+                # factors, as generate() does
+                tokens.append(torch.cat([r.sequence[0], d_tokens]))
+                starts.append(0)
+                r.rope_regime = 1
+            else:
+                tokens.append(torch.cat([r.sequence[0, -1:], d_tokens]))
+                starts.append(r.length - 1)
+        keep = max(len(d) for d in drafts) + 1
+        logits = self._target_pass([r.slot for r in rows], tokens, starts, keep)
+        if self.policy is not None:
+            self.policy.observe_verify(len(rows), sum(len(d) + 1 for d in drafts), time.perf_counter() - t1)
+        t2 = time.perf_counter()
+
+        ensemble = self.spec.assistant_ensemble_weight
+        fast = ensemble is None and not any(r.shaper.active or r.shaper.do_sample for r in rows)
+        choices = logits.argmax(-1).tolist() if fast else None
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            n = len(d)
+            if fast:
+                accepted, token = greedy_accept(d.tokens.tolist(), choices[b][keep - n - 1:])
+            else:
+                accepted, token = self._verify(r, d, logits[b, keep - n - 1:], ensemble)
+            if self.proposer is not None:
+                self.proposer.rollback(r.slot, r.length + accepted)
+            self._commit(r, d, accepted, token)
+            if self.policy is not None and n:
+                self.policy.observe_draft(n, min(accepted, n))
+        t3 = time.perf_counter()
+        share = 1.0 / len(rows)
+        for r in rows:
+            r.stats.verify_steps += 1
+            r.stats.draft_time_s += (t1 - t0) * share
+            r.stats.verify_time_s += (t2 - t1) * share
+            r.stats.wall_time_s += (t3 - t0) * share
+
+    def _verify(self, row: RowState, draft: Draft, logits: torch.Tensor, ensemble) -> tuple[int, int]:
+        d_tokens = draft.tokens.to(logits.device)
+        d_probs = draft.probs.to(logits.device) if draft.probs is not None else None
+        if row.settings.do_sample:
+            p = row.shaper.probs(row.sequence, logits, d_tokens)
+            if d_probs is not None:
+                d_probs = d_probs.to(p.dtype)
+            return verify_sampling(d_tokens, p, d_probs, row.generator, ensemble)
+        scores = row.shaper.shape(row.sequence, logits, d_tokens)
+        return verify_greedy(d_tokens, scores, d_probs, ensemble)
+
+    def _commit(self, row: RowState, draft: Draft, accepted: int, token: int) -> None:
+        """Emit the accepted draft tokens and the target's token one by one, stopping at
+        EOS / a stop string; update the row's sequence, schedule and statistics."""
+        n = len(draft)
+        block = draft.tokens[:accepted].tolist() + [token]
+        emitted = 0
+        for tok in block:
+            row.generated.append(tok)
+            emitted += 1
+            if row.stopper.hit(row.generated):
+                row.finish = "stop"
                 break
-            new = torch.tensor([block], dtype=torch.long, device=device)
-            sequence = torch.cat([sequence, new], dim=1)
-            if heuristic:
-                k_schedule = k_schedule + 2 if accepted == k_schedule else max(1, k_schedule - 1)
+        if n:
+            row.stats.record_draft(n, min(accepted, emitted))
+        if row.finish is None and row.remaining <= 0:
+            row.finish = "context" if row.context_bound else "length"
+        if row.finish is None:
+            new = torch.tensor([block], dtype=torch.long, device=row.sequence.device)
+            row.sequence = torch.cat([row.sequence, new], dim=1)
+            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and n:
+                row.k = row.k + 2 if accepted == row.k else max(1, row.k - 1)
 
-        stats.new_tokens = len(generated)
-        stats.finish_reason = finish
-        stats.wall_time_s = time.perf_counter() - start
-        text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(token_ids=generated, text=text, finish_reason=finish, stats=stats)
+    def _result(self, row: RowState) -> GenerationResult:
+        stats = row.stats
+        stats.new_tokens = len(row.generated)
+        stats.finish_reason = row.finish
+        text = self.tokenizer.decode(row.generated, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(token_ids=row.generated, text=text, finish_reason=row.finish, stats=stats)

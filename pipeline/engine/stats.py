@@ -77,11 +77,20 @@ class GenerationResult:
         token_ids: generated token ids (prompt excluded), EOS included when it stopped
             the row, exactly what plain decoding emits.
         text: ``token_ids`` decoded with the target tokenizer (``None`` without one).
-        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (budget).
+        finish_reason: ``"stop"`` (EOS or stop string), ``"length"`` (``max_new_tokens``)
+            or ``"context"`` (the target's context window is full); ``None`` when the
+            row failed.
         stats: the row's :class:`RowStats`.
+        error: why the row could not run (``generate_batch`` only; ``generate`` raises).
     """
 
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     stats: RowStats
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, error: str, wall_time_s: float = 0.0) -> "GenerationResult":
+        """The result of a row that could not run."""
+        return cls(token_ids=[], text=None, finish_reason=None, stats=RowStats(wall_time_s=wall_time_s), error=error)

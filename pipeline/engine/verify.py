@@ -6,7 +6,9 @@ return ``(accepted, next_token)``: the number of leading draft tokens kept and t
 token the target emits after them (a correction on rejection, the bonus token when all
 were kept).
 
-- Greedy: the longest draft prefix equal to the target's argmax, then the argmax.
+- Greedy: the longest draft prefix equal to the target's argmax, then the argmax
+  (:func:`greedy_accept`; the loop computes every row's argmax in one call when no
+  logits processor applies).
 - Sampling: rejection sampling of Leviathan et al. 2023 (arXiv 2211.17192, Alg. 1) and
   Chen et al. 2023 (arXiv 2302.01318): accept draft token ``x`` with probability
   ``min(1, p(x) / q(x))``; on rejection draw from ``norm(max(0, p - q))``; when every
@@ -47,10 +49,19 @@ def verify_greedy(
         choice = torch.cat([_mix(p, draft_probs, ensemble_weight).argmax(-1), target_scores[n:].argmax(-1)])
     else:
         choice = target_scores.argmax(-1)
-    if n == 0:
-        return 0, int(choice[0])
-    mismatch = (choice[:n] != draft_tokens).nonzero()
-    accepted = int(mismatch[0, 0]) if mismatch.numel() else n
+    return greedy_accept(draft_tokens.tolist(), choice.tolist())
+
+
+def greedy_accept(draft: list[int], choice: list[int]) -> tuple[int, int]:
+    """Greedy verification from the target's choices: ``choice[i]`` is its argmax at draft
+    position ``i`` (``len(choice) == len(draft) + 1``; the last is the bonus position).
+
+    Returns:
+        ``(accepted, next_token)``: the longest draft prefix equal to the choices, and the
+        target's token after it.
+    """
+    n = len(draft)
+    accepted = next((i for i in range(n) if draft[i] != choice[i]), n)
     return accepted, int(choice[accepted])
 
 

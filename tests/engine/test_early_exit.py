@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import test_sampling as ts
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
@@ -90,11 +91,11 @@ def test_partial_acceptance_and_statistics(layerskip):
 def test_verifier_reuses_the_draft_layers(layerskip):
     """KV reuse: every position goes through layer 0 exactly as often as through the last
     layer (once), although the first L layers also draft; the shared cache stays aligned."""
+    eng = engine(layerskip, 2)  # built first: its split check runs a probe through every layer
     counts = Counter()
     hooks = [layer.register_forward_hook(lambda m, a, out, i=i: counts.update({i: a[0].shape[1]}))
              for i, layer in enumerate(layerskip.model.layers)]
     try:
-        eng = engine(layerskip, 2)
         result = eng.generate(prompt_of(10, seed=1), GenerationSettings(max_new_tokens=40))
     finally:
         for h in hooks:
@@ -104,9 +105,17 @@ def test_verifier_reuses_the_draft_layers(layerskip):
     # prefill of prompt[:-1], then one position per drafted token plus the committed one per step
     expected = 10 - 1 + s.draft_tokens + s.verify_steps
     assert [counts[i] for i in range(LAYERS)] == [expected] * LAYERS
-    cache = eng.proposer.split.cache
-    lengths = {cache.get_seq_length(i) for i in range(LAYERS)}
-    assert lengths == {10 + 40 - 1}
+    # the shared cache holds, in every layer, exactly the keys and values of the committed
+    # tokens (all but the last) that one uncached pass of the full model computes
+    prompt = prompt_of(10, seed=1)
+    seq = torch.cat([prompt, torch.tensor([result.token_ids[:-1]])], dim=1)
+    reference = DynamicCache(config=layerskip.config)
+    with torch.no_grad():
+        layerskip(input_ids=seq, cache=reference, use_cache=True)
+    shared = eng._runner.cache
+    for i in range(LAYERS):
+        torch.testing.assert_close(shared.layers[i].keys[0, :, : seq.shape[1]], reference.layers[i].keys[0])
+        torch.testing.assert_close(shared.layers[i].values[0, :, : seq.shape[1]], reference.layers[i].values[0])
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])

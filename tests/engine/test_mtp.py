@@ -10,12 +10,12 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import MtpCache
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.proposers.base import DraftRequest
 from pipeline.engine.proposers.mtp import MTPProposer, load_mtp
+from pipeline.engine.runner import ModelRunner, prefill
 from pipeline.engine.sampling import LogitsShaper
 
 from mtp_models import load_target, write_mtp_checkpoint
@@ -89,37 +89,42 @@ def test_engine_loads_mtp_from_the_checkpoint(checkpoints):
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_incremental_drafts_equal_transformers_mtp_from_scratch(loaded, arch):
-    """Drive the proposer through many verify/rollback patterns (every accepted count)
-    and compare each draft and its distribution with transformers' own ``MtpModel``
-    forward recomputed from scratch on the committed sequence."""
+    """Drive the proposer through many verify/rollback patterns (every accepted count),
+    for three rows drafting together (ragged lengths, different acceptances), and compare
+    each row's draft and its distribution with transformers' own ``MtpModel`` forward
+    recomputed from scratch on that row's committed sequence."""
     target, mtp = loaded(arch, 2)
     proposer = MTPProposer(target, mtp)
-    cache = DynamicCache(config=target.config)
-    proposer.reset(cache)
+    runner = ModelRunner(target, 3)
+    proposer.bind(3, runner)
     rng = random.Random(0)
-    seq = _prompt(6, 7)
+    seqs = [_prompt(6, 7), _prompt(2, 8), _prompt(11, 9)]
+    slots = [0, 1, 2]
     shaper = LogitsShaper(GenerationSettings())
     with torch.inference_mode():
-        proposer.target_forward(target, seq[:, :-1], cache, 1)
+        proposer.admit(slots, seqs)
+        prefill(lambda *a, **kw: proposer.target_forward(runner, *a, **kw), slots, seqs)
         for step in range(14):
-            draft = proposer.propose(DraftRequest(seq, 2, shaper, None, True))
-            L = seq.shape[1]
-            hidden = target(seq[:, :-1], output_hidden_states=-1).hidden_states[-1]
-            ref_tokens, ref_logits, _ = mtp(
-                input_ids=seq[:, 1:], last_hidden_states=hidden, attention_mask=None,
-                position_ids=torch.arange(1, L).view(1, -1), mtp_cache=MtpCache(config=mtp.config),
-            )
-            assert draft.tokens.tolist() == ref_tokens[0].tolist(), step
-            torch.testing.assert_close(draft.probs, torch.softmax(ref_logits[0], -1))
-            # a verification that keeps `a` draft tokens, then adds a token of its own
-            n = len(draft)
-            a = [0, 1, 2, 0, 2, 1, 1, 0, 2, 2, 0, 0, 1, 2][step]
-            proposer.target_forward(target, torch.cat([seq[:, -1:], draft.tokens.view(1, -1)], 1), cache, n + 1)
-            if n - a:
-                cache.crop(a - n)
-            proposer.rollback(L + a)
-            bonus = torch.tensor([[rng.randrange(VOCAB)]])
-            seq = torch.cat([seq, draft.tokens[:a].view(1, -1), bonus], dim=1)
+            drafts = proposer.propose([DraftRequest(s, seq, 2, shaper, None, True) for s, seq in zip(slots, seqs)])
+            tokens, starts = [], []
+            for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+                L = seq.shape[1]
+                hidden = target(seq[:, :-1], output_hidden_states=-1).hidden_states[-1]
+                ref_tokens, ref_logits, _ = mtp(
+                    input_ids=seq[:, 1:], last_hidden_states=hidden, attention_mask=None,
+                    position_ids=torch.arange(1, L).view(1, -1), mtp_cache=MtpCache(config=mtp.config),
+                )
+                assert draft.tokens.tolist() == ref_tokens[0].tolist(), (step, row)
+                torch.testing.assert_close(draft.probs, torch.softmax(ref_logits[0], -1))
+                tokens.append(torch.cat([seq[0, -1:], draft.tokens]))
+                starts.append(L - 1)
+            # one verification pass for all rows; each keeps `a` draft tokens, then adds one of its own
+            proposer.target_forward(runner, slots, tokens, starts, 3)
+            for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+                a = [0, 1, 2, 0, 2, 1, 1, 0, 2, 2, 0, 0, 1, 2][(step + row) % 14]
+                proposer.rollback(slots[row], seq.shape[1] + a)
+                bonus = torch.tensor([[rng.randrange(VOCAB)]])
+                seqs[row] = torch.cat([seq, draft.tokens[:a].view(1, -1), bonus], dim=1)
 
 
 def test_sampling_follows_target_distribution(tmp_path):

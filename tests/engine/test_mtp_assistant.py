@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    DynamicCache,
     Gemma4AssistantConfig,
     Gemma4AssistantForCausalLM,
     Gemma4Config,
@@ -23,6 +22,7 @@ from transformers import (
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.proposers.base import DraftRequest
 from pipeline.engine.proposers.mtp_assistant import MTPAssistantProposer
+from pipeline.engine.runner import ModelRunner, prefill
 from pipeline.engine.sampling import LogitsShaper
 
 from tiny_models import build, check_stats
@@ -107,31 +107,42 @@ def _draft_from_scratch(target, assistant, seq, k):
 
 
 def test_incremental_state_equals_recomputation(gemma_pair):
-    """Through every accepted count and past the sliding window, each draft (and its
-    distribution) equals one recomputed from scratch: the kept hidden state and the
-    KV states cut after a rejection are exactly the committed ones."""
+    """Through every accepted count and past the sliding window, for three rows drafting
+    together (ragged lengths, each its own acceptances), each row's draft (and its
+    distribution) equals one recomputed from scratch on that row alone: the kept hidden
+    state and the shared KV read up to the committed length are exactly the committed
+    ones, and the padding of the batch changes nothing."""
     target, assistant = gemma_pair
     proposer = MTPAssistantProposer(target, assistant)
-    cache = DynamicCache(config=target.config)
-    cache.activate_past_recording()
-    proposer.reset(cache)
-    seq = _prompt(4, 7)
+    runner = ModelRunner(target, 3)
+    proposer.bind(3, runner)
+    seqs = [_prompt(4, 7), _prompt(1, 8), _prompt(9, 9)]
+    slots = [0, 1, 2]
     shaper = LogitsShaper(GenerationSettings())
     gen = torch.Generator().manual_seed(0)
+    pattern = [0, 3, 1, 2, 0, 3, 3, 1, 0, 2, 1, 0]
     with torch.inference_mode():
-        proposer.target_forward(target, seq[:, :-1], cache, 1)
-        for step, a in enumerate([0, 3, 1, 2, 0, 3, 3, 1, 0, 2, 1, 0]):
-            draft = proposer.propose(DraftRequest(seq, 3, shaper, None, True))
-            tokens, probs = _draft_from_scratch(target, assistant, seq, 3)
-            assert draft.tokens.tolist() == tokens, step
-            torch.testing.assert_close(draft.probs, probs)
-            L, n = seq.shape[1], len(draft)
-            proposer.target_forward(target, torch.cat([seq[:, -1:], draft.tokens.view(1, -1)], 1), cache, n + 1)
-            cache.crop(a - n)
-            proposer.rollback(L + a)
-            bonus = torch.randint(1, VOCAB, (1, 1), generator=gen)
-            seq = torch.cat([seq, draft.tokens[:a].view(1, -1), bonus], dim=1)
-    assert seq.shape[1] > 3 * COMMON["sliding_window"]
+        proposer.admit(slots, seqs)
+        prefill(lambda *a, **kw: proposer.target_forward(runner, *a, **kw), slots, seqs)
+        for step in range(12):
+            drafts = proposer.propose([DraftRequest(s, seq, 3, shaper, None, True) for s, seq in zip(slots, seqs)])
+            tokens, starts = [], []
+            for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+                if seq.shape[1] == 1:
+                    assert len(draft) == 0  # no target pass yet: nothing to draft from
+                else:
+                    ref, probs = _draft_from_scratch(target, assistant, seq, 3)
+                    assert draft.tokens.tolist() == ref, (step, row)
+                    torch.testing.assert_close(draft.probs, probs)
+                tokens.append(torch.cat([seq[0, -1:], draft.tokens]))
+                starts.append(seq.shape[1] - 1)
+            proposer.target_forward(runner, slots, tokens, starts, 4)
+            for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+                a = min(pattern[(step + 2 * row) % 12], len(draft))
+                proposer.rollback(slots[row], seq.shape[1] + a)
+                bonus = torch.randint(1, VOCAB, (1, 1), generator=gen)
+                seqs[row] = torch.cat([seq, draft.tokens[:a].view(1, -1), bonus], dim=1)
+    assert min(seq.shape[1] for seq in seqs) > 3 * COMMON["sliding_window"]
 
 
 def test_sampling_is_reproducible_and_stats_filled(gemma_pair):

@@ -110,10 +110,17 @@ def test_budget_ends_mid_draft_for_every_method(llama_pair):
 
 
 def test_budget_capped_by_context(llama_pair):
-    target, _ = llama_pair
+    """A full context window ends the row with finish reason ``context``; ``length`` stays
+    for ``max_new_tokens``, even when both end at the same token."""
+    target, drafter = llama_pair
     context = target.config.max_position_embeddings
     prompt = prompt_of(context - 3)
-    result = SpeculativeEngine(target).generate(prompt, GenerationSettings(max_new_tokens=50))
-    assert result.stats.new_tokens == 3 and result.finish_reason == "length"
+    for engine in (SpeculativeEngine(target),
+                   SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=K),
+                                     drafter=drafter)):
+        result = engine.generate(prompt, GenerationSettings(max_new_tokens=50))
+        assert result.stats.new_tokens == 3 and result.finish_reason == "context"
+        assert engine.generate(prompt, GenerationSettings(max_new_tokens=3)).finish_reason == "length"
+        assert engine.generate(prompt, GenerationSettings(max_new_tokens=2)).finish_reason == "length"
     with pytest.raises(ValueError, match="max_position_embeddings"):
         SpeculativeEngine(target).generate(prompt_of(context), GenerationSettings(max_new_tokens=5))

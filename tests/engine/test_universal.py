@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.proposers.base import DraftRequest
@@ -101,22 +102,32 @@ def test_drafts_continue_the_committed_text(pair):
         assert proposer.to_target(committed, suffix, k=2) == ids[:2]
     assert proposer.to_target(tok_t("abc").input_ids, "\ufffd", k=5) == []  # an incomplete character: nothing
 
-    proposer.reset()
+    proposer.bind(1, None)
+    proposer.admit([0], [None])
     shaper = LogitsShaper(GenerationSettings())
+
+    def cache_matches_ids():
+        """The drafter's cache holds exactly the keys of one uncached pass over its ids."""
+        reference = DynamicCache(config=drafter.config)
+        with torch.no_grad():
+            drafter(input_ids=torch.tensor([proposer.ids]), cache=reference, use_cache=True)
+        for layer, ref in zip(proposer.runner.cache.layers, reference.layers):
+            torch.testing.assert_close(layer.keys[0, :, : len(proposer.ids)], ref.keys[0])
+
     sequence = torch.tensor([tok_t("First Citizen:\nBefore we proceed").input_ids])
-    draft = proposer.propose(DraftRequest(sequence, K, shaper, None, False))
+    draft = proposer.propose([DraftRequest(0, sequence, K, shaper, None, False)])[0]
     synced = tok_d(decode(sequence[0].tolist())).input_ids
     assert proposer.ids[: len(synced)] == synced
-    assert proposer.cache.get_seq_length() == len(proposer.ids)
+    cache_matches_ids()
     if len(draft):
         text = decode(sequence[0].tolist() + draft.tokens.tolist())
         assert text.startswith(decode(sequence[0].tolist()))
     # the target commits something else: the drafter keeps the common prefix only
     other = torch.cat([sequence, torch.tensor([tok_t(" away").input_ids[1:]])], dim=1)
-    proposer.propose(DraftRequest(other, K, shaper, None, False))
+    proposer.propose([DraftRequest(0, other, K, shaper, None, False)])
     synced = tok_d(decode(other[0].tolist())).input_ids
     assert proposer.ids[: len(synced)] == synced
-    assert proposer.cache.get_seq_length() == len(proposer.ids)
+    cache_matches_ids()
 
 
 def test_trained_pair_accepts_drafts(tmp_path):

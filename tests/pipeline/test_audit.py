@@ -37,15 +37,11 @@ def test_audit_matches_for_a_lossless_method(audited_actor):
 def test_audit_reports_mismatches_when_verification_is_corrupted(audited_actor, monkeypatch):
     """Verification that accepts every draft token (wrong): the speculative output departs
     from plain decoding wherever the drafter disagrees with the target."""
-    real = pipeline.engine.loop.verify_greedy
+    def accept_everything(draft, choice):
+        return len(draft), choice[len(draft)]  # plain decoding (no draft) stays right
 
-    def accept_everything(draft_tokens, scores, draft_probs=None, ensemble_weight=None):
-        n = draft_tokens.shape[0]
-        if n == 0:
-            return real(draft_tokens, scores, draft_probs, ensemble_weight)  # plain decoding stays right
-        return n, int(scores[n].argmax())
-
-    monkeypatch.setattr(pipeline.engine.loop, "verify_greedy", accept_everything)
+    # greedy decoding without logits processors verifies through greedy_accept
+    monkeypatch.setattr(pipeline.engine.loop, "greedy_accept", accept_everything)
     out = audited_actor(_rows(TEXTS[:6])).to_pylist()
     audits = [r["audit"] for r in out]
     assert None not in audits and audits.count(False) >= 1, audits

@@ -1,9 +1,17 @@
 """The proposer protocol: what every drafting method implements.
 
-A proposer sees the committed sequence (prompt + generated tokens), drafts up to ``k``
-tokens, and is told after verification how much of what it saw is still valid so it can
-roll back its own caches.  It never verifies: acceptance lives in
-:mod:`pipeline.engine.verify`, the loop in :mod:`pipeline.engine.loop`.
+A proposer drafts for many rows at once.  Each row lives in a *slot* (its row of the
+engine's caches) from admission until it finishes; the proposer keeps whatever per-slot
+state it needs (a drafter's KV cache length, hidden states of the target) and is told:
+
+- :meth:`Proposer.admit` -- rows entered these slots with these prompts (after the
+  target's prefill of ``prompt[:-1]``); forget the slots' old state;
+- :meth:`Proposer.propose` -- draft up to ``k`` tokens for each of these rows;
+- :meth:`Proposer.rollback` -- after verification, only the first ``valid_length`` tokens
+  of a row (committed sequence) are still valid.
+
+It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop in
+:mod:`pipeline.engine.loop`.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from ..sampling import LogitsShaper
 
 @dataclass
 class Draft:
-    """Tokens proposed for one verification step.
+    """Tokens proposed for one row for one verification step.
 
     Attributes:
         tokens: ``(n,)`` int64 draft token ids in the target's vocabulary, ``n <= k``
@@ -37,17 +45,20 @@ class Draft:
 
 @dataclass
 class DraftRequest:
-    """What the loop asks of a proposer for one step.
+    """What the loop asks of a proposer for one row in one step.
 
     Attributes:
+        slot: the row's slot (its row in every cache of the engine).
         sequence: ``(1, seq_len)`` int64 committed tokens (prompt + generated), on the
             target's device.
-        k: the most tokens to draft (already capped to the remaining budget minus one).
+        k: the most tokens to draft (>= 1; already capped by the budget, the context and
+            the load).
         shaper: the row's logits processors (shared with the target).
         generator: the row's seeded ``torch.Generator`` (used only when sampling).
         want_probs: whether the verifier needs ``Draft.probs`` (sampling or ensemble).
     """
 
+    slot: int
     sequence: torch.Tensor
     k: int
     shaper: LogitsShaper
@@ -61,54 +72,87 @@ class Proposer(Protocol):
 
     #: True when the draft length adapts per row (transformers' "heuristic" schedule applies).
     adaptive: bool
+    #: rows it can draft for at once (``None``: any number; ``1``: one row at a time).
+    max_rows: int | None
 
-    def reset(self, target_cache) -> None:
-        """Forget all per-row state (caches); called before every row with the target's
-        fresh KV cache for this row (a proposer that drafts with the target's own layers
-        may share it)."""
+    def bind(self, max_rows: int, target_runner) -> None:
+        """Allocate per-slot state for ``max_rows`` slots; ``target_runner`` is the target's
+        :class:`pipeline.engine.runner.ModelRunner` (a proposer drafting with the target's
+        own layers shares its cache)."""
 
-    def propose(self, request: DraftRequest) -> Draft:
-        """Draft up to ``request.k`` tokens continuing ``request.sequence``."""
+    def admit(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
+        """Rows with these ``(1, P)`` prompts now occupy ``slots``; reset their state."""
 
-    def rollback(self, valid_length: int) -> None:
-        """Only the first ``valid_length`` tokens the proposer has seen (committed
-        sequence + its draft) are still valid; crop any cache beyond them."""
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Draft up to ``request.k`` tokens continuing each ``request.sequence``."""
+
+    def rollback(self, slot: int, valid_length: int) -> None:
+        """Only the first ``valid_length`` tokens the proposer has seen for this slot
+        (committed sequence + its draft) are still valid."""
 
 
 class TargetForward(Protocol):
     """Optional hook of a proposer that needs more from the target than its logits
-    (hidden states for MTP layers, a shared cache for early exit).  When a proposer has
+    (hidden states for MTP layers, the shared cache for early exit).  When a proposer has
     ``target_forward``, the loop runs every target pass (prefill and verification)
-    through it instead of ``target(input_ids=..., cache=..., logits_to_keep=...)``.
+    through it instead of :meth:`ModelRunner.forward`.
     """
 
-    def target_forward(self, target, input_ids: torch.Tensor, cache, logits_to_keep: int) -> torch.Tensor:
-        """Run the target on ``input_ids`` ``(1, n)`` appending to ``cache``; return the
-        logits of the last ``logits_to_keep`` positions, ``(logits_to_keep, V)``."""
+    def target_forward(self, runner, slots: list[int], tokens: list[torch.Tensor], starts: list[int],
+                       logits_to_keep: int) -> torch.Tensor:
+        """Run the target on each row's ``tokens`` (positions from ``starts``); return
+        ``(b, logits_to_keep, V)`` logits of the last positions of every row."""
 
 
-def draft_token(
-    logits: torch.Tensor, prefix: torch.Tensor, request: DraftRequest, need_q: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pick a drafter's next token the way the target would: the row's logits processors
-    shape ``logits`` ``(1, V_target)`` (``prefix`` ``(1, L)`` is the text before it), then the
-    token is sampled from ``q = softmax`` when sampling, else the argmax.
+def draft_tokens(
+    logits: torch.Tensor, requests: list[DraftRequest], prefixes: list[torch.Tensor], need_q: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Pick each row's next draft token the way the target would: the row's logits
+    processors shape its logits (``prefixes[i]`` ``(1, L_i)`` is the text before it), then
+    the token is sampled from ``q = softmax`` with the row's generator when sampling, else
+    the argmax.
 
-    Returns ``(token (1, 1) int64, q (1, V_target) or None)``; ``q`` (float32 or wider) is
-    returned when sampling, when ``request.want_probs`` or when ``need_q``.
+    Args:
+        logits: ``(b, V_target)`` drafter logits, one row per request.
+
+    Returns:
+        ``(tokens (b,) int64, [q_i (1, V_target) or None])``; ``q`` (float32 or wider) is
+        given when sampling, when the request wants probs, or when ``need_q``.
     """
-    shaper = request.shaper
-    if shaper.active:
-        logits = shaper.shape(prefix, logits)
-    q = None
-    if shaper.do_sample or request.want_probs or need_q:
-        q = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
-    if shaper.do_sample:
-        token = torch.multinomial(q, 1, generator=request.generator).view(1, 1)
-    else:
-        token = logits.argmax(-1, keepdim=True)
-    return token, q
+    b = logits.shape[0]
+    if not any(r.shaper.active or r.shaper.do_sample or r.want_probs for r in requests) and not need_q:
+        return logits.argmax(-1), [None] * b
+    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+    qs: list[torch.Tensor | None] = []
+    for i, r in enumerate(requests):
+        row = logits[i : i + 1]
+        if r.shaper.active:
+            row = r.shaper.shape(prefixes[i], row)
+        q = None
+        if r.shaper.do_sample or r.want_probs or need_q:
+            q = torch.softmax(row.float() if row.dtype in (torch.float16, torch.bfloat16) else row, -1)
+        if r.shaper.do_sample:
+            tokens[i] = torch.multinomial(q, 1, generator=r.generator).view(())
+        else:
+            tokens[i] = row.argmax(-1).view(())
+        qs.append(q)
+    return tokens, qs
 
 
 def empty_draft(device: torch.device | str) -> Draft:
     return Draft(tokens=torch.empty(0, dtype=torch.long, device=device))
+
+
+class NoState:
+    """Mixin for proposers without per-slot state to bind, admit or roll back."""
+
+    max_rows = None
+
+    def bind(self, max_rows: int, target_runner) -> None:
+        pass
+
+    def admit(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
+        pass
+
+    def rollback(self, slot: int, valid_length: int) -> None:
+        pass

@@ -1,91 +1,136 @@
 """A smaller causal LM with the target's tokenizer drafts autoregressively.
 
-Leviathan et al. 2023 (arXiv 2211.17192); transformers' ``assistant_model``.  The
-drafter keeps its own KV cache across steps of a row: each draft feeds only the tokens
-it has not seen (at least the newest committed one), and after verification its cache
-is cropped to the still-valid prefix (KV-cache rollback), so the accepted prefix is never
-recomputed.
+Leviathan et al. 2023 (arXiv 2211.17192); transformers' ``assistant_model``.  All rows in
+flight draft together: draft position ``i`` is one batched drafter pass over the rows
+still drafting.  The drafter keeps its own KV cache (a :class:`SlotCache`, one slot per
+row): each draft feeds only the tokens the drafter has not seen (at least the newest
+committed one), and after verification the row's valid length is cut back to the
+committed prefix (KV-cache rollback), so the accepted prefix is never recomputed.
 
 Vocabularies padded to different sizes are handled: drafter logits for ids the target
 does not have are dropped, ``q`` is padded with zeros to the target's width, and target
 ids beyond the drafter's vocabulary (padding) are fed to the drafter as its last id.
+
+A drafter whose context is shorter than the target's drafts only while the row fits in
+it; past that the row's steps are plain target steps (the output is unchanged).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
-from .base import Draft, DraftRequest, draft_token
-
-
-def text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+from ..runner import ModelRunner, model_layout, prefill, text_config
+from .base import Draft, DraftRequest, draft_tokens, empty_draft
 
 
 class DraftModelProposer:
     """Args:
         drafter: a causal LM (``PreTrainedModel``) sharing the target's tokenizer.
         target_vocab_size: width ``V_target`` of the target's logits.
-        confidence_threshold: stop drafting after a token whose drafter probability is
-            below this (transformers' ``assistant_confidence_threshold``; 0 disables).
+        confidence_threshold: stop drafting a row after a token whose drafter probability
+            is below this (transformers' ``assistant_confidence_threshold``; 0 disables).
+        method: the method name (for error messages).
+
+    Raises:
+        ValueError: a drafter whose architecture the engine cannot roll back.
     """
 
     adaptive = True
+    max_rows = None
 
-    def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0):
+    def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0, method: str = "draft_model"):
         self.model = drafter
+        self.layout = model_layout(drafter, "drafter", method)
+        self.context = self.layout.context
         self.device = drafter.device
         self.target_vocab = target_vocab_size
         self.draft_vocab = text_config(drafter).vocab_size
         self.threshold = confidence_threshold
-        self.cache = None
-        self.seen = 0  # tokens in the drafter's cache
+        self.runner: ModelRunner | None = None
+        self.seen: list[int] = []  # per slot: committed tokens in the drafter's cache
 
-    def reset(self, target_cache=None) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.seen = 0
+    # ------------------------------------------------------------------ state
+    def bind(self, max_rows: int, target_runner) -> None:
+        self.runner = ModelRunner(self.model, max_rows, self.layout)
+        self.seen = [0] * max_rows
 
-    def rollback(self, valid_length: int) -> None:
-        if self.seen > valid_length:
-            self.cache.crop(valid_length - self.seen)
-            self.seen = valid_length
+    def _forward(self, slots, tokens, starts, logits_to_keep=1):
+        return self.runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
+
+    def admit(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
+        fits = [(s, p) for s, p in zip(slots, prompts) if self.context is None or p.shape[1] - 1 <= self.context]
+        for s in slots:
+            self.seen[s] = 0
+        prefill(self._forward, [s for s, _ in fits], [self._feedable(p) for _, p in fits])
+        for s, p in fits:
+            self.seen[s] = p.shape[1] - 1
+
+    def rollback(self, slot: int, valid_length: int) -> None:
+        if self.seen[slot] > valid_length:
+            self.seen[slot] = valid_length
+
+    # ------------------------------------------------------------------ drafting
+    def _feedable(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device)
+        if self.draft_vocab < self.target_vocab:
+            # Padding ids of the target that the drafter lacks (a target never emits them
+            # in practice): feed a valid id instead; only draft quality could suffer.
+            ids = ids.clamp_max(self.draft_vocab - 1)
+        return ids
 
     def _to_target_width(self, logits: torch.Tensor) -> torch.Tensor:
-        """``(1, V_draft)`` -> ``(1, V_target)``: drop ids the target lacks, pad with -inf."""
+        """``(b, V_draft)`` -> ``(b, V_target)``: drop ids the target lacks, pad with -inf."""
         if self.draft_vocab == self.target_vocab:
             return logits
         if self.draft_vocab > self.target_vocab:
             return logits[:, : self.target_vocab]
-        pad = logits.new_full((1, self.target_vocab - self.draft_vocab), float("-inf"))
+        pad = logits.new_full((logits.shape[0], self.target_vocab - self.draft_vocab), float("-inf"))
         return torch.cat([logits, pad], dim=1)
 
-    def propose(self, request: DraftRequest) -> Draft:
-        seq = request.sequence.to(self.device)
-        shaper = request.shaper
-        want_probs = request.want_probs
-        feed = seq[:, self.seen :]
-        if self.draft_vocab < self.target_vocab:
-            # Padding ids of the target that the drafter lacks (a target never emits them
-            # in practice): feed a valid id instead; only draft quality could suffer.
-            feed = feed.clamp_max(self.draft_vocab - 1)
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        prefix = seq
-        for i in range(request.k):
-            logits = self.model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            self.seen += feed.shape[1]
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out: list[Draft | None] = [None] * len(requests)
+        active = []  # (request index, k)
+        for i, r in enumerate(requests):
+            length = r.sequence.shape[1]
+            k = r.k if self.context is None else min(r.k, self.context - length + 1)
+            if k <= 0 or self.seen[r.slot] >= length:
+                out[i] = empty_draft(r.sequence.device)
+            else:
+                active.append((i, k))
+        tokens: dict[int, list[torch.Tensor]] = {i: [] for i, _ in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in active}
+        feeds = {i: self._feedable(requests[i].sequence[0, self.seen[requests[i].slot]:]) for i, _ in active}
+        step = 0
+        while active:
+            reqs = [requests[i] for i, _ in active]
+            slots = [r.slot for r in reqs]
+            starts = [self.seen[r.slot] for r in reqs]
+            logits = self._forward(slots, [feeds[i] for i, _ in active], starts)[:, -1]
+            for r, (i, _) in zip(reqs, active):
+                self.seen[r.slot] += feeds[i].shape[0]
             logits = self._to_target_width(logits)
-            token, q = draft_token(logits, prefix, request, need_q=self.threshold > 0)
-            tokens.append(token)
-            if want_probs:
-                probs.append(q)
-            if self.threshold > 0 and float(q[0, token[0, 0]]) < self.threshold:
-                break
-            if i + 1 < request.k:
-                feed = token
-                if shaper.prefix_dependent:
-                    prefix = torch.cat([prefix, token], dim=1)
-        draft_tokens = torch.cat(tokens, dim=1)[0]
-        return Draft(tokens=draft_tokens, probs=torch.cat(probs, dim=0) if want_probs else None)
+            prefixes = [self._prefix(requests[i], tokens[i]) for i, _ in active]
+            chosen, qs = draft_tokens(logits, reqs, prefixes, need_q=self.threshold > 0)
+            step += 1
+            still = []
+            for j, (i, k) in enumerate(active):
+                tok = chosen[j : j + 1]
+                tokens[i].append(tok)
+                if requests[i].want_probs:
+                    probs[i].append(qs[j])
+                low = self.threshold > 0 and float(qs[j][0, tok[0]]) < self.threshold
+                if step < k and not low:
+                    still.append((i, k))
+                    feeds[i] = self._feedable(tok)
+            active = still
+        for i, toks in tokens.items():
+            r = requests[i]
+            t = torch.cat(toks).to(r.sequence.device)
+            out[i] = Draft(tokens=t, probs=torch.cat(probs[i], dim=0) if r.want_probs else None)
+        return out
+
+    def _prefix(self, request: DraftRequest, drafted: list[torch.Tensor]) -> torch.Tensor:
+        """The text before the next draft token (only built when a processor reads it)."""
+        if not request.shaper.prefix_dependent or not drafted:
+            return request.sequence
+        return torch.cat([request.sequence, torch.cat(drafted).view(1, -1).to(request.sequence.device)], dim=1)

@@ -6,204 +6,206 @@ first ``L`` decoder layers, then the model's own final norm and LM head.  A chec
 trained with an early-exit loss (e.g. ``facebook/layerskip-llama3.2-1B``) drafts well;
 any other model drafts poorly but stays lossless.
 
-KV reuse.  Draft and verifier share one KV cache, the target's own (the loop hands it to
-:meth:`EarlyExitProposer.reset`).  The draft runs layers ``0 .. L-1`` on the committed
-token and the draft tokens, writing their keys and values into the target's cache for
-those layers, and keeps the layer-``L`` hidden states it computed.  The verification pass
-(:meth:`EarlyExitProposer.target_forward`, which the loop calls instead of the plain
-forward) then runs the first ``L`` layers only on the positions the draft did not run
-(the last draft token) and the layers ``L .. N-1`` on every position, starting from the
-kept hidden states: the first ``L`` layers are never recomputed for a drafted position.
-After verification every layer holds the same positions again; the loop crops them all to
-the committed length and the rejected positions' shallow KV goes with them.
+Two views of the target, both running the model's own ``forward`` (so its embedding
+scale, per-layer-type RoPE and masks, final norm and logit soft-capping all apply):
+
+- the *shallow* view runs layers ``0 .. L-1`` (``config.num_hidden_layers = L`` for the
+  call, as transformers' early exit does), then the norm and head: the draft logits.  A
+  hook keeps the hidden state each position leaves layer ``L-1`` with;
+- the *deep* view runs layers ``L .. N-1`` (the decoder's layer list and ``layer_types``
+  sliced for the call) from those kept hidden states as ``inputs_embeds``.
+
+KV reuse.  Draft and verifier share one KV cache, the target's own.  Drafting writes the
+first ``L`` layers' keys and values of the committed token and the draft tokens; the
+verification pass (:meth:`EarlyExitProposer.target_forward`) then runs the shallow view
+only on the position the draft did not run (the last draft token) and the deep view on
+every position: the first ``L`` layers are never recomputed for a drafted position.  In
+the slot cache (one slot per position) every layer stays aligned by construction, and a
+rejected position's entries are overwritten when that position is written again.
 
 Lossless: the verification logits are those of the full model on the same tokens (the
 first ``L`` layers computed incrementally instead of in one batch, as any KV-cached
-decoding does).
-
-Supported targets: decoder-only models whose forward is exactly ``embed_tokens`` ->
-``layers`` -> ``norm`` -> ``lm_head`` (model types in :data:`SUPPORTED_MODEL_TYPES`:
-Llama, Mistral, Qwen2, Qwen3), with eager, SDPA or flash attention and full (not
-sliding-window) attention in every layer.  Others are refused when the engine is built.
+decoding does).  When the engine is built a probe checks that shallow + deep views
+reproduce the full model's logits; a model whose forward does more than embed -> layers ->
+norm -> head (learned position embeddings added to the input, per-layer inputs) fails it
+and is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ..runner import ModelRunner, text_config
 from .base import DraftRequest
-from .draft_model import DraftModelProposer, text_config
-
-_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
-#: model types whose forward is exactly embed_tokens -> layers -> norm -> lm_head (no embedding
-#: scale as in Gemma, no extra inputs): splitting them by hand reproduces the full model
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from .draft_model import DraftModelProposer
 
 
-def early_exit_parts(target, layers: int):
-    """The modules early exit runs, checked; raises ``ValueError`` naming ``assistant_early_exit``."""
-    config = text_config(target)
-    total = getattr(config, "num_hidden_layers", None)
-    if total is None or not (1 <= layers <= total - 1):
+def _decoder(target):
+    base = target.get_decoder() if hasattr(target, "get_decoder") else None
+    if base is None or not hasattr(base, "layers"):
         raise ValueError(
-            f"assistant_early_exit={layers} is out of range: the target has {total} layers, "
-            f"so the draft may use 1 .. {None if total is None else total - 1} of them"
+            f"method 'early_exit' needs a decoder with a list of layers; {type(target).__name__} has none"
         )
-    base = getattr(target, getattr(target, "base_model_prefix", "model"), None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if (
-        getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
-        or base is None
-        or not all(hasattr(base, n) for n in needed)
-        or target.get_output_embeddings() is None
-    ):
-        raise ValueError(
-            f"method 'early_exit' supports Llama-like decoders ({', '.join(SUPPORTED_MODEL_TYPES)}); "
-            f"the target is {type(target).__name__} (model_type {getattr(config, 'model_type', None)!r})"
-        )
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    if impl not in _ATTENTION:
-        raise ValueError(f"method 'early_exit' supports attention {_ATTENTION}, the target uses {impl!r}")
-    if any(t not in (None, "full_attention") for t in (getattr(config, "layer_types", None) or [])):
-        raise ValueError("method 'early_exit' needs full attention in every layer (no sliding windows)")
     return base
 
 
-class _Logits:
-    def __init__(self, logits):
-        self.logits = logits
-
-
-class _LayerSplit:
-    """The target run in two parts on its own cache: layers ``0..L-1`` (shallow) and
-    ``L..N-1`` (deep).  Keeps the layer-``L`` hidden states of positions the shallow part
-    ran and the deep part did not yet (``pending``)."""
+class _Views:
+    """The shallow and deep views of one target (see the module docstring)."""
 
     def __init__(self, target, layers: int):
-        self.target = target
-        self.base = early_exit_parts(target, layers)
-        self.config = target.config
-        self.device = target.device
-        self.L = layers
-        self.head = target.get_output_embeddings()
-        self.flash = "flash" in (getattr(text_config(target), "_attn_implementation", None) or "")
-        self.cache = None
-        self.pending: torch.Tensor | None = None  # (1, low - high, H)
-        self.pending_ids: torch.Tensor | None = None  # (1, low - high)
-
-    # lengths read from the cache itself, so they cannot drift from it
-    @property
-    def low(self) -> int:
-        return self.cache.get_seq_length(0)
-
-    @property
-    def high(self) -> int:
-        return self.cache.get_seq_length(self.L)
-
-    def reset(self, cache) -> None:
-        self.cache = cache
-        self.pending = self.pending_ids = None
-
-    def _layers(self, hidden: torch.Tensor, start: int, layers) -> torch.Tensor:
-        n = hidden.shape[1]
-        position_ids = torch.arange(start, start + n, device=hidden.device).view(1, -1)
-        position_embeddings = self.base.rotary_emb(hidden, position_ids=position_ids)
-        mask = None
-        if n > 1 and not self.flash:  # flash attention aligns its causal mask bottom-right itself
-            q = torch.arange(start, start + n, device=hidden.device).view(-1, 1)
-            k = torch.arange(start + n, device=hidden.device).view(1, -1)
-            mask = torch.zeros(n, start + n, dtype=hidden.dtype, device=hidden.device)
-            mask.masked_fill_(k > q, torch.finfo(hidden.dtype).min)
-            mask = mask.view(1, 1, n, start + n)
-        for layer in layers:
-            hidden = layer(
-                hidden, attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
-                position_embeddings=position_embeddings,
+        config = text_config(target)
+        total = getattr(config, "num_hidden_layers", None)
+        if isinstance(layers, bool) or not isinstance(layers, int) or total is None or not (1 <= layers <= total - 1):
+            raise ValueError(
+                f"assistant_early_exit={layers!r} is out of range: the target has {total} layers, "
+                f"so the draft may use 1 .. {None if total is None else total - 1} of them"
             )
-        return hidden
+        self.target = target
+        self.config = config
+        self.base = _decoder(target)
+        self.L = layers
+        self.N = total
+        self.captured: torch.Tensor | None = None
+        self._hook_on = False
+        self.base.layers[layers - 1].register_forward_hook(self._capture)
 
-    def shallow(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Layers ``0..L-1`` on ``input_ids`` (the positions after ``low``); keeps the output."""
-        hidden = self._layers(self.base.embed_tokens(input_ids), self.low, self.base.layers[: self.L])
-        if self.pending is None:
-            self.pending, self.pending_ids = hidden, input_ids
-        else:
-            self.pending = torch.cat([self.pending, hidden], dim=1)
-            self.pending_ids = torch.cat([self.pending_ids, input_ids], dim=1)
-        return hidden
+    def _capture(self, module, args, output):
+        if self._hook_on:
+            self.captured = output[0] if isinstance(output, tuple) else output
 
-    def crop_shallow(self, length: int) -> None:
-        for layer in self.cache.layers[: self.L]:
-            extra = layer.get_seq_length() - length
-            if extra > 0:
-                layer.crop(-extra)
-        if self.pending is not None:
-            keep = max(0, length - self.high)
-            self.pending, self.pending_ids = self.pending[:, :keep], self.pending_ids[:, :keep]
-            if keep == 0:
-                self.pending = self.pending_ids = None
+    @contextlib.contextmanager
+    def shallow(self):
+        """Layers ``0 .. L-1``, norm, head; the layer-``L`` hidden states land in ``captured``."""
+        old = self.config.num_hidden_layers
+        self.config.num_hidden_layers = self.L
+        self._hook_on = True
+        try:
+            yield
+        finally:
+            self._hook_on = False
+            self.config.num_hidden_layers = old
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.base.norm(hidden))
+    @contextlib.contextmanager
+    def deep(self):
+        """Layers ``L .. N-1``, norm, head, from ``inputs_embeds`` = layer-``L`` hidden states."""
+        cfg, base = self.config, self.base
+        old_n, old_layers = cfg.num_hidden_layers, base.layers
+        old_types = getattr(cfg, "layer_types", None)
+        base.layers = torch.nn.ModuleList(list(old_layers)[self.L :])
+        cfg.num_hidden_layers = self.N - self.L
+        if old_types is not None:
+            cfg.layer_types = list(old_types)[self.L :]
+        try:
+            yield
+        finally:
+            base.layers = old_layers
+            cfg.num_hidden_layers = old_n
+            if old_types is not None:
+                cfg.layer_types = old_types
 
-    # --- the draft model's interface, as DraftModelProposer calls it
-    def __call__(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
-        hidden = self.shallow(input_ids)
-        return _Logits(self.head_logits(hidden[:, -logits_to_keep:]))
+    @torch.inference_mode()
+    def probe(self, runner: ModelRunner) -> None:
+        """Check that shallow + deep reproduce the full model on a random input.
 
-    # --- the verification pass
-    def full(self, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        high, m = self.high, input_ids.shape[1]
-        done = self.low - high  # leading positions whose shallow layers already ran
-        if done > m or (done > 0 and not torch.equal(self.pending_ids, input_ids[:, :done])):
-            self.crop_shallow(high)  # not what the draft ran: recompute (never happens in the loop)
-            done = 0
-        if done < m:
-            self.shallow(input_ids[:, done:])
-        hidden = self.pending
-        self.pending = self.pending_ids = None
-        hidden = self._layers(hidden, high, self.base.layers[self.L :])
-        return self.head_logits(hidden[:, -logits_to_keep:])[0]
+        Raises:
+            ValueError: they do not (the model cannot be split this way).
+        """
+        vocab = self.config.vocab_size
+        n = 5
+        tokens = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).to(runner.device)]
+        try:
+            full = runner.forward([0], tokens, [0], logits_to_keep=n).logits.float()
+            with self.shallow():
+                runner.forward([0], tokens, [0], logits_to_keep=1)
+            hidden = self.captured[0]
+            with self.deep():
+                split = runner.forward([0], [hidden], [0], logits_to_keep=n).logits.float()
+        except Exception as e:  # noqa: BLE001 - any failure means the model cannot be split
+            raise ValueError(
+                f"method 'early_exit' cannot split {type(self.target).__name__} after layer {self.L}: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        tol = 1e-2 if runner.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        scale = full.abs().max().clamp_min(1.0)
+        if not torch.allclose(full, split, atol=float(tol * scale), rtol=0):
+            raise ValueError(
+                f"method 'early_exit' cannot split {type(self.target).__name__} (model_type "
+                f"{getattr(self.config, 'model_type', None)!r}): running its layers in two parts does not give the "
+                "full model's logits (its forward does more than embed -> layers -> norm -> head)"
+            )
 
 
 class EarlyExitProposer(DraftModelProposer):
     """Drafts with the target's first ``layers`` layers, sharing its KV cache.
 
     The drafting loop (greedy / sampled tokens, ``q`` for sampling and ensemble
-    verification, the confidence threshold) is :class:`DraftModelProposer`'s; the "draft
-    model" it calls is the shallow part of the target.
+    verification, the confidence threshold, rows drafting together) is
+    :class:`DraftModelProposer`'s; the "draft model" it runs is the shallow view.
 
     Args:
-        target: the target model (Llama-like, see the module docstring).
+        target: the target model.
         layers: ``L`` in ``1 .. num_hidden_layers - 1``.
         confidence_threshold: as for the draft model.
 
     Raises:
         ValueError: ``layers`` out of range (naming ``assistant_early_exit``) or a target
-            this proposer cannot split.
+            whose layers cannot be split (checked by a probe when the engine binds).
     """
 
     def __init__(self, target, layers: int, confidence_threshold: float = 0.0):
-        self.split = _LayerSplit(target, layers)
-        super().__init__(self.split, text_config(target).vocab_size, confidence_threshold)
+        self.views = _Views(target, layers)
+        super().__init__(target, text_config(target).vocab_size, confidence_threshold, method="early_exit")
+        self.pending: list[torch.Tensor | None] = []
+        # check now, on a throw-away runner, so a bad target fails when the engine is built
+        self.views.probe(ModelRunner(target, 1, self.layout))
 
-    def reset(self, target_cache=None) -> None:
-        if target_cache is None:
-            raise ValueError("early exit drafts into the target's KV cache: reset() needs it")
-        self.split.reset(target_cache)
-        self.cache = target_cache
-        self.seen = 0
+    def bind(self, max_rows: int, target_runner) -> None:
+        self.runner = target_runner
+        self.seen = [0] * max_rows
+        self.pending = [None] * max_rows  # per slot: layer-L hidden states of the positions drafted
 
-    def propose(self, request: DraftRequest):
-        self.seen = self.split.low
-        return super().propose(request)
+    def admit(self, slots, prompts) -> None:
+        for s, p in zip(slots, prompts):
+            self.seen[s] = p.shape[1] - 1  # the target's prefill filled every layer
+            self.pending[s] = None
 
-    def rollback(self, valid_length: int) -> None:
-        # The loop has cropped every layer of the shared cache; drop anything beyond it.
-        self.split.crop_shallow(valid_length)
-        self.seen = self.split.low
+    def rollback(self, slot: int, valid_length: int) -> None:
+        # the verification pass ran every layer on every position it fed: all layers are
+        # valid up to the committed prefix; nothing pending survives
+        self.seen[slot] = valid_length
+        self.pending[slot] = None
 
-    def target_forward(self, target, input_ids, cache, logits_to_keep: int) -> torch.Tensor:
-        if cache is not self.split.cache:
-            raise ValueError("early exit verifies on the cache it was reset with")
-        return self.split.full(input_ids, logits_to_keep)
+    def _forward(self, slots, tokens, starts, logits_to_keep=1):
+        with self.views.shallow():
+            logits = self.runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
+        hidden = self.views.captured
+        for i, (s, t) in enumerate(zip(slots, tokens)):
+            h = hidden[i, hidden.shape[1] - t.shape[0]:]
+            self.pending[s] = h if self.pending[s] is None else torch.cat([self.pending[s], h])
+        return logits
+
+    def propose(self, requests: list[DraftRequest]):
+        for r in requests:
+            self.pending[r.slot] = None
+        return super().propose(requests)
+
+    def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
+        """Verification (and prefill): the shallow view on the positions the draft did not
+        run, then the deep view on every position from the kept hidden states."""
+        missing = []
+        for i, (s, t) in enumerate(zip(slots, tokens)):
+            done = 0 if self.pending[s] is None else self.pending[s].shape[0]
+            if done >= t.shape[0] or starts[i] + done != self.seen[s]:
+                self.pending[s], done = None, 0  # not what the draft ran: recompute (prefill)
+            if done < t.shape[0]:
+                missing.append((i, done))
+        if missing:
+            self._forward([slots[i] for i, _ in missing], [tokens[i][d:] for i, d in missing],
+                          [starts[i] + d for i, d in missing])
+        hidden = [self.pending[s] for s in slots]
+        for s in slots:
+            self.pending[s] = None
+        with self.views.deep():
+            return runner.forward(slots, hidden, starts, logits_to_keep=logits_to_keep).logits

@@ -21,11 +21,15 @@ Incremental state per row, never recomputed for accepted tokens:
 
 - the target's last hidden states of committed positions (captured by
   :meth:`MTPProposer.target_forward`, which runs every target pass);
-- per MTP layer ``i``, its cache and outputs for main positions ``0 .. n_i - 1``.  An
-  entry of layer ``i`` at position ``j`` read tokens up to ``x[j+1+i]``; after a
-  verification that left ``valid_length`` tokens valid it survives iff
-  ``j + 1 + i < valid_length`` (so a rejected draft invalidates ``i`` entries of layer
+- per MTP layer ``i``, its KV entries (a :class:`SlotCache` whose slot ``j`` holds main
+  position ``j``; the layer's RoPE position is ``j + 1 + i``) and outputs for main
+  positions ``0 .. n_i - 1``.  An entry of layer ``i`` at position ``j`` read tokens up to
+  ``x[j+1+i]``; after a verification that left ``valid_length`` tokens valid it survives
+  iff ``j + 1 + i < valid_length`` (so a rejected draft invalidates ``i`` entries of layer
   ``i`` and only those are recomputed next step).
+
+Rows draft together: MTP layer ``i`` runs once per step over every drafting row, each
+feeding its own missing positions (a ragged, left-padded pass with per-row masks).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import re
 
 import torch
 
-from .base import Draft, DraftRequest, empty_draft, draft_token
+from ..runner import ModelLayout, ModelRunner
+from .base import Draft, DraftRequest, draft_tokens, empty_draft
 
 
 # --------------------------------------------------------------------------- loading
@@ -156,8 +161,8 @@ def _name_or_path(target, path):
 
 
 # --------------------------------------------------------------------------- drafting
-class _Positions:
-    """Per-position vectors ``(1, T, H)`` of main positions ``[start, start + T)``."""
+class Positions:
+    """Per-position vectors ``(T, H)`` of main positions ``[start, start + T)`` of one row."""
 
     def __init__(self):
         self.start = 0
@@ -165,31 +170,41 @@ class _Positions:
 
     @property
     def end(self) -> int:
-        return self.start + (0 if self.data is None else self.data.shape[1])
+        return self.start + (0 if self.data is None else self.data.shape[0])
 
     def put(self, pos: int, x: torch.Tensor) -> None:
-        """Store ``x`` for positions ``pos ..``, dropping anything stored from ``pos`` on."""
-        if self.data is None or self.data.shape[1] == 0:
+        """Store ``x`` ``(m, H)`` for positions ``pos ..``, dropping anything stored from ``pos`` on."""
+        if self.data is None or self.data.shape[0] == 0:
             self.start, self.data = pos, x
             return
         if not self.start <= pos <= self.end:
             raise RuntimeError(f"MTP state out of step: storing position {pos}, holding [{self.start}, {self.end})")
-        self.data = torch.cat([self.data[:, : pos - self.start], x], dim=1)
+        self.data = torch.cat([self.data[: pos - self.start], x], dim=0)
 
     def get(self, a: int, b: int) -> torch.Tensor:
         if a < self.start or b > self.end:
             raise RuntimeError(f"MTP state out of step: need [{a}, {b}), holding [{self.start}, {self.end})")
-        return self.data[:, a - self.start : b - self.start]
+        return self.data[a - self.start : b - self.start]
 
     def crop(self, end: int) -> None:
         if self.data is not None and end < self.end:
-            self.data = self.data[:, : max(0, end - self.start)]
+            self.data = self.data[: max(0, end - self.start)]
 
     def drop_before(self, pos: int) -> None:
         if self.data is not None and pos > self.start:
             cut = min(pos, self.end) - self.start
-            self.data = self.data[:, cut:]
+            self.data = self.data[cut:]
             self.start += cut
+
+
+def store_hidden(stores: list[Positions], slots, tokens, starts, hidden: torch.Tensor) -> None:
+    """Keep each row's hidden states of a left-padded target pass: ``hidden`` ``(b, m, H)``
+    covers the last ``m`` inputs (a model may return fewer positions than it ran)."""
+    m = hidden.shape[1]
+    for i, (s, t, start) in enumerate(zip(slots, tokens, starts)):
+        q = int(t.shape[0])
+        got = min(m, q)
+        stores[s].put(start + q - got, hidden[i, m - got:])
 
 
 class MTPProposer:
@@ -203,6 +218,7 @@ class MTPProposer:
     """
 
     adaptive = False
+    max_rows = None
 
     def __init__(self, target, mtp, num_layers: int | None = None):
         total = len(mtp.layers)
@@ -210,70 +226,112 @@ class MTPProposer:
             num_layers = total
         if num_layers > total:
             raise ValueError(f"num_mtp_layers={num_layers} but the checkpoint has {total} MTP layer(s)")
-        from transformers.cache_utils import MtpCache
-
-        self._cache_cls = MtpCache
+        types = getattr(mtp.config, "layer_types", None) or []
+        if any(t != "full_attention" for t in types[:num_layers]):
+            raise ValueError(f"method 'mtp' supports MTP layers with full attention; these are {types[:num_layers]}")
         self.target = target
         self.mtp = mtp
         self.num_layers = num_layers
         self.device = _execution_device(mtp.layers[0])
         self.embed_device = _execution_device(target.get_input_embeddings())
-        self.reset(None)
+        self.runner: ModelRunner | None = None
 
     # ---- per-row state
-    def reset(self, target_cache=None) -> None:
-        self.cache = self._cache_cls(config=self.mtp.config)
-        self.hidden = _Positions()  # target's last hidden states h[j]
-        self.outs = [_Positions() for _ in range(self.num_layers)]  # g_i[j]
-        self.lengths = [0] * self.num_layers  # entries of layer i: positions 0 .. n_i - 1
+    def bind(self, max_rows: int, target_runner) -> None:
+        layout = ModelLayout(("full_attention",) * self.num_layers, None, target_runner.layout.context, None, False)
+        self.runner = ModelRunner(self.mtp, max_rows, layout)
+        self.runner.device = self.device
+        self.hidden = [Positions() for _ in range(max_rows)]  # target's last hidden states h[j]
+        self.outs = [[Positions() for _ in range(self.num_layers)] for _ in range(max_rows)]  # g_i[j]
+        self.lengths = [[0] * self.num_layers for _ in range(max_rows)]  # layer i: positions 0 .. n_i - 1
 
-    def target_forward(self, target, input_ids, cache, logits_to_keep: int) -> torch.Tensor:
+    def admit(self, slots, prompts) -> None:
+        for s in slots:
+            self.hidden[s] = Positions()
+            self.outs[s] = [Positions() for _ in range(self.num_layers)]
+            self.lengths[s] = [0] * self.num_layers
+
+    def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
         """The target pass, keeping its last hidden states (``hidden_states[-1]``, what
         transformers' ``MTPCandidateGenerator`` feeds the MTP layers)."""
-        pos = cache.get_seq_length()
-        out = target(
-            input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=-1
-        )
-        self.hidden.put(pos, out.hidden_states[-1].to(self.device))
-        return out.logits[0]
+        out = runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, output_hidden_states=-1)
+        store_hidden(self.hidden, slots, tokens, starts, out.hidden_states[-1].to(self.device))
+        return out.logits
 
-    def rollback(self, valid_length: int) -> None:
-        self.hidden.crop(valid_length)
+    def rollback(self, slot: int, valid_length: int) -> None:
+        self.hidden[slot].crop(valid_length)
+        lengths, outs = self.lengths[slot], self.outs[slot]
         for i in range(self.num_layers):
-            keep = max(0, min(self.lengths[i], valid_length - 1 - i))
-            if keep < self.lengths[i]:
-                self.cache.layers[i].crop(keep - self.lengths[i])
-                self.outs[i].crop(keep)
-                self.lengths[i] = keep
+            keep = max(0, min(lengths[i], valid_length - 1 - i))
+            if keep < lengths[i]:
+                outs[i].crop(keep)
+                lengths[i] = keep
         # Older positions are never read again (each layer restarts at its own length).
-        low = min(self.lengths)
-        self.hidden.drop_before(low)
-        for o in self.outs:
+        low = min(lengths)
+        self.hidden[slot].drop_before(low)
+        for o in outs:
             o.drop_before(low)
 
     # ---- drafting
-    def propose(self, request: DraftRequest) -> Draft:
-        seq = request.sequence
-        L = seq.shape[1]
-        n = min(request.k, self.num_layers)
-        if L < 2 or self.hidden.end < L - 1 or n <= 0:
-            return empty_draft(seq.device)  # no target hidden state yet (one-token prompt)
-        ext = seq
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        b = L - 1  # positions j < b have a committed hidden state
-        for i in range(n):
-            a = self.lengths[i]
-            prev = self.hidden.get(a, b) if i == 0 else self.outs[i - 1].get(a, b)
-            ids = ext[:, a + 1 + i : b + 1 + i].to(self.embed_device)
-            position_ids = torch.arange(a + 1 + i, b + 1 + i, device=self.device).view(1, -1)
-            out = self.mtp.forward_layer(i, prev, position_ids, self.cache, input_ids=ids)
-            self.outs[i].put(a, out)
-            self.lengths[i] = b
-            logits = self.mtp._project_to_logits(out[:, -1:]).to(seq.device)[:, -1]
-            token, q = draft_token(logits, ext, request)
-            tokens.append(token)
-            if request.want_probs:
-                probs.append(q)
-            ext = torch.cat([ext, token], dim=1)
-        return Draft(tokens=torch.cat(tokens, dim=1)[0], probs=torch.cat(probs, dim=0) if request.want_probs else None)
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out: list[Draft] = [empty_draft(r.sequence.device) for r in requests]
+        active = []
+        for i, r in enumerate(requests):
+            L = r.sequence.shape[1]
+            if L >= 2 and self.hidden[r.slot].end >= L - 1 and min(r.k, self.num_layers) > 0:
+                active.append(i)  # else: no target hidden state yet (one-token prompt)
+        ext = {i: requests[i].sequence for i in active}
+        tokens = {i: [] for i in active}
+        probs = {i: [] for i in active}
+        for layer in range(self.num_layers):
+            rows = [i for i in active if min(requests[i].k, self.num_layers) > layer]
+            if not rows:
+                break
+            reqs = [requests[i] for i in rows]
+            slots = [r.slot for r in reqs]
+            prev, ids, starts = [], [], []
+            for i, r in zip(rows, reqs):
+                a, b = self.lengths[r.slot][layer], r.sequence.shape[1] - 1
+                prev.append(self.hidden[r.slot].get(a, b) if layer == 0 else self.outs[r.slot][layer - 1].get(a, b))
+                ids.append(ext[i][0, a + 1 + layer : b + 1 + layer])
+                starts.append(a)
+            hidden = self._layer(layer, slots, ids, prev, starts)
+            for j, (i, r) in enumerate(zip(rows, reqs)):
+                q = ids[j].shape[0]
+                self.outs[r.slot][layer].put(starts[j], hidden[j, hidden.shape[1] - q:])
+                self.lengths[r.slot][layer] = r.sequence.shape[1] - 1
+            logits = self.mtp._project_to_logits(hidden[:, -1:])[:, -1].to(reqs[0].sequence.device)
+            chosen, qs = draft_tokens(logits, reqs, [ext[i] for i in rows])
+            for j, i in enumerate(rows):
+                tok = chosen[j : j + 1]
+                tokens[i].append(tok)
+                if requests[i].want_probs:
+                    probs[i].append(qs[j])
+                ext[i] = torch.cat([ext[i], tok.view(1, 1)], dim=1)
+        for i in active:
+            if tokens[i]:
+                r = requests[i]
+                out[i] = Draft(tokens=torch.cat(tokens[i]), probs=torch.cat(probs[i], dim=0) if r.want_probs else None)
+        return out
+
+    def _layer(self, layer: int, slots, ids, prev, starts) -> torch.Tensor:
+        """MTP layer ``layer`` over ragged rows: main positions ``starts[b] ..`` feed
+        tokens ``ids[b]`` and hidden states ``prev[b]``; returns ``(b, Q, H)`` outputs."""
+        runner = self.runner
+        embeds = [self.mtp.embed_tokens(t.to(self.embed_device)).to(self.device) for t in ids]
+        x, positions, write, kv_len, mask = runner.inputs(slots, embeds, starts)
+        h, *_ = runner.inputs(slots, [p.to(self.device) for p in prev], starts)
+        rope_positions = positions + 1 + layer  # MTP depth i runs i + 1 tokens ahead
+        runner.cache.step(torch.tensor(slots, dtype=torch.long, device=self.device), write, kv_len)
+        kwargs = {"position_embeddings": None}
+        if self.mtp.rotary_emb is not None:
+            rope_kwargs = {"layer_type": self.mtp.config.layer_types[layer]} if self.mtp.has_per_layer_rope else {}
+            kwargs["position_embeddings"] = self.mtp.rotary_emb(x, position_ids=rope_positions, **rope_kwargs)
+        try:
+            hidden = self.mtp.layers[layer](x, h, attention_mask=mask, position_ids=rope_positions,
+                                            cache=runner.cache, **kwargs)
+        finally:
+            runner.cache.current = None
+        if self.mtp.use_shared_post_norm:
+            hidden = self.mtp.shared_post_norm(hidden)
+        return hidden

@@ -11,37 +11,52 @@ Its input is ``[embed_target(x_last); h]`` -- the target's (scaled) embedding of
 token and the hidden state that predicted it -- at the constant position of ``x_last``;
 each drafted token feeds the next step with the assistant's own projected hidden state.
 
-Per row this proposer keeps, from the latest target pass (run through
-:meth:`MTPAssistantProposer.target_forward`):
+Per row this proposer keeps the target's last hidden states from its passes (run
+through :meth:`MTPAssistantProposer.target_forward`; the one at the last committed
+position but one is the first draft's ``h``).  The shared keys and values need no copy:
+they are the target's own cache entries of the layers that store them
+(``kv_sharing_modes == "store"``), read for each row up to its committed length (all
+positions but the last; rejected draft positions are past it).  Rows draft together:
+each draft position is one assistant pass over the drafting rows, their KV left-padded
+to a common length with a padding mask, so the assistant's window (counted from the end)
+reads each row's own most recent entries.
 
-- the target's last hidden states of that pass (the one at the last valid position is
-  the first draft's ``h``);
-- the shared keys and values, cut after verification to the tokens still in the
-  target's cache (rejected draft positions removed), and for sliding-window layers at
-  least the ``W + 1`` most recent entries the assistant's window mask reads.
-
-Drafts are thus a function of the committed tokens only.  transformers' generator
-differs in two details that only change drafts, never the output (verification is
-lossless): it keeps the KV entry of the first rejected position, and after a one-token
-target pass it gives the assistant ``W`` sliding entries instead of ``W + 1``.
+Drafts are thus a function of the committed tokens only: each equals the draft
+recomputed from one uncached target pass.  transformers' generator differs in two
+details that only change drafts, never the output (verification is lossless): it keeps
+the KV entry of the first rejected position, and after a one-token target pass it gives
+the assistant ``W`` sliding entries instead of ``W + 1``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import Draft, DraftRequest, empty_draft, draft_token
-from .draft_model import text_config
+from ..runner import text_config
+from .base import Draft, DraftRequest, draft_tokens, empty_draft
+from .mtp import Positions, store_hidden
 
 
 def _is_gemma4_assistant(model) -> bool:
     return type(model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
 
 
+def _storing_layers(config) -> dict[str, int]:
+    """Layer kind -> index of the target layer whose keys and values the assistant reads
+    (the last layer of that kind that stores them for the KV-shared layers)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    modes = list(getattr(config, "kv_sharing_modes", None) or [])
+    out: dict[str, int] = {}
+    for i, kind in enumerate(types):
+        if not modes or modes[i] == "store":
+            out[kind] = i
+    return out
+
+
 class MTPAssistantProposer:
     """Args:
         target: a Gemma 4 target (``Gemma4ForConditionalGeneration`` /
-            ``Gemma4ForCausalLM``, or Gemma 3n) that returns ``shared_kv_states``.
+            ``Gemma4ForCausalLM``, or Gemma 3n).
         assistant: its ``Gemma4AssistantForCausalLM`` (passed to the engine as ``drafter=``).
 
     Raises:
@@ -50,6 +65,7 @@ class MTPAssistantProposer:
     """
 
     adaptive = True
+    max_rows = None
 
     def __init__(self, target, assistant):
         if assistant is None:
@@ -79,72 +95,86 @@ class MTPAssistantProposer:
         self.target = target
         self.assistant = assistant
         self.embed = target.get_input_embeddings()
-        self.window = getattr(text_config(assistant), "sliding_window", None)
-        self.reset(None)
+        self.layers = _storing_layers(t_cfg)
+        self.runner = None
+        self.hidden: list[Positions] = []
 
-    def reset(self, target_cache=None) -> None:
-        self.hidden = None  # (1, m, H): last hidden states of positions [hidden_start, hidden_start + m)
-        self.hidden_start = 0
-        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.kv_end = 0  # the shared KV ends at this absolute position
+    def bind(self, max_rows: int, target_runner) -> None:
+        self.runner = target_runner
+        self.hidden = [Positions() for _ in range(max_rows)]
 
-    def target_forward(self, target, input_ids, cache, logits_to_keep: int) -> torch.Tensor:
-        pos = cache.get_seq_length()
-        out = target(
-            input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-            output_hidden_states=-1, return_shared_kv_states=True,
-        )
-        hidden = out.hidden_states[-1]
-        # Gemma 4 may run its KV-shared layers on the last `logits_to_keep` positions only
-        self.hidden_start = pos + input_ids.shape[1] - hidden.shape[1]
-        self.hidden = hidden
-        end = pos + input_ids.shape[1]
+    def admit(self, slots, prompts) -> None:
+        for s in slots:
+            self.hidden[s] = Positions()
+
+    def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
+        out = runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, output_hidden_states=-1)
+        store_hidden(self.hidden, slots, tokens, starts, out.hidden_states[-1])
+        return out.logits
+
+    def rollback(self, slot: int, valid_length: int) -> None:
+        self.hidden[slot].crop(valid_length)
+        self.hidden[slot].drop_before(valid_length - 1)  # the next draft reads position valid_length - 1
+
+    def _shared_kv(self, slots: list[int], lengths: list[int]):
+        """Per kind, keys and values of positions ``0 .. lengths[b] - 1`` of each row,
+        left-padded to the longest: ``(b, heads, T, head_dim)``, and the ``(b, T)`` mask."""
+        T = max(lengths)
+        device = self.runner.device
+        mask = torch.zeros((len(slots), T), dtype=torch.long, device=device)
         kv = {}
-        for name, (k, v) in out.shared_kv_states.items():
-            # A sliding-window layer returns only its window (W - 1 past entries + this
-            # pass), but the assistant's window mask (|q - kv| <= W) reads W + 1 entries:
-            # prepend the older ones kept from the previous pass.
-            start = end - k.shape[2]
-            if name in self.kv and self.kv_end >= start:
-                old_k, old_v = self.kv[name]
-                old_start = self.kv_end - old_k.shape[2]
-                if old_start < start:
-                    k = torch.cat([old_k[:, :, : start - old_start], k], dim=2)
-                    v = torch.cat([old_v[:, :, : start - old_start], v], dim=2)
-            if self.window is not None and "sliding" in name:
-                keep = self.window + 1 + input_ids.shape[1]  # still >= W + 1 after rejected positions go
-                k, v = k[:, :, -keep:], v[:, :, -keep:]
-            kv[name] = (k, v)
-        self.kv = kv
-        self.kv_end = end
-        return out.logits[0]
+        for kind, idx in self.layers.items():
+            layer = self.runner.cache.layers[idx]
+            k = layer.keys.new_zeros((len(slots), layer.keys.shape[1], T, layer.keys.shape[3]))
+            v = layer.values.new_zeros((len(slots), layer.values.shape[1], T, layer.values.shape[3]))
+            for b, (s, n) in enumerate(zip(slots, lengths)):
+                k[b, :, T - n:] = layer.keys[s, :, :n]
+                v[b, :, T - n:] = layer.values[s, :, :n]
+            kv[kind] = (k, v)
+        for b, n in enumerate(lengths):
+            mask[b, T - n:] = 1
+        return kv, mask
 
-    def rollback(self, valid_length: int) -> None:
-        drop = self.kv_end - valid_length
-        if drop > 0:
-            self.kv = {name: (k[:, :, :-drop], v[:, :, :-drop]) for name, (k, v) in self.kv.items()}
-            self.kv_end = valid_length
-
-    def propose(self, request: DraftRequest) -> Draft:
-        seq = request.sequence
-        L = seq.shape[1]
-        i = L - 2 - self.hidden_start  # the hidden state that predicted the last token
-        if self.hidden is None or not 0 <= i < self.hidden.shape[1] or self.kv_end != L - 1:
-            return empty_draft(seq.device)  # one-token prompt: no target pass yet
-        hidden = self.hidden[:, i : i + 1]
-        token = seq[:, -1:]
-        position_ids = torch.tensor([[L - 1]], dtype=torch.long, device=seq.device)
-        ext = seq
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for _ in range(request.k):
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out: list[Draft] = [empty_draft(r.sequence.device) for r in requests]
+        rows = [i for i, r in enumerate(requests)
+                if r.sequence.shape[1] >= 2 and self.hidden[r.slot].end >= r.sequence.shape[1] - 1
+                and self.hidden[r.slot].start <= r.sequence.shape[1] - 2]  # else: no target pass yet
+        if not rows:
+            return out
+        reqs = [requests[i] for i in rows]
+        lengths = [r.sequence.shape[1] - 1 for r in reqs]
+        kv, mask = self._shared_kv([r.slot for r in reqs], lengths)
+        hidden = torch.stack([self.hidden[r.slot].get(n - 1, n) for r, n in zip(reqs, lengths)])  # (b, 1, H)
+        token = torch.stack([r.sequence[0, -1:] for r in reqs])  # (b, 1)
+        position_ids = torch.tensor(lengths, dtype=torch.long, device=token.device).view(-1, 1)
+        ext = [r.sequence for r in reqs]
+        tokens: list[list[torch.Tensor]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        live = list(range(len(reqs)))
+        step = 0
+        while live:
+            index = torch.tensor(live, device=token.device)
+            sub_kv = {kind: (k[index], v[index]) for kind, (k, v) in kv.items()} if len(live) < len(reqs) else kv
             embeds = torch.cat([self.embed(token.to(self.embed.weight.device)).to(hidden.device), hidden], dim=-1)
-            out = self.assistant(inputs_embeds=embeds, position_ids=position_ids, shared_kv_states=self.kv, use_cache=False)
-            hidden = out.last_hidden_state
-            logits = out.logits[:, -1].to(seq.device)
-            token, q = draft_token(logits, ext, request)
-            tokens.append(token)
-            if request.want_probs:
-                probs.append(q)
-            ext = torch.cat([ext, token], dim=1)
-        return Draft(tokens=torch.cat(tokens, dim=1)[0], probs=torch.cat(probs, dim=0) if request.want_probs else None)
+            o = self.assistant(inputs_embeds=embeds, position_ids=position_ids[index], shared_kv_states=sub_kv,
+                               attention_mask=mask[index], use_cache=False)
+            hidden = o.last_hidden_state
+            sub = [reqs[j] for j in live]
+            chosen, qs = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub, [ext[j] for j in live])
+            step += 1
+            keep = []
+            for pos, j in enumerate(live):
+                tok = chosen[pos : pos + 1]
+                tokens[j].append(tok)
+                if reqs[j].want_probs:
+                    probs[j].append(qs[pos])
+                ext[j] = torch.cat([ext[j], tok.view(1, 1)], dim=1)
+                if step < reqs[j].k:
+                    keep.append(pos)
+            live = [live[p] for p in keep]
+            token, hidden = chosen[keep].view(-1, 1), hidden[keep]
+        for j, i in enumerate(rows):
+            r = reqs[j]
+            out[i] = Draft(tokens=torch.cat(tokens[j]), probs=torch.cat(probs[j], dim=0) if r.want_probs else None)
+        return out

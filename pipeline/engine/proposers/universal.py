@@ -34,10 +34,9 @@ encode of its text with the drafter's tokenizer (linear in the row's length).
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
+from ..runner import ModelRunner, model_layout, text_config
 from .base import Draft, DraftRequest, empty_draft
-from .draft_model import text_config
 
 #: committed target tokens whose text is re-encoded together with the drafted text
 CONTEXT_TOKENS = 8
@@ -63,6 +62,8 @@ class UniversalProposer:
     """
 
     adaptive = True
+    #: the drafter re-synchronises through text, one row at a time
+    max_rows = 1
 
     def __init__(self, target, drafter, tokenizer, drafter_tokenizer):
         if drafter is None:
@@ -72,25 +73,29 @@ class UniversalProposer:
                 "method 'universal' needs both tokenizers: tokenizer= (the target's) and drafter_tokenizer="
             )
         self.model = drafter
+        self.layout = model_layout(drafter, "drafter", "universal")
         self.device = drafter.device
         self.tok_t = tokenizer
         self.tok_d = drafter_tokenizer
         self.target_vocab = text_config(target).vocab_size
         self.draft_width = min(text_config(drafter).vocab_size, len(drafter_tokenizer))
-        self.context = getattr(text_config(drafter), "max_position_embeddings", None)
+        self.context = self.layout.context
         eos = getattr(drafter.generation_config, "eos_token_id", None)
         eos = set([eos] if isinstance(eos, int) else (eos or []))
         if drafter_tokenizer.eos_token_id is not None:
             eos.add(drafter_tokenizer.eos_token_id)
         self.draft_eos = eos
-        self.cache = None
-        self.ids: list[int] = []  # drafter ids in the drafter's cache, in order
+        self.runner: ModelRunner | None = None
+        self.ids: list[int] = []  # drafter ids in the drafter's cache (slot 0), in order
 
-    def reset(self, target_cache=None) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+    def bind(self, max_rows: int, target_runner) -> None:
+        self.runner = ModelRunner(self.model, 1, self.layout)
         self.ids = []
 
-    def rollback(self, valid_length: int) -> None:
+    def admit(self, slots, prompts) -> None:
+        self.ids = []
+
+    def rollback(self, slot: int, valid_length: int) -> None:
         pass  # re-synchronised from the committed text at the next propose()
 
     # ------------------------------------------------------------------ text <-> ids
@@ -127,12 +132,13 @@ class UniversalProposer:
         if not target_ids:
             return None
         keep = min(_common_prefix(self.ids, target_ids), len(target_ids) - 1)
-        if len(self.ids) > keep:
-            self.cache.crop(keep - len(self.ids))
-            self.ids = self.ids[:keep]
+        self.ids = self.ids[:keep]  # the cache's entries past them are never read again
         return target_ids[keep:]
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self._propose(r) for r in requests]
+
+    def _propose(self, request: DraftRequest) -> Draft:
         device = request.sequence.device
         committed = request.sequence[0].tolist()
         text = self._decode_t(committed)
@@ -142,8 +148,8 @@ class UniversalProposer:
         synced = len(self.ids) + len(feed)  # the drafter's ids of `text`
         drafted: list[int] = []
         for _ in range(request.k):
-            inputs = torch.tensor([feed], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            inputs = torch.tensor(feed, dtype=torch.long, device=self.device)
+            logits = self.runner.forward([0], [inputs], [len(self.ids)], logits_to_keep=1).logits[0, -1]
             self.ids.extend(feed)
             token = int(logits[: self.draft_width].argmax())
             if token in self.draft_eos:

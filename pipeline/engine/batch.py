@@ -1,0 +1,89 @@
+"""The explicit state of the rows in flight, and the per-row settings of a batch.
+
+One :class:`RowState` per row from admission to its end: where it lives (``slot``), what
+is committed (``sequence``), its budget, its stopping rule, its logits processors and
+random generator, its draft-length schedule and its :class:`RowStats`.  The loop
+(:mod:`pipeline.engine.loop`) reads and updates nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import LogitsShaper
+from .settings import GenerationSettings
+from .stats import RowStats
+from .stopping import StopChecker
+
+#: GenerationSettings fields that may differ between the rows of one batch
+PER_ROW_FIELDS = ("max_new_tokens", "eos_token_id", "stop_strings", "seed")
+
+
+def per_row_settings(settings, n: int) -> list[GenerationSettings]:
+    """``settings`` (one :class:`GenerationSettings`, ``None`` or a list of ``n``) as a
+    validated list of ``n``.
+
+    Raises:
+        ValueError: a list of the wrong length, a bad setting, or rows whose settings
+            differ in a field other than :data:`PER_ROW_FIELDS`.
+    """
+    if settings is None or isinstance(settings, GenerationSettings):
+        one = (settings or GenerationSettings()).validate()
+        return [one] * n
+    settings = list(settings)
+    if len(settings) != n:
+        raise ValueError(f"settings has {len(settings)} entries for {n} prompts")
+    rows = [s.validate() for s in settings]
+    shared = [f.name for f in dataclasses.fields(GenerationSettings) if f.name not in PER_ROW_FIELDS]
+    for s in rows[1:]:
+        differ = [name for name in shared if getattr(s, name) != getattr(rows[0], name)]
+        if differ:
+            raise ValueError(
+                f"the rows of one batch may differ only in {', '.join(PER_ROW_FIELDS)}; "
+                f"they differ in {', '.join(differ)}"
+            )
+    return rows
+
+
+@dataclass
+class RowState:
+    """One row in flight.
+
+    Attributes:
+        index: the row's position in the caller's list (results come back in that order).
+        slot: its row in every cache of the engine (reused by the next row when it ends).
+        sequence: ``(1, L)`` int64 committed tokens (prompt + generated) on the target's
+            device; the target's cache holds every one but the last.
+        prompt_len: prompt tokens.
+        budget: tokens it may generate (``max_new_tokens``, or less where the context ends).
+        context_bound: the budget was cut by the context (finish reason ``context``).
+        k: the draft length its schedule asks for now.
+        rope_regime: the RoPE regime its target cache was computed in (LongRoPE).
+    """
+
+    index: int
+    slot: int
+    sequence: torch.Tensor
+    prompt_len: int
+    budget: int
+    context_bound: bool
+    settings: GenerationSettings
+    shaper: LogitsShaper
+    stopper: StopChecker
+    generator: torch.Generator | None
+    stats: RowStats
+    k: int
+    rope_regime: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.sequence.shape[1])
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.generated)

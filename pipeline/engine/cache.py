@@ -1,0 +1,160 @@
+"""The KV cache of a batch of rows in flight: the entry of position ``p`` of a row sits in
+slot ``p`` of that row.
+
+Rows are ragged (each has its own length) and a finished row's slot is reused by the next
+row, so the cache never appends at a shared end as ``DynamicCache`` does.  Instead every
+forward pass says, per row, which slots its tokens write (:meth:`SlotCache.step`), and the
+attention mask (built by :mod:`pipeline.engine.runner` from the rows' positions) lets a
+query at position ``p`` read slots ``<= p`` (and ``> p - W`` in a sliding-window layer).
+Consequences:
+
+- KV-cache rollback costs nothing: entries past a row's committed length are never read
+  (the causal mask hides them) and are overwritten when that position is written again.
+- A new row in a slot needs no clearing: the previous row's entries sit at positions the
+  new row writes before it reads them.
+- Padding never pollutes a row: padded tokens of a ragged batch write to one scratch slot
+  past the end of the buffer, which no mask ever reaches.
+
+Memory: ``rows x heads x capacity x head_dim`` per layer for keys and for values, where
+``capacity`` grows (doubling, capped by the model's context) to the longest row seen, so
+it is bounded by ``max_batch_size x (longest prompt + max_new_tokens + k)`` and stays flat
+once reached.
+
+transformers' model code calls :meth:`SlotCache.update` from every attention layer; the
+cache needs nothing else from the models (they get explicit ``position_ids`` and a 4D
+mask, so they never ask it for lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+#: smallest capacity (positions) a layer's buffer is allocated with
+MIN_CAPACITY = 64
+
+
+class SlotLayer(CacheLayerMixin):
+    """Keys and values of one attention layer: ``(rows, heads, capacity + 1, head_dim)``,
+    the last slot being the scratch slot for padding."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: "SlotCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        rows, cap = self.owner.max_rows, self.owner.initial_capacity
+        self.keys = key_states.new_zeros((rows, key_states.shape[1], cap + 1, key_states.shape[3]))
+        self.values = value_states.new_zeros((rows, value_states.shape[1], cap + 1, value_states.shape[3]))
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2] - 1
+
+    def _grow(self, needed: int) -> None:
+        cap = self.capacity
+        if needed <= cap:
+            return
+        new_cap = max(needed, min(2 * cap, self.owner.max_capacity or 2 * cap))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], old.shape[1], new_cap + 1, old.shape[3]))
+            new[:, :, :cap] = old[:, :, :cap]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write this pass's ``(b, heads, q, head_dim)`` keys and values into their slots and
+        return every row's ``(b, heads, kv_len, head_dim)`` (a view when the rows are the
+        slots ``0 .. b-1``, a gathered copy otherwise)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        step = self.owner.current
+        if step is None:
+            raise RuntimeError("SlotCache.step() must be called before a forward pass")
+        self._grow(step.kv_len)
+        slots = torch.where(step.write < 0, self.capacity, step.write)  # padding -> scratch slot
+        rows = step.rows.view(-1, 1)
+        self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+        if step.prefix_rows:
+            b = step.rows.numel()
+            return self.keys[:b, :, : step.kv_len], self.values[:b, :, : step.kv_len]
+        return self.keys[step.rows, :, : step.kv_len], self.values[step.rows, :, : step.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        step = self.owner.current
+        return (step.kv_len if step is not None else query_length), 0
+
+    def get_seq_length(self) -> int:
+        step = self.owner.current
+        return step.kv_len if step is not None else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:  # rollback is free: see the module docstring
+        pass
+
+
+class _Step:
+    """Where one forward pass writes: ``rows`` ``(b,)`` slot rows, ``write`` ``(b, q)`` the
+    slot (= position) of each token, ``-1`` for padding, ``kv_len`` the slots read."""
+
+    __slots__ = ("rows", "write", "kv_len", "prefix_rows")
+
+    def __init__(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int):
+        self.rows = rows
+        self.write = write
+        self.kv_len = kv_len
+        self.prefix_rows = bool(torch.equal(rows, torch.arange(rows.numel(), device=rows.device)))
+
+
+class SlotCache(Cache):
+    """A KV cache for up to ``max_rows`` rows, one slot per position (see the module docstring).
+
+    Args:
+        max_rows: rows in flight (the batch's ``max_batch_size``).
+        max_capacity: the most positions a row can have (the model's context), or ``None``.
+        initial_capacity: positions allocated at first use (grows as needed).
+    """
+
+    def __init__(self, max_rows: int, max_capacity: int | None = None, initial_capacity: int = MIN_CAPACITY):
+        super().__init__(layers=[])
+        self.max_rows = max_rows
+        self.max_capacity = max_capacity
+        self.initial_capacity = max(1, min(initial_capacity, max_capacity or initial_capacity))
+        self.current: _Step | None = None
+
+    def step(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int) -> None:
+        """Declare the next forward pass: ``rows`` ``(b,)`` int64 slot rows of its batch rows,
+        ``write`` ``(b, q)`` int64 the position each input token writes (``-1``: padding),
+        ``kv_len`` the positions its queries may read (max position + 1)."""
+        self.current = _Step(rows, write, kv_len)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlotLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.current.kv_len if self.current is not None else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return (self.current.kv_len if self.current is not None else query_length), 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (keys and values of every layer)."""
+        return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
+                   for l in self.layers if l.is_initialized)
