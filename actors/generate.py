@@ -1,13 +1,20 @@
 """Stage 3, generate: the Ray actor that ``map_batches`` runs as an actor pool.
 
 Each actor loads the model pair once (on its GPU when Ray gave it one, else on the CPU),
-builds one :class:`pipeline.engine.SpeculativeEngine`, and then, per batch, runs the
-engine row by row.  A row that fails (null/empty/non-string prompt, a prompt longer than
-the target's context, any exception in the engine, a CUDA out-of-memory) gets its
-``error`` string and null statistics; the other rows of the batch go on.  A row is never
-retried inside the actor: an exception is final and recorded.  A row that kills the
-process (segfault, OOM kill) loses the actor: Ray restarts it (``compute.max_actor_restarts``)
-and resubmits the batch (``compute.max_batch_retries``); a batch that keeps killing its
+builds one :class:`pipeline.engine.SpeculativeEngine`, and then feeds each whole batch to
+:meth:`~pipeline.engine.SpeculativeEngine.generate_batch`: up to ``compute.max_batch_size``
+rows are decoded in lockstep, and a finished row's slot takes the next row of the batch
+at once (continuous batching).  When sampling, each row draws from its own generator,
+seeded from ``generation.seed`` and the row's id, so a row's output does not depend on
+which actor, batch or batch position it lands in.
+
+A row that fails (null/empty/non-string prompt, a prompt longer than the target's
+context, bad token ids) gets its ``error`` string and null statistics; the other rows of
+the batch go on.  Should the batched call itself raise (a bug, a CUDA out-of-memory),
+the batch is decoded again row by row, so that only the rows that fail alone get an
+error.  A row is never retried beyond that.  A row that kills the process (segfault,
+OOM kill) loses the actor: Ray restarts it (``compute.max_actor_restarts``) and
+resubmits the batch (``compute.max_batch_retries``); a batch that keeps killing its
 actor fails the run after those retries, with the shards committed so far kept.
 
 Lossless audit (``audit.fraction`` > 0): a deterministic sample of rows is decoded a
@@ -25,6 +32,7 @@ Used as::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import resource
@@ -62,12 +70,15 @@ class GenerateActor:
         self.models = load_models(self.cfg.models, self.cfg.uses_drafter, device)
         self.load_time_s = time.perf_counter() - t0
         self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
+        compute = self.cfg.compute
         self.engine = SpeculativeEngine(
             self.models.target,
             self.cfg.method.speculation_settings(),
             drafter=self.models.drafter,
             tokenizer=self.models.tokenizer,
             drafter_tokenizer=self.models.drafter_tokenizer,
+            max_batch_size=compute.max_batch_size,
+            adaptive_draft_length=compute.adaptive_draft_length,
         )
         self.settings = self.cfg.generation.generation_settings()
         self.audit_fraction = self.cfg.audit.fraction
@@ -77,7 +88,8 @@ class GenerateActor:
             from pipeline.engine import SpeculationSettings
 
             self.plain_engine = SpeculativeEngine(
-                self.models.target, SpeculationSettings(method="plain"), tokenizer=self.models.tokenizer
+                self.models.target, SpeculationSettings(method="plain"), tokenizer=self.models.tokenizer,
+                max_batch_size=compute.max_batch_size,
             )
         self.meta = {
             "method": self.cfg.method.name,
@@ -86,43 +98,84 @@ class GenerateActor:
         }
         self.rows_done = 0
 
-    def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        """One input row -> one output row (OUTPUT_SCHEMA fields).  Never raises."""
-        out: dict[str, Any] = {
-            "id": row.get("id"),
-            "source_file": row.get("source_file"),
-            "source_row": row.get("source_row"),
-            **self.meta,
-        }
-        prompt = None
-        try:
-            if row.get("input_error"):
-                raise ValueError(row["input_error"])
-            prompt, ids = self.prompts.build(row.get("text"))
-            out["prompt"] = prompt
-            res = self.engine.generate(ids, self.settings)
+    def generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Input rows -> output rows (OUTPUT_SCHEMA fields), in order.  Never raises."""
+        outs: list[dict[str, Any]] = []
+        todo: list[tuple[int, list[int]]] = []  # (index in rows, prompt ids)
+        for i, row in enumerate(rows):
+            out: dict[str, Any] = {
+                "id": row.get("id"),
+                "source_file": row.get("source_file"),
+                "source_row": row.get("source_row"),
+                "prompt": None,
+                **self.meta,
+            }
+            outs.append(out)
+            try:
+                if row.get("input_error"):
+                    raise ValueError(row["input_error"])
+                out["prompt"], ids = self.prompts.build(row.get("text"))
+                todo.append((i, ids))
+            except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
+                out["error"] = f"{type(e).__name__}: {e}"
+        settings = [self._row_settings(rows[i]) for i, _ in todo]
+        results = self._decode(self.engine, [ids for _, ids in todo], settings)
+        audit = [j for j, (i, _) in enumerate(todo) if results[j].error is None and self.plain_engine is not None
+                 and audit_selected(rows[i].get("source_file"), rows[i].get("source_row"),
+                                    self.audit_fraction, self.audit_seed)]
+        plain = self._decode(self.plain_engine, [todo[j][1] for j in audit], [settings[j] for j in audit]) if audit else []
+        audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None) for j, p in zip(audit, plain)}
+        for j, ((i, _), res) in enumerate(zip(todo, results)):
+            out = outs[i]
+            if res.error is not None:
+                out["error"] = res.error
+                continue
             stats = res.stats.to_dict()
             out.update({k: stats.get(k) for k in _STAT_KEYS})
             out["finish_reason"] = res.finish_reason
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             out["error"] = None
-            if self.plain_engine is not None and audit_selected(
-                    row.get("source_file"), row.get("source_row"), self.audit_fraction, self.audit_seed):
+            out["audit"] = audited.get(j)
+        self.rows_done += len(rows)
+        return outs
+
+    def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """One input row -> one output row (a batch of one)."""
+        return self.generate_rows([row])[0]
+
+    def _row_settings(self, row: dict[str, Any]):
+        """The generation settings of one row: when sampling, its own seed, derived from
+        ``generation.seed`` and the row's id (or its shard and position without an id)."""
+        if not self.settings.do_sample or self.settings.seed is None:
+            return self.settings
+        key = row.get("id")
+        if key is None:
+            key = f"{row.get('source_file')}\x00{row.get('source_row')}"
+        return dataclasses.replace(self.settings, seed=row_seed(self.settings.seed, key))
+
+    @staticmethod
+    def _decode(engine, prompts: list[list[int]], settings: list) -> list:
+        """``engine.generate_batch``; if the batched call raises, each row alone, so that
+        only the rows that fail by themselves get an error."""
+        from pipeline.engine import GenerationResult
+
+        if not prompts:
+            return []
+        try:
+            return engine.generate_batch(prompts, settings)
+        except Exception:  # noqa: BLE001 - isolate the row(s) at fault
+            results = []
+            for ids, s in zip(prompts, settings):
                 try:
-                    plain = self.plain_engine.generate(ids, self.settings)
-                    out["audit"] = list(plain.token_ids) == list(res.token_ids)
-                except Exception:  # noqa: BLE001 - the row itself succeeded; audit stays null
-                    out["audit"] = None
-        except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
-            out["prompt"] = prompt
-            out["error"] = f"{type(e).__name__}: {e}"
-            _free_cuda_if_oom(e)
-        self.rows_done += 1
-        return out
+                    results.append(engine.generate_batch([ids], [s])[0])
+                except Exception as e:  # noqa: BLE001
+                    _free_cuda_if_oom(e)
+                    results.append(GenerationResult.failed(f"{type(e).__name__}: {e}"))
+            return results
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_to_rows(batch)
-        return pa.Table.from_pylist([self.generate_row(r) for r in rows], schema=OUTPUT_SCHEMA)
+        return pa.Table.from_pylist(self.generate_rows(rows), schema=OUTPUT_SCHEMA)
 
     def memory(self) -> dict[str, Any]:
         """This actor's memory: ``peak_rss_mb`` (max resident set of the process since start,
@@ -139,6 +192,12 @@ class GenerateActor:
             "load_time_s": self.load_time_s,
             "device": self.models.device,
         }
+
+
+def row_seed(seed: int, key: Any) -> int:
+    """A row's sampling seed: a hash of the job's ``seed`` and the row's id (63 bits)."""
+    h = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") >> 1
 
 
 def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int) -> bool:

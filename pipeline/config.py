@@ -9,8 +9,8 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
     method:     name (one of pipeline.engine.METHODS) + SpeculationSettings fields
     generation: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
                 seed, stop_strings
-    compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_actor_restarts,
-                max_batch_retries, actor_start_timeout_s
+    compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
+                adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s
     output:     uri, overwrite, partition_by_date, run_date, storage_options
     retry:      attempts, initial_backoff_s, max_backoff_s (transient storage errors)
     audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
@@ -196,7 +196,13 @@ class ComputeConfig(_Section):
     num_actors: int = Field(1, ge=1)
     gpus_per_actor: float = Field(0, ge=0)
     cpus_per_actor: float = Field(1, gt=0)
-    rows_per_batch: int = Field(8, ge=1)
+    #: rows per ``map_batches`` call; the actor decodes them ``max_batch_size`` at a time
+    rows_per_batch: int = Field(32, ge=1)
+    #: rows in flight per actor (continuous batching within each batch of rows)
+    max_batch_size: int = Field(16, ge=1)
+    #: let the measured verification cost shorten the draft (down to plain steps) as rows
+    #: in flight grow: ``None`` = with two or more rows in flight, ``true`` always, ``false`` never
+    adaptive_draft_length: bool | None = None
     #: Ray restarts a dead actor (process killed, node lost) up to this many times in all.
     max_actor_restarts: int = Field(4, ge=0)
     #: A batch whose actor died is resubmitted up to this many times; a batch that keeps

@@ -78,10 +78,10 @@ def test_actor_killed_mid_run_is_restarted_and_every_row_is_written_once(ray_loc
 class _CrashingActor(GenerateActor):
     """Dies (the whole process) on the prompt 'crash me'."""
 
-    def generate_row(self, row):
-        if row.get("text") == "crash me":
+    def generate_rows(self, rows):
+        if any(row.get("text") == "crash me" for row in rows):
             os._exit(1)
-        return super().generate_row(row)
+        return super().generate_rows(rows)
 
 
 def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, tiny_models, tmp_path, monkeypatch):
