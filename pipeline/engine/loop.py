@@ -27,7 +27,7 @@ from .proposers import ProposerInputs, build_proposer
 from .proposers.base import DraftRequest, Proposer, empty_draft
 from .proposers.draft_model import text_config
 from .sampling import LogitsShaper
-from .settings import GenerationSettings, SpeculationSettings
+from .settings import GenerationSettings, SpeculationSettings, resolve_generation_settings
 from .stats import GenerationResult, RowStats
 from .stopping import StopChecker
 from .verify import verify_greedy, verify_sampling
@@ -82,7 +82,9 @@ class SpeculativeEngine:
 
         Args:
             input_ids: the prompt, ``list[int]`` or int64 tensor ``(1, seq_len)`` / ``(seq_len,)``.
-            settings: :class:`GenerationSettings` (default: greedy, 128 new tokens).
+            settings: :class:`GenerationSettings`; unset fields take the target's
+                ``generation_config`` values, else greedy with 128 new tokens
+                (:func:`~pipeline.engine.settings.resolve_generation_settings`).
 
         Returns:
             :class:`GenerationResult` with the generated ids (prompt excluded), the text,
@@ -92,7 +94,7 @@ class SpeculativeEngine:
             ValueError: a bad setting, an empty prompt, or a prompt that does not fit the
                 target's context (``max_position_embeddings``).
         """
-        settings = (settings or GenerationSettings()).validate()
+        settings = resolve_generation_settings(settings, self.target.generation_config, self.target_vocab)
         start = time.perf_counter()
         device = self.target.device
         prompt = torch.as_tensor(input_ids, dtype=torch.long).view(1, -1).to(device)
@@ -109,11 +111,9 @@ class SpeculativeEngine:
             budget = min(budget, self.context - prompt_len)
 
         eos = settings.eos_token_id
-        if eos is None:
-            eos = getattr(self.target.generation_config, "eos_token_id", None)
         eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         stopper = StopChecker(eos_ids, settings.stop_strings, self.tokenizer)
-        shaper = LogitsShaper(settings)
+        shaper = LogitsShaper(settings, prompt_length=prompt_len, eos_token_ids=eos_ids)
         generator = None
         if settings.do_sample:
             generator = torch.Generator(device=device)
