@@ -41,7 +41,7 @@ from pipeline.write import OUTPUT_SCHEMA
 _STAT_KEYS = (
     "prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
     "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
-    "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s",
+    "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s", "draft_steps", "tokens_per_step",
 )
 
 
