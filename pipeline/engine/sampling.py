@@ -125,7 +125,9 @@ class LogitsShaper:
         self.prefix_dependent = bool(per_position)
         self.active = bool(per_position or batched)
 
-    def _processors(self, device: torch.device) -> tuple[LogitsProcessorList, LogitsProcessorList]:
+    def processors(self, device: torch.device | str = "cpu") -> tuple[LogitsProcessorList, LogitsProcessorList]:
+        """The row's transformers processors for ``device``, in the order they run:
+        ``(per_position, batched)``; the first group reads each position's prefix."""
         key = str(device)
         if key not in self._built:
             def build(recipes):
@@ -157,7 +159,7 @@ class LogitsShaper:
             logits = logits.float()
         if not self.active:
             return logits
-        per_position, batched = self._processors(logits.device)
+        per_position, batched = self.processors(logits.device)
         if per_position:
             prefix = prefix.to(logits.device)
             out = torch.empty_like(logits)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,3 +284,54 @@ def test_resolution_priority_and_unsupported_settings(fresh_log, caplog):
     # a bad checkpoint value is refused, naming the setting and where it came from
     with pytest.raises(ValueError, match=r"top_p.*generation_config"):
         resolve_generation_settings(GenerationSettings(), GenerationConfig(do_sample=True, top_p=1.5))
+
+
+# ------------------------------------------------------------------ the README's list
+README = Path(__file__).resolve().parents[2] / "README.md"
+#: one value of each processor setting, enough to switch it on
+ONE_VALUE = dict(repetition_penalty=1.2, no_repeat_ngram_size=2, bad_words_ids=[[1]], min_new_tokens=2,
+                 suppress_tokens=[2], temperature=0.5, top_k=3, top_p=0.9, min_p=0.1)
+
+
+def _transformers_class(processor) -> str:
+    """The processor's class, or the transformers class it refines (temperature)."""
+    return next(c.__name__ for c in type(processor).__mro__ if c.__module__.startswith("transformers."))
+
+
+def accepted_processors() -> list[tuple[str, str, bool]]:
+    """``(setting, transformers class, sampling only)`` in the order the shaper runs them,
+    read off LogitsShaper itself."""
+    rows = []
+    for name, value in ONE_VALUE.items():
+        def classes(**kw):
+            shaper = LogitsShaper(GenerationSettings(**{name: value}, **kw), prompt_length=1, eos_token_ids=[0])
+            return [_transformers_class(p) for group in shaper.processors() for p in group]
+
+        (cls,) = classes(do_sample=True)
+        rows.append((name, cls, classes(do_sample=False) == []))
+    every = LogitsShaper(GenerationSettings(do_sample=True, **ONE_VALUE), prompt_length=1, eos_token_ids=[0])
+    order = [_transformers_class(p) for group in every.processors() for p in group]
+    assert sorted(order) == sorted(cls for _, cls, _ in rows)
+    return sorted(rows, key=lambda r: order.index(r[1]))
+
+
+def readme_processor_table() -> str:
+    """The README's table, generated from the shaper and from what the tests cover."""
+    import test_sampling
+
+    differential = {k for kw in processor_cases(list(range(20))).values() for k in kw}
+    chi_square = set(test_sampling.SETTINGS) | set(test_sampling.FILTERS)
+    lines = ["| setting | transformers processor | applies to | tested by |", "| --- | --- | --- | --- |"]
+    for name, cls, sampling_only in accepted_processors():
+        tests = [t for t, names in (("differential", differential), ("chi-square", chi_square)) if name in names]
+        assert tests, f"{name} is accepted but no test covers it"
+        lines.append(f"| `{name}` | `{cls}` | {'sampling' if sampling_only else 'greedy and sampling'} | "
+                     f"{', '.join(tests)} |")
+    return "\n".join(lines)
+
+
+def test_readme_lists_the_accepted_and_tested_processors():
+    text = README.read_text()
+    start, end = "<!-- processors:start -->\n", "\n<!-- processors:end -->"
+    block = text[text.index(start) + len(start): text.index(end)]
+    assert block == readme_processor_table(), "update the README block to:\n" + readme_processor_table()
