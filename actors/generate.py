@@ -49,7 +49,7 @@ from pipeline.write import OUTPUT_SCHEMA
 _STAT_KEYS = (
     "prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
     "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
-    "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s",
+    "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s", "draft_steps", "tokens_per_step",
 )
 
 
@@ -63,6 +63,7 @@ class GenerateActor:
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None):
         from pipeline.engine import SpeculativeEngine
+        from pipeline.engine.settings import resolve_generation_settings
 
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
         _limit_cpu_threads(self.cfg.compute.cpus_per_actor)
@@ -80,7 +81,10 @@ class GenerateActor:
             max_batch_size=compute.max_batch_size,
             adaptive_draft_length=compute.adaptive_draft_length,
         )
-        self.settings = self.cfg.generation.generation_settings()
+        # the job's settings with the checkpoint's defaults filled in, as the engine resolves them
+        self.settings = resolve_generation_settings(
+            self.cfg.generation.generation_settings(), self.models.target.generation_config, self.engine.target_vocab
+        )
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed
         self.plain_engine = None

@@ -112,8 +112,8 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
               "rerun the same command to do only the missing ones.", file=sys.stderr)
         return 1
     headline = {k: summary.get(k) for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
-                                            "mean_accepted_length", "tokens_per_s", "elapsed_s", "audit_rows",
-                                            "audit_mismatches")}
+                                            "mean_accepted_length", "tokens_per_step", "tokens_per_s", "elapsed_s",
+                                            "audit_rows", "audit_mismatches")}
     this = summary.get("this_run") or {}
     headline["this_run"] = {"shards_run": len(this.get("shards_run", [])),
                             "shards_skipped": len(this.get("shards_skipped", [])),

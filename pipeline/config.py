@@ -7,8 +7,10 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
                 system_prompt, chat_template (auto | true | false)
     models:     target, drafter, dtype, device_map, trust_remote_code
     method:     name (one of pipeline.engine.METHODS) + SpeculationSettings fields
-    generation: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
-                seed, stop_strings
+    generation: max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
+                repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens,
+                suppress_tokens, seed, eos_token_id, stop_strings (GenerationSettings'
+                fields; unset ones take the target checkpoint's generation_config)
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
                 adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s
     output:     uri, overwrite, partition_by_date, run_date, storage_options
@@ -29,11 +31,12 @@ YAML scalars: ``true``, ``null``, ``0.5``, ``[a, b]``).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
 
@@ -161,24 +164,29 @@ class MethodConfig(BaseModel):
         return SpeculationSettings(method=self.name, **self.params).validate()
 
 
-class GenerationConfig(_Section):
-    """Sampling and stopping, as in transformers' ``generate()``; see GenerationSettings.
+def _dataclass_fields(cls) -> dict[str, Any]:
+    """``{name: (type, default)}`` of a dataclass, for :func:`pydantic.create_model`."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+
+
+class _GenerationSection(_Section):
+    """Sampling, logits processors and stopping, as in transformers' ``generate()``: the
+    fields of :class:`pipeline.engine.GenerationSettings` (names, types and meanings are
+    its own), all unset (``null``) by default.
+
+    A key left unset takes the target checkpoint's ``generation_config.json`` value, as
+    ``generate()`` does, else the engine's default (greedy, 128 new tokens); a key set
+    here overrides the checkpoint.  The driver resolves them before the run (a bad value
+    from either source fails the job) and logs which checkpoint defaults were taken; the
+    run summary's ``generation`` holds the resolved settings.
 
     ``seed`` seeds every row's generator with the same value, so a row's output does not
     depend on which actor or batch it lands in.
     """
 
-    max_new_tokens: int = 128
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop_strings: list[str] | None = None
-
     @model_validator(mode="after")
-    def _check(self) -> "GenerationConfig":
+    def _check(self):
         try:
             self.generation_settings()
         except ValueError as e:
@@ -186,7 +194,16 @@ class GenerationConfig(_Section):
         return self
 
     def generation_settings(self) -> GenerationSettings:
+        """The explicit settings (unset ones ``None``), validated."""
         return GenerationSettings(**self.model_dump()).validate()
+
+
+#: The ``generation:`` section: one field per GenerationSettings field (derived, so a new
+#: engine setting is a config key without a change here).
+GenerationConfig = create_model(
+    "GenerationConfig", __base__=_GenerationSection, __module__=__name__, **_dataclass_fields(GenerationSettings)
+)
+GenerationConfig.__doc__ = _GenerationSection.__doc__
 
 
 class ComputeConfig(_Section):

@@ -75,6 +75,22 @@ def check_models(cfg: ModelsConfig, uses_drafter: bool) -> dict[str, Any]:
     return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok}
 
 
+def checkpoint_generation_config(path: str, model_config, trust_remote_code: bool = False):
+    """The target checkpoint's decoding defaults, as ``from_pretrained`` loads them: its
+    ``generation_config.json``, else derived from ``model_config`` (``config.json``).
+    Cheap (no weights); a hub id is read from the local cache first."""
+    from transformers import GenerationConfig
+
+    expanded = os.path.expanduser(path)
+    for local_only in ((False,) if os.path.isdir(expanded) else (True, False)):
+        try:
+            return GenerationConfig.from_pretrained(expanded, local_files_only=local_only,
+                                                    trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            continue
+    return GenerationConfig.from_model_config(model_config)
+
+
 @dataclass
 class LoadedModels:
     target: Any

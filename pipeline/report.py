@@ -12,7 +12,11 @@ Figures, per run (labelled by its ``method``; a second run of the same method ge
 directory name appended):
 
 - ``acceptance rate`` = Σ accepted_tokens / Σ draft_tokens (rows without error)
-- ``mean accepted length`` = Σ new_tokens / Σ verify_steps
+- ``mean accepted length`` = 1 + Σ accepted_tokens / Σ draft_steps: vLLM's and llama.cpp's
+  mean acceptance length, steps without a draft left out (``draft_steps`` of outputs written
+  before that column existed is ``drafted_per_position[0]``, which counts the same steps)
+- ``tokens/step`` = Σ new_tokens / Σ verify_steps: tokens per target forward pass, every
+  step counted (what the speedup follows; 1 for plain decoding)
 - ``tokens/s`` = Σ new_tokens / Σ wall_time_s: the engine's decode throughput of one actor
   (model loading and Ray start-up excluded); ``job tokens/s`` is the summary's
   ``tokens_per_s`` (new tokens over the wall time of the whole generate stage)
@@ -153,12 +157,13 @@ class Stats:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    draft_steps: int = 0
     wall_time_s: float = 0.0
     draft_time_s: float = 0.0
     prefill_time_s: float | None = 0.0  # None: some row has no prefill time (older outputs)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    row_mean_accepted_length: list[float] = field(default_factory=list)
+    row_tokens_per_step: list[float] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -166,6 +171,10 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float | None:
+        return 1 + self.accepted_tokens / self.draft_steps if self.draft_steps else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
         return self.new_tokens / self.verify_steps if self.verify_steps else None
 
     @property
@@ -213,6 +222,7 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
         return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
 
     draft_time, prefill_time = optional("draft_time_s"), optional("prefill_time_s")
+    draft_steps = optional("draft_steps")
     for i in range(table.num_rows):
         if cols["error"][i] is not None or cols["verify_steps"][i] is None:
             continue
@@ -223,6 +233,10 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
         s.verify_steps += int(cols["verify_steps"][i] or 0)
         s.draft_tokens += int(cols["draft_tokens"][i] or 0)
         s.accepted_tokens += int(cols["accepted_tokens"][i] or 0)
+        steps = draft_steps[i]
+        if steps is None:  # an output written before the column existed
+            steps = (cols["drafted_per_position"][i] or [0])[0]
+        s.draft_steps += int(steps)
         s.wall_time_s += float(cols["wall_time_s"][i] or 0.0)
         s.draft_time_s += float(draft_time[i] or 0.0)
         if prefill_time[i] is None or s.prefill_time_s is None:
@@ -232,7 +246,7 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
         _add(s.drafted_per_position, cols["drafted_per_position"][i])
         _add(s.accepted_per_position, cols["accepted_per_position"][i])
         if cols["verify_steps"][i]:
-            s.row_mean_accepted_length.append(cols["new_tokens"][i] / cols["verify_steps"][i])
+            s.row_tokens_per_step.append(cols["new_tokens"][i] / cols["verify_steps"][i])
     return s
 
 
@@ -274,9 +288,10 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
     """Per-run figures, and comparisons with the baseline run over common rows.
 
     Returns ``{"baseline": label | None, "common_rows": n, "runs": [row dicts]}``; each row
-    dict has ``label, method, uri, rows, errors, acceptance_rate, mean_accepted_length,
-    tokens_per_s, job_tokens_per_s, speedup, decode_tokens_per_s, decode_speedup, same_output,
-    compared_rows, k, cost_ratio, speedup_bound, efficiency`` and the
+    dict has ``label, method, uri, rows, errors, acceptance_rate, draft_steps,
+    mean_accepted_length, tokens_per_step, tokens_per_s, decode_tokens_per_s, decode_speedup,
+    job_tokens_per_s, speedup, same_output, compared_rows, k, cost_ratio, speedup_bound,
+    efficiency`` and the
     :class:`Stats` of all its rows (``stats``) and of the common rows (``common``).
     """
     labels: dict[str, int] = {}
@@ -297,7 +312,8 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
         d: dict[str, Any] = {
             "label": r.label, "method": r.method, "uri": r.uri, "rows": r.table.num_rows,
             "errors": r.table.num_rows - r.table.column("error").null_count,
-            "acceptance_rate": s_all.acceptance_rate, "mean_accepted_length": s_all.mean_accepted_length,
+            "acceptance_rate": s_all.acceptance_rate, "draft_steps": s_all.draft_steps,
+            "mean_accepted_length": s_all.mean_accepted_length, "tokens_per_step": s_all.tokens_per_step,
             "tokens_per_s": s_all.tokens_per_s, "decode_tokens_per_s": s_all.decode_tokens_per_s,
             "decode_speedup": None,
             "job_tokens_per_s": (r.summary or {}).get("tokens_per_s"),
@@ -326,14 +342,16 @@ def _fmt(v, spec=".3f", none="–") -> str:
 
 def markdown_table(result: dict[str, Any]) -> str:
     b = result["baseline"] or "baseline"
-    head = (f"| method | rows ok | acceptance rate | mean accepted length | tokens/s | speedup vs {b} | "
-            f"decode tokens/s | decode speedup | bound S(α,k,c) | efficiency | job tokens/s | same output as {b} |")
-    lines = [head, "| --- |" + " ---: |" * 11]
+    head = (f"| method | rows ok | acceptance rate | mean accepted length | tokens/step | tokens/s | "
+            f"speedup vs {b} | decode tokens/s | decode speedup | bound S(α,k,c) | efficiency | job tokens/s | "
+            f"same output as {b} |")
+    lines = [head, "| --- |" + " ---: |" * 12]
     for d in result["runs"]:
         same = (f"{d['same_output']}/{d['compared_rows']}" if d["same_output"] is not None else "–")
         lines.append(
             f"| {d['label']} | {d['rows'] - d['errors']} | {_fmt(d['acceptance_rate'])} | "
-            f"{_fmt(d['mean_accepted_length'], '.2f')} | {_fmt(d['tokens_per_s'], '.1f')} | "
+            f"{_fmt(d['mean_accepted_length'], '.2f')} | {_fmt(d['tokens_per_step'], '.2f')} | "
+            f"{_fmt(d['tokens_per_s'], '.1f')} | "
             f"{_fmt(d['speedup'], '.2f')}{'×' if d['speedup'] is not None else ''} | "
             f"{_fmt(d['decode_tokens_per_s'], '.1f')} | "
             f"{_fmt(d['decode_speedup'], '.2f')}{'×' if d['decode_speedup'] is not None else ''} | "
@@ -369,15 +387,15 @@ def plot_accepted_length(result, path: Path) -> None:
     ax1.set_ylabel("fraction of verify steps")
     ax1.set_title("Accepted length per step")
     ax1.legend()
-    vals = [d["stats"].row_mean_accepted_length for d in runs]
+    vals = [d["stats"].row_tokens_per_step for d in runs]
     hi = max((max(v) for v in vals if v), default=2.0)
     bins = [1 + i * (hi - 1) / 20 for i in range(21)] if hi > 1 else 10
     for d, v in zip(runs, vals):
         if v:
             ax2.hist(v, bins=bins, alpha=0.5, label=d["label"])
-    ax2.set_xlabel("mean accepted length of a row (new tokens / verify steps)")
+    ax2.set_xlabel("tokens per step of a row (new tokens / verify steps)")
     ax2.set_ylabel("rows")
-    ax2.set_title("Per-row mean accepted length")
+    ax2.set_title("Per-row tokens per step")
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -475,8 +493,8 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
     for d in result["runs"]:
         s = d["stats"]
         lines.append(f"- **{d['label']}** (`{d['uri']}`): {d['rows']} rows, {d['errors']} errors; "
-                     f"{s.new_tokens} new tokens in {s.verify_steps} verify steps; {s.accepted_tokens}/{s.draft_tokens} "
-                     f"draft tokens accepted; engine time {s.wall_time_s:.1f} s"
+                     f"{s.new_tokens} new tokens in {s.verify_steps} verify steps ({s.draft_steps} with a draft); "
+                     f"{s.accepted_tokens}/{s.draft_tokens} draft tokens accepted; engine time {s.wall_time_s:.1f} s"
                      + (f", target prefill {d['common'].prefill_time_s:.1f} s on the common rows (the same work in "
                         "every run: compare it across runs to see how steady the machine was)"
                         if d["common"].prefill_time_s is not None and d["common"].rows else "")
@@ -488,7 +506,8 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
     lines += ["", "## Plots", "",
               "![accepted length per step](accepted_length.png)", "",
               "Left: verify steps by number of accepted draft tokens (0 includes steps that drafted nothing), "
-              "reconstructed exactly from the per-position counts. Right: per-row new tokens / verify steps.", "",
+              "reconstructed exactly from the per-position counts. Right: per-row tokens per step (new tokens / "
+              "verify steps).", "",
               "![acceptance by draft position](acceptance_by_position.png)", "",
               "![tokens/s and speedup](throughput.png)", ""]
     (out / "report.md").write_text("\n".join(lines), encoding="utf-8")

@@ -24,6 +24,7 @@ that are missing.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -36,8 +37,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.config import JobConfig
-from pipeline.models import check_models
+from pipeline.config import ConfigError, JobConfig
+from pipeline.engine import GenerationSettings
+from pipeline.engine.settings import resolve_generation_settings
+from pipeline.models import check_models, checkpoint_generation_config
 from pipeline.prompts import PromptBuilder
 from pipeline.read import INPUT_SCHEMA, Shard, read_shards_batch, resolve_shards
 from pipeline.summary import RunTotals
@@ -51,19 +54,36 @@ class RunError(RuntimeError):
     """The run finished but its output does not match its input (rows lost or duplicated)."""
 
 
-def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter]:
+def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSettings]:
     """Every check that needs no model weights and no Ray.
 
+    Returns the shards, the writer, and the generation settings every row is decoded with
+    (the job's ``generation:`` with the target checkpoint's defaults filled in; the actors'
+    engines resolve the same ones).
+
     Raises:
-        InputError, ModelError, OutputError (all ``ValueError``), or ValueError for a chat
-        template that is required but missing.
+        InputError, ModelError, OutputError, ConfigError (all ``ValueError``), or
+        ValueError for a chat template that is required but missing.
     """
     shards = resolve_shards(cfg.input, cfg.retry)
     checked = check_models(cfg.models, cfg.uses_drafter)
     PromptBuilder(checked["tokenizer"], cfg.task)  # task.chat_template: true needs a template
+    generation = resolve_job_generation(cfg, checked["target_config"])
     writer = OutputWriter(cfg.output, retry=cfg.retry)
     writer.skip = writer.prepare(shards)
-    return shards, writer
+    return shards, writer, generation
+
+
+def resolve_job_generation(cfg: JobConfig, target_config) -> GenerationSettings:
+    """``generation:`` with the target checkpoint's ``generation_config`` defaults filled in
+    (logged once); raises ConfigError naming the setting for a bad value from either."""
+    checkpoint = checkpoint_generation_config(cfg.models.target, target_config, cfg.models.trust_remote_code)
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    try:
+        return resolve_generation_settings(cfg.generation.generation_settings(), checkpoint,
+                                           getattr(text, "vocab_size", None))
+    except ValueError as e:
+        raise ConfigError(f"generation: {e}") from None
 
 
 def init_ray(cfg: JobConfig) -> None:
@@ -146,7 +166,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    shards, writer = preflight(cfg)
+    shards, writer, generation = preflight(cfg)
     skip: set[int] = writer.skip
     todo = [s for s in shards if s.index not in skip]
     if writer.nothing_to_do:
@@ -221,7 +241,9 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
             "tokens_per_s": this["tokens_per_s"],  # this run's new tokens / this run's generate time
             **_first_batch(first),
             "audit": {"fraction": cfg.audit.fraction, "seed": cfg.audit.seed,
-                      "greedy": not cfg.generation.do_sample},
+                      "greedy": not generation.do_sample},
+            # the settings rows were decoded with: generation: plus the checkpoint's defaults
+            "generation": dataclasses.asdict(generation),
             "this_run": {
                 "run_id": writer.run_id,
                 "nothing_to_do": False,

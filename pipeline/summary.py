@@ -4,7 +4,12 @@ Rates follow ``shared/METRICS.md``: tokens and steps are summed over rows first,
 divided (never a mean of per-row rates).
 
 - ``acceptance_rate`` = sum(accepted_tokens) / sum(draft_tokens)  (null when nothing drafted)
-- ``mean_accepted_length`` = sum(new_tokens) / sum(verify_steps)
+- ``mean_accepted_length`` = 1 + sum(accepted_tokens) / sum(draft_steps)  (vLLM's mean
+  acceptance length: steps without a draft left out; null when nothing drafted)
+- ``tokens_per_step`` = sum(new_tokens) / sum(verify_steps)  (every step counted)
+- ``draft_steps``: from rows written before that column existed (and from manifest
+  entries of such shards) it is derived as ``drafted_per_position[0]``, which counts the
+  same steps
 - ``tokens_per_s`` = sum(new_tokens) / ``generate_elapsed_s``, the wall time of the Ray
   Data stage (from starting the dataset to the last row back: all actors in parallel,
   including actor start-up and model loading), i.e. what a user of the pipeline gets
@@ -28,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-_SUMS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
+_SUMS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens", "draft_steps",
          "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s")
 
 
@@ -70,7 +75,10 @@ class RunTotals:
             return
         self.rows += state.get("rows", 0)
         self.errors += state.get("errors", 0)
-        for k, v in (state.get("sums") or {}).items():
+        sums = dict(state.get("sums") or {})
+        if "draft_steps" not in sums:  # a shard committed before draft_steps existed
+            sums["draft_steps"] = (state.get("drafted_per_position") or [0])[0]
+        for k, v in sums.items():
             if k in self.sums:
                 self.sums[k] += v or 0
         self.finish_reasons.update(state.get("finish_reasons") or {})
@@ -88,7 +96,10 @@ class RunTotals:
             if e is not None:
                 self.error_kinds[e.split(":", 1)[0]] += 1
         for k in _SUMS:
-            s = pc.sum(table.column(k)).as_py()
+            if k == "draft_steps" and k not in table.column_names:  # rows of an older schema
+                s = sum((v or [0])[0] for v in table.column("drafted_per_position").to_pylist())
+            else:
+                s = pc.sum(table.column(k)).as_py()
             self.sums[k] += s or 0
         for r in table.column("finish_reason").to_pylist():
             if r is not None:
@@ -116,8 +127,10 @@ class RunTotals:
             "verify_steps": int(s["verify_steps"]),
             "draft_tokens": int(s["draft_tokens"]),
             "accepted_tokens": int(s["accepted_tokens"]),
+            "draft_steps": int(s["draft_steps"]),
             "acceptance_rate": s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else None,
-            "mean_accepted_length": new / s["verify_steps"] if s["verify_steps"] else None,
+            "mean_accepted_length": 1 + s["accepted_tokens"] / s["draft_steps"] if s["draft_steps"] else None,
+            "tokens_per_step": new / s["verify_steps"] if s["verify_steps"] else None,
             "draft_time_s": s["draft_time_s"],
             "prefill_time_s": s["prefill_time_s"],
             "verify_time_s": s["verify_time_s"],

@@ -67,7 +67,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("draft_tokens", pa.int64()),
         ("accepted_tokens", pa.int64()),
         ("acceptance_rate", pa.float64()),  # accepted / drafted; null when nothing was drafted
-        ("mean_accepted_length", pa.float64()),  # new_tokens / verify_steps
+        ("mean_accepted_length", pa.float64()),  # 1 + accepted / draft_steps; null when nothing was drafted
         ("drafted_per_position", pa.list_(pa.int64())),  # [i]: drafts that reached position i+1
         ("accepted_per_position", pa.list_(pa.int64())),  # [i]: drafts accepted at position i+1
         ("draft_time_s", pa.float64()),  # proposing, a drafter's prompt prefill included
@@ -81,6 +81,8 @@ OUTPUT_SCHEMA = pa.schema(
         ("source_file", pa.string()),  # input shard URL
         ("source_row", pa.int64()),  # row (Parquet) or non-blank line (JSONL) in that shard, 0-based
         ("audit", pa.bool_()),  # lossless audit: null = not audited, true = plain decoding gave the same ids
+        ("draft_steps", pa.int64()),  # verify steps that verified a non-empty draft
+        ("tokens_per_step", pa.float64()),  # new_tokens / verify_steps (1.0 for plain decoding)
     ]
 )
 

@@ -16,14 +16,18 @@ from pipeline.write import OUTPUT_SCHEMA
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None, draft_time=0.0, prefill=None):
+def _row(id_, method, out, new, steps, drafted=0, accepted=0, dpp=(), app=(), wall=1.0, error=None, draft_time=0.0,
+         prefill=None, draft_steps=None):
+    """One output row; ``draft_steps`` None leaves the column null, as in outputs written
+    before it existed (the report derives it from ``drafted_per_position``)."""
     ok = error is None
     return {
         "id": id_, "prompt": f"p{id_}", "output_text": out if ok else None, "finish_reason": "length" if ok else None,
         "prompt_tokens": 5 if ok else None, "new_tokens": new if ok else None, "verify_steps": steps if ok else None,
         "draft_tokens": drafted if ok else None, "accepted_tokens": accepted if ok else None,
         "acceptance_rate": (accepted / drafted if drafted else None) if ok else None,
-        "mean_accepted_length": new / steps if ok else None,
+        "mean_accepted_length": (1 + accepted / dpp[0] if dpp else None) if ok else None,
+        "tokens_per_step": new / steps if ok else None, "draft_steps": draft_steps if ok else None,
         "drafted_per_position": list(dpp) if ok else None, "accepted_per_position": list(app) if ok else None,
         "draft_time_s": draft_time, "prefill_time_s": prefill if ok else None, "verify_time_s": 0.0, "wall_time_s": wall if ok else None, "method": method,
         "target_model": "t", "draft_model": None, "error": error, "source_file": "in.jsonl", "source_row": 0,
@@ -70,11 +74,15 @@ def test_figures_are_recomputed_from_rows(runs):
     assert res["baseline"] == "plain" and res["common_rows"] == 2
     assert plain["method"] == "plain" and draft["method"] == "draft_model"
     assert plain["acceptance_rate"] is None
-    assert plain["mean_accepted_length"] == pytest.approx(1.0)
+    assert plain["mean_accepted_length"] is None and plain["draft_steps"] == 0  # nothing drafted
+    assert plain["tokens_per_step"] == pytest.approx(1.0)
     assert plain["tokens_per_s"] == pytest.approx(60 / 6)
     assert draft["errors"] == 1
     assert draft["acceptance_rate"] == pytest.approx(18 / 36)  # sums first, then divide
-    assert draft["mean_accepted_length"] == pytest.approx(30 / 12)
+    # every step drafted (12 draft steps from drafted_per_position[0]): both figures agree
+    assert draft["draft_steps"] == 12
+    assert draft["mean_accepted_length"] == pytest.approx(1 + 18 / 12)
+    assert draft["tokens_per_step"] == pytest.approx(30 / 12)
     assert draft["tokens_per_s"] == pytest.approx(30 / 1.5)
     # Speedup over the common rows a, b only: plain 30 tokens / 3 s.
     assert draft["speedup"] == pytest.approx((30 / 1.5) / (30 / 3.0))
@@ -119,6 +127,33 @@ def test_decode_figures_leave_the_prefill_out(tmp_path):
     assert d["same_output"] == 2
 
 
+# Prompt lookup with misses (k = 2).  Row a: 7 steps, 4 of them with a draft (accepted 2, 1, 0, 0);
+# row b: 5 steps, 2 with a draft (1, 1).  Σ accepted 5, Σ draft steps 6, Σ new tokens 17, Σ steps 12.
+PLD = [_row("a", "prompt_lookup", "x", 10, 7, 8, 3, [4, 4], [2, 1], draft_steps=4),
+       _row("b", "prompt_lookup", "y", 7, 5, 4, 2, [2, 2], [1, 1], draft_steps=2)]
+
+
+@pytest.mark.parametrize("schema", ["current", "null draft_steps", "no draft_steps column"])
+def test_mean_accepted_length_leaves_steps_without_a_draft_out(tmp_path, schema):
+    """METRICS.md: mean accepted length = 1 + accepted / draft steps (vLLM), tokens/step =
+    new tokens / verify steps.  Outputs of an older schema give the same figures
+    (draft_steps = drafted_per_position[0])."""
+    rows = [dict(r) for r in PLD]
+    table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+    if schema == "null draft_steps":
+        table = table.set_column(table.schema.get_field_index("draft_steps"), "draft_steps",
+                                 pa.nulls(table.num_rows, pa.int64()))
+    elif schema == "no draft_steps column":
+        table = table.drop_columns(["draft_steps", "tokens_per_step"])
+    (tmp_path / "pld").mkdir()
+    pq.write_table(table, tmp_path / "pld" / "part-00000.parquet")
+    d = summarize_runs([load_run(str(tmp_path / "pld"))])["runs"][0]
+    assert d["draft_steps"] == 6
+    assert d["mean_accepted_length"] == pytest.approx(1 + 5 / 6)
+    assert d["tokens_per_step"] == pytest.approx(17 / 12)
+    assert d["mean_accepted_length"] > d["tokens_per_step"]  # misses count only in tokens/step
+
+
 def test_speedup_bound_follows_leviathan():
     # E = (1 − α^(k+1)) / (1 − α) tokens per target pass, divided by the cost k·c + 1.
     assert speedup_bound(0.8, 4, 0.0) == pytest.approx((1 - 0.8 ** 5) / 0.2)
@@ -133,8 +168,9 @@ def test_report_files(runs, tmp_path):
     write_report(runs, out, title="t")
     md = (out / "report.md").read_text()
     # No prefill_time_s in these rows (outputs of an older version): no decode columns.
-    assert "| draft_model | 2 | 0.500 | 2.50 | 20.0 | 2.00× | – | – | 1.93× | 1.04 | 12.5 | 1/2 |" in md
-    assert "| plain | 3 | – | 1.00 | 10.0 | 1.00× | – | – | – | – | 7.5 | 2/2 |" in md
+    assert "| draft_model | 2 | 0.500 | 2.50 | 2.50 | 20.0 | 2.00× | – | – | 1.93× | 1.04 | 12.5 | 1/2 |" in md
+    assert "| plain | 3 | – | – | 1.00 | 10.0 | 1.00× | – | – | – | – | 7.5 | 2/2 |" in md
+    assert "30 new tokens in 12 verify steps (12 with a draft)" in md
     for name in ("accepted_length.png", "acceptance_by_position.png", "throughput.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import LogitsShaper
-from .settings import GenerationSettings
+from .settings import GenerationSettings, resolve_generation_settings
 from .stats import RowStats
 from .stopping import StopChecker
 
@@ -22,21 +22,28 @@ from .stopping import StopChecker
 PER_ROW_FIELDS = ("max_new_tokens", "eos_token_id", "stop_strings", "seed")
 
 
-def per_row_settings(settings, n: int) -> list[GenerationSettings]:
+def per_row_settings(settings, n: int, generation_config=None, vocab_size: int | None = None) -> list[GenerationSettings]:
     """``settings`` (one :class:`GenerationSettings`, ``None`` or a list of ``n``) as a
-    validated list of ``n``.
+    list of ``n`` resolved against the target's ``generation_config``
+    (:func:`~pipeline.engine.settings.resolve_generation_settings`).
 
     Raises:
         ValueError: a list of the wrong length, a bad setting, or rows whose settings
             differ in a field other than :data:`PER_ROW_FIELDS`.
     """
+    resolved: dict[int, GenerationSettings] = {}
+
+    def resolve(s):
+        if id(s) not in resolved:
+            resolved[id(s)] = resolve_generation_settings(s, generation_config, vocab_size)
+        return resolved[id(s)]
+
     if settings is None or isinstance(settings, GenerationSettings):
-        one = (settings or GenerationSettings()).validate()
-        return [one] * n
+        return [resolve(settings)] * n
     settings = list(settings)
     if len(settings) != n:
         raise ValueError(f"settings has {len(settings)} entries for {n} prompts")
-    rows = [s.validate() for s in settings]
+    rows = [resolve(s) for s in settings]
     shared = [f.name for f in dataclasses.fields(GenerationSettings) if f.name not in PER_ROW_FIELDS]
     for s in rows[1:]:
         differ = [name for name in shared if getattr(s, name) != getattr(rows[0], name)]

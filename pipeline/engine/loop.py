@@ -122,7 +122,9 @@ class SpeculativeEngine:
 
         Args:
             input_ids: the prompt, ``list[int]`` or int64 tensor ``(1, seq_len)`` / ``(seq_len,)``.
-            settings: :class:`GenerationSettings` (default: greedy, 128 new tokens).
+            settings: :class:`GenerationSettings`; unset fields take the target's
+                ``generation_config`` values, else greedy with 128 new tokens
+                (:func:`~pipeline.engine.settings.resolve_generation_settings`).
 
         Returns:
             :class:`GenerationResult`: the generated ids (prompt excluded), the text, the
@@ -159,7 +161,7 @@ class SpeculativeEngine:
             ValueError: bad or mixed settings (before any decoding).
         """
         prompts = list(prompts)
-        rows_settings = per_row_settings(settings, len(prompts))
+        rows_settings = per_row_settings(settings, len(prompts), self.target.generation_config, self.target_vocab)
         size = min(max_batch_size or self.max_batch_size, max(1, len(prompts)))
         if getattr(self.proposer, "max_rows", None) is not None:
             size = min(size, self.proposer.max_rows)
@@ -215,9 +217,7 @@ class SpeculativeEngine:
                         f"({self.context} positions, from max_position_embeddings and the RoPE scaling)")
             if self.context - n < budget:
                 budget, bound = self.context - n, True
-        eos = settings.eos_token_id
-        if eos is None:
-            eos = getattr(self.target.generation_config, "eos_token_id", None)
+        eos = settings.eos_token_id  # resolved: the checkpoint's unless set
         eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         generator = None
         if settings.do_sample:
@@ -228,7 +228,7 @@ class SpeculativeEngine:
                 generator.manual_seed(settings.seed)
         return RowState(
             index=index, slot=slot, sequence=ids, prompt_len=n, budget=budget, context_bound=bound,
-            settings=settings, shaper=LogitsShaper(settings), stopper=StopChecker(eos_ids, settings.stop_strings, self.tokenizer),
+            settings=settings, shaper=LogitsShaper(settings, prompt_length=n, eos_token_ids=eos_ids), stopper=StopChecker(eos_ids, settings.stop_strings, self.tokenizer),
             generator=generator, stats=RowStats(prompt_tokens=n), k=self.spec.draft_length,
             rope_regime=self.layout.regime(n - 1),
         )

@@ -7,8 +7,14 @@ Definitions follow ``shared/METRICS.md`` (the same as vLLM's spec-decode metrics
 - ``draft_tokens``: tokens proposed to the verifier (after capping to the budget).
 - ``accepted_tokens``: proposed tokens the verifier kept and that were emitted.
 - ``new_tokens``: tokens emitted = accepted + one per step, less what a stop cut off.
+- ``draft_steps``: verify steps that verified a non-empty draft (a prompt-lookup miss is
+  a plain step, not a draft step).
 - ``acceptance_rate`` = accepted / drafted (``None`` when nothing was drafted).
-- ``mean_accepted_length`` = new_tokens / verify_steps (1 … k+1).
+- ``mean_accepted_length`` = 1 + accepted / draft_steps (1 … k+1; ``None`` when nothing
+  was drafted): vLLM's and llama.cpp's *mean acceptance length*, steps without a draft
+  left out.
+- ``tokens_per_step`` = new_tokens / verify_steps: tokens emitted per target forward pass,
+  every step counted (1.0 for plain decoding; what the speedup follows).
 - ``drafted_per_position[i]`` / ``accepted_per_position[i]``: how many drafts reached
   draft position ``i+1`` and how many were accepted there.
 """
@@ -32,6 +38,7 @@ class RowStats:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    draft_steps: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
@@ -46,10 +53,18 @@ class RowStats:
 
     @property
     def mean_accepted_length(self) -> float | None:
+        return 1.0 + self.accepted_tokens / self.draft_steps if self.draft_steps else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
         return self.new_tokens / self.verify_steps if self.verify_steps else None
 
     def record_draft(self, drafted: int, accepted: int) -> None:
-        """Count one verified draft of ``drafted`` tokens of which ``accepted`` were kept."""
+        """Count one verified draft of ``drafted`` > 0 tokens of which ``accepted`` were kept
+        (one draft step); the loop calls it once per verify step that had a draft."""
+        if drafted <= 0:
+            return
+        self.draft_steps += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         grow = drafted - len(self.drafted_per_position)
@@ -66,6 +81,7 @@ class RowStats:
         d = asdict(self)
         d["acceptance_rate"] = self.acceptance_rate
         d["mean_accepted_length"] = self.mean_accepted_length
+        d["tokens_per_step"] = self.tokens_per_step
         return d
 
 

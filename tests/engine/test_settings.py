@@ -58,7 +58,19 @@ def test_bad_speculation_settings(llama_pair, spec, name):
         (dict(do_sample=True, top_p=0.0), "top_p"),
         (dict(do_sample=True, top_p=1.2), "top_p"),
         (dict(do_sample=True, top_p=math.nan), "top_p"),
-        (dict(top_k=0), "top_k"),
+        (dict(top_k=-1), "top_k"),
+        (dict(do_sample=True, min_p=1.5), "min_p"),
+        (dict(do_sample=True, min_p=-0.1), "min_p"),
+        (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
+        (dict(no_repeat_ngram_size=2.5), "no_repeat_ngram_size"),
+        (dict(min_new_tokens=-3), "min_new_tokens"),
+        (dict(bad_words_ids=[5, 6]), "bad_words_ids"),  # a flat list, not a list of sequences
+        (dict(bad_words_ids=[[]]), "bad_words_ids"),
+        (dict(bad_words_ids=[[1000]]), "bad_words_ids"),  # outside the vocabulary
+        (dict(suppress_tokens=[-1]), "suppress_tokens"),
+        (dict(suppress_tokens=[96]), "suppress_tokens"),  # the vocabulary is 0..95
+        (dict(do_sample="yes"), "do_sample"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(stop_strings=[""]), "stop_strings"),

@@ -106,6 +106,13 @@ def check_stats(result, k: int | None = None) -> None:
         assert s.new_tokens == s.accepted_tokens + s.verify_steps
     else:  # a stop inside the last block cuts its target token (and counts only emitted drafts)
         assert s.new_tokens in (s.accepted_tokens + s.verify_steps, s.accepted_tokens + s.verify_steps - 1)
+    # draft steps: verify steps with a non-empty draft (every draft reaches position 1)
+    assert s.draft_steps == (s.drafted_per_position[0] if s.drafted_per_position else 0) <= s.verify_steps
+    if s.draft_steps:
+        assert s.mean_accepted_length == 1 + s.accepted_tokens / s.draft_steps
+    else:
+        assert s.mean_accepted_length is None
+    assert s.tokens_per_step == s.new_tokens / s.verify_steps
     if k is not None:
         assert len(s.drafted_per_position) <= k
     assert s.wall_time_s >= s.draft_time_s + s.prefill_time_s + s.verify_time_s - 1e-6

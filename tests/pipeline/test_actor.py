@@ -59,7 +59,8 @@ def test_row_statistics_equal_the_engine(actor, tiny_models):
         st = res.stats.to_dict()
         assert row["prompt"] == prompt
         for k in ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
-                  "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position"):
+                  "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
+                  "draft_steps", "tokens_per_step"):
             assert row[k] == st[k], k
         assert row["finish_reason"] == res.finish_reason
         assert row["output_text"] == m.tokenizer.decode(res.token_ids, skip_special_tokens=True)

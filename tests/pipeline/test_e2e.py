@@ -19,7 +19,7 @@ from pipeline.write import OUTPUT_SCHEMA, is_complete
 
 STAT_COLUMNS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
                 "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
-                "finish_reason")
+                "draft_steps", "tokens_per_step", "finish_reason")
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +98,21 @@ def test_summary_sums_before_dividing(result):
     cfg, out, summary = result
     on_disk = json.loads((out / "_summary.json").read_text())
     assert on_disk["run_id"] == summary["run_id"] and on_disk["config"]["method"]["name"] == "draft_model"
+    # the resolved generation settings: the job's keys, the checkpoint's defaults for the rest
+    assert on_disk["generation"]["max_new_tokens"] == 12 and on_disk["generation"]["do_sample"] is False
     t = pq.read_table(out).to_pydict()
     ok = [i for i, e in enumerate(t["error"]) if e is None]
     new = sum(t["new_tokens"][i] for i in ok)
     drafted = sum(t["draft_tokens"][i] for i in ok)
     accepted = sum(t["accepted_tokens"][i] for i in ok)
     steps = sum(t["verify_steps"][i] for i in ok)
+    draft_steps = sum(t["draft_steps"][i] for i in ok)
+    assert 0 < draft_steps <= steps
     assert on_disk["new_tokens"] == new and on_disk["draft_tokens"] == drafted
+    assert on_disk["draft_steps"] == draft_steps
     assert on_disk["acceptance_rate"] == pytest.approx(accepted / drafted)
-    assert on_disk["mean_accepted_length"] == pytest.approx(new / steps)
+    assert on_disk["mean_accepted_length"] == pytest.approx(1 + accepted / draft_steps)
+    assert on_disk["tokens_per_step"] == pytest.approx(new / steps)
     assert on_disk["tokens_per_s"] == pytest.approx(new / on_disk["generate_elapsed_s"])
     assert [p["part"] for p in on_disk["parts"]] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     assert sum(on_disk["drafted_per_position"]) == drafted

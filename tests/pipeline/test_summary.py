@@ -1,0 +1,47 @@
+"""Run totals (pipeline.summary): sums over rows first, then METRICS.md's ratios; shards
+committed by an older version (no draft_steps) merge with the same figures."""
+
+import pyarrow as pa
+import pytest
+
+from pipeline.summary import RunTotals
+from pipeline.write import OUTPUT_SCHEMA
+
+
+def _row(new, steps, drafted, accepted, dpp, app, draft_steps, error=None):
+    return {"id": "x", "new_tokens": new, "verify_steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "drafted_per_position": dpp, "accepted_per_position": app, "draft_steps": draft_steps,
+            "prompt_tokens": 3, "wall_time_s": 1.0, "finish_reason": "length", "error": error}
+
+
+# prompt lookup, k = 2: row 1 has 6 steps of which 3 drafted (accepted 2, 1, 0); row 2 has
+# 4 steps, 1 drafted (accepted 2); a failed row counts nothing.
+ROWS = [_row(9, 6, 6, 3, [3, 3], [2, 1], 3), _row(6, 4, 2, 2, [1, 1], [1, 1], 1),
+        _row(None, None, None, None, None, None, None, error="ValueError: bad")]
+
+
+def test_mean_accepted_length_and_tokens_per_step():
+    t = RunTotals()
+    t.add(pa.Table.from_pylist(ROWS, schema=OUTPUT_SCHEMA))
+    d = t.to_dict()
+    assert d["draft_steps"] == 4 and d["verify_steps"] == 10
+    assert d["mean_accepted_length"] == pytest.approx(1 + 5 / 4)
+    assert d["tokens_per_step"] == pytest.approx(15 / 10)
+    empty = RunTotals()
+    empty.add(pa.Table.from_pylist([_row(5, 5, 0, 0, [], [], 0)], schema=OUTPUT_SCHEMA))
+    assert empty.to_dict()["mean_accepted_length"] is None and empty.to_dict()["tokens_per_step"] == 1.0
+
+
+def test_older_outputs_derive_draft_steps():
+    """A batch without the column, and a manifest state without the sum, count the same
+    draft steps (drafted_per_position[0])."""
+    old_table = pa.Table.from_pylist(ROWS, schema=OUTPUT_SCHEMA).drop_columns(["draft_steps", "tokens_per_step"])
+    from_table = RunTotals()
+    from_table.add(old_table)
+    state = from_table.state()
+    del state["sums"]["draft_steps"]
+    merged = RunTotals()
+    merged.merge(state)
+    for t in (from_table, merged):
+        d = t.to_dict()
+        assert d["draft_steps"] == 4 and d["mean_accepted_length"] == pytest.approx(1 + 5 / 4)
