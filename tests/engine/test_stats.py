@@ -38,7 +38,13 @@ def test_prompt_lookup_misses_are_not_draft_steps():
     engine = SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=4))
     drafts = []
     propose = engine.proposer.propose
-    engine.proposer.propose = lambda request: drafts.append(len(d := propose(request))) or d
+
+    def counting(requests):
+        out = propose(requests)
+        drafts.extend(len(d) for d in out)
+        return out
+
+    engine.proposer.propose = counting
     prompt = prompt_of(12, seed=1)
     result = engine.generate(prompt, GenerationSettings(max_new_tokens=60))
     s = result.stats
