@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -86,6 +87,7 @@ class RowState:
     rope_regime: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
+    on_tokens: Callable[[list[int]], None] | None = None  # streaming: each committed block
 
     @property
     def length(self) -> int:

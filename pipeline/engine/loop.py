@@ -23,11 +23,11 @@ decoding step and the accepted prefix is never recomputed.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
 from .batch import RowState, per_row_settings
+from .scheduler import Scheduler
 from .draft_length import DraftLengthPolicy
 from .proposers import ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
@@ -136,7 +136,7 @@ class SpeculativeEngine:
         """
         result = self.generate_batch([input_ids], settings)[0]
         if result.error is not None:
-            raise ValueError(result.error)
+            raise ValueError(result.error.removeprefix("ValueError: "))
         return result
 
     @torch.inference_mode()
@@ -162,41 +162,10 @@ class SpeculativeEngine:
         """
         prompts = list(prompts)
         rows_settings = per_row_settings(settings, len(prompts), self.target.generation_config, self.target_vocab)
-        size = min(max_batch_size or self.max_batch_size, max(1, len(prompts)))
-        if getattr(self.proposer, "max_rows", None) is not None:
-            size = min(size, self.proposer.max_rows)
-        runner = self._bind(size)
-        device = runner.device
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        waiting = deque(range(len(prompts)))
-        free = list(range(size))[::-1]
-        active: list[RowState] = []
-        while waiting or active:
-            admitted: list[RowState] = []
-            while waiting and free:
-                i = waiting.popleft()
-                t0 = time.perf_counter()
-                row_or_error = self._new_row(i, prompts[i], rows_settings[i], free[-1], device)
-                if isinstance(row_or_error, str):
-                    results[i] = GenerationResult.failed(row_or_error, time.perf_counter() - t0)
-                    continue
-                free.pop()
-                admitted.append(row_or_error)
-            if admitted:
-                self._admit(admitted)
-                active.extend(admitted)
-            if not active:
-                continue
-            self._step(active)
-            still = []
-            for row in active:
-                if row.finish is None:
-                    still.append(row)
-                else:
-                    results[row.index] = self._result(row)
-                    free.append(row.slot)
-            active = still
-        return results  # type: ignore[return-value]
+        scheduler = Scheduler(self, min(max_batch_size or self.max_batch_size, max(1, len(prompts))))
+        tickets = [scheduler.submit(p, s, resolved=True) for p, s in zip(prompts, rows_settings)]
+        results = scheduler.run()
+        return [results[t] for t in tickets]
 
     # ------------------------------------------------------------------ rows
     def _new_row(self, index: int, prompt, settings: GenerationSettings, slot: int, device) -> RowState | str:
@@ -347,6 +316,8 @@ class SpeculativeEngine:
             if row.stopper.hit(row.generated):
                 row.finish = "stop"
                 break
+        if row.on_tokens is not None:
+            row.on_tokens(row.generated[-emitted:])
         if n:
             row.stats.record_draft(n, min(accepted, emitted))
         if row.finish is None and row.remaining <= 0:

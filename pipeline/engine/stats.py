@@ -97,7 +97,8 @@ class GenerationResult:
             or ``"context"`` (the target's context window is full); ``None`` when the
             row failed.
         stats: the row's :class:`RowStats`.
-        error: why the row could not run (``generate_batch`` only; ``generate`` raises).
+        error: why the row could not run, as ``"ExceptionType: message"`` (``generate_batch``
+            only; ``generate`` raises the ``ValueError``).
     """
 
     token_ids: list[int]

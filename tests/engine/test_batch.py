@@ -279,3 +279,47 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     again = batched_fixed.generate_batch(prompts[:40], settings[:40])
     for p, s, r in zip(prompts[:40:2], settings[:40:2], again[::2]):
         assert alone.generate(p, s).token_ids == r.token_ids
+
+
+# ---------------------------------------------------------------------------- online use
+def test_scheduler_rows_join_mid_flight_stream_blocks_and_mix_settings():
+    """The scheduler an online server uses: rows submitted while others are in flight
+    (from another thread), each streaming its committed blocks; rows with other sampling
+    settings share the slots but step in their own group.  Every row equals its result
+    alone."""
+    import threading
+
+    from pipeline.engine.scheduler import Scheduler
+
+    target = build("llama", seed=0)
+    drafter = perturbed_copy(target, 0.3)
+    spec = SpeculationSettings(method="draft_model", num_assistant_tokens=K)
+    engine = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=3, adaptive_draft_length=False)
+    alone = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=1, adaptive_draft_length=False)
+    greedy = GenerationSettings(max_new_tokens=15)
+    sampled = GenerationSettings(max_new_tokens=15, do_sample=True, temperature=0.8, seed=4)
+    prompts = [prompt_of(n, seed=n) for n in (5, 12, 3, 20, 8, 14)]
+    settings = [greedy, sampled, greedy, sampled, greedy, greedy]
+    scheduler = Scheduler(engine)
+    blocks: dict[int, list[list[int]]] = {}
+    finals: dict[int, object] = {}
+
+    def submit(i):
+        ticket = scheduler.submit(prompts[i], settings[i], on_tokens=lambda b, i=i: blocks.setdefault(i, []).append(b),
+                                  on_done=lambda r, i=i: finals.__setitem__(i, r))
+        return ticket
+
+    for i in range(2):
+        submit(i)
+    scheduler.step()
+    late = threading.Thread(target=lambda: [submit(i) for i in range(2, 6)])
+    late.start()
+    late.join()
+    while scheduler.busy:
+        scheduler.step()
+    assert sorted(finals) == list(range(6))
+    for i in range(6):
+        expected = alone.generate(prompts[i], settings[i]).token_ids
+        assert finals[i].token_ids == expected, i
+        assert [t for b in blocks[i] for t in b] == expected  # streamed blocks add up to the output
+        assert all(len(b) >= 1 for b in blocks[i]) and len(blocks[i]) == finals[i].stats.verify_steps

@@ -1,0 +1,146 @@
+"""Continuous batching on one engine: rows join at any time, every step advances every row
+in flight, and a finished row's slot takes the next waiting row at once.
+
+:meth:`SpeculativeEngine.generate_batch` submits a list of rows and steps until all are
+done; an online server (``pipeline/serve.py``) keeps one :class:`Scheduler` per replica
+and submits requests as they arrive, from any thread, with a callback that receives each
+committed block of tokens (streaming) and one that receives the final result.
+
+Rows whose settings differ beyond :data:`pipeline.engine.batch.PER_ROW_FIELDS` (another
+temperature, another set of logits processors) share the slots and caches but step in
+separate groups, one target pass per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from .batch import PER_ROW_FIELDS, RowState
+from .settings import GenerationSettings, resolve_generation_settings
+from .stats import GenerationResult
+
+#: receives each committed block of a row's tokens (ids), in order
+OnTokens = Callable[[list[int]], None]
+#: receives a row's final result
+OnDone = Callable[[GenerationResult], None]
+
+
+@dataclasses.dataclass
+class _Waiting:
+    ticket: int
+    prompt: object
+    settings: GenerationSettings
+    on_tokens: OnTokens | None
+    on_done: OnDone | None
+
+
+def group_key(settings: GenerationSettings) -> str:
+    """Rows with the same key may verify in one target pass."""
+    return repr(tuple(getattr(settings, f.name) for f in dataclasses.fields(GenerationSettings)
+                      if f.name not in PER_ROW_FIELDS))
+
+
+class Scheduler:
+    """Rows in flight on ``engine``, at most ``max_batch_size`` at once.
+
+    Args:
+        engine: a :class:`pipeline.engine.SpeculativeEngine`.
+        max_batch_size: slots (default: the engine's ``max_batch_size``).
+
+    :meth:`submit` is thread-safe; :meth:`step` must be called from one thread at a time.
+    """
+
+    def __init__(self, engine, max_batch_size: int | None = None):
+        self.engine = engine
+        size = max_batch_size or engine.max_batch_size
+        if getattr(engine.proposer, "max_rows", None) is not None:
+            size = min(size, engine.proposer.max_rows)
+        self.size = size
+        self.runner = engine._bind(size)
+        self._free = list(range(size))[::-1]
+        self._waiting: deque[_Waiting] = deque()
+        self._active: list[RowState] = []
+        self._callbacks: dict[int, tuple[OnTokens | None, OnDone | None]] = {}
+        self._tickets = itertools.count()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, prompt, settings: GenerationSettings | None = None, on_tokens: OnTokens | None = None,
+               on_done: OnDone | None = None, resolved: bool = False) -> int:
+        """Queue a row; returns its ticket (results of :meth:`step` carry it).
+
+        Raises:
+            ValueError: a bad setting (the row is not queued).
+        """
+        if not resolved:
+            settings = resolve_generation_settings(settings, self.engine.target.generation_config,
+                                                   self.engine.target_vocab)
+        with self._lock:
+            ticket = next(self._tickets)
+            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done))
+        return ticket
+
+    @property
+    def busy(self) -> bool:
+        """Rows are waiting or in flight."""
+        return bool(self._waiting or self._active)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def step(self) -> list[tuple[int, GenerationResult]]:
+        """Admit waiting rows into free slots, run one step for every row in flight, and
+        return the ``(ticket, result)`` of the rows that finished (or could not run)."""
+        done: list[tuple[int, GenerationResult]] = []
+        admitted: list[RowState] = []
+        while self._free:
+            with self._lock:
+                if not self._waiting:
+                    break
+                w = self._waiting.popleft()
+            t0 = time.perf_counter()
+            row = self.engine._new_row(w.ticket, w.prompt, w.settings, self._free[-1], self.runner.device)
+            if isinstance(row, str):
+                result = GenerationResult.failed(f"ValueError: {row}", time.perf_counter() - t0)
+                done.append((w.ticket, result))
+                if w.on_done is not None:
+                    w.on_done(result)
+                continue
+            self._free.pop()
+            row.on_tokens = w.on_tokens
+            self._callbacks[w.ticket] = (w.on_tokens, w.on_done)
+            admitted.append(row)
+        if admitted:
+            self.engine._admit(admitted)
+            self._active.extend(admitted)
+        groups: dict[str, list[RowState]] = {}
+        for row in self._active:
+            groups.setdefault(group_key(row.settings), []).append(row)
+        for rows in groups.values():
+            self.engine._step(rows)
+        still = []
+        for row in self._active:
+            if row.finish is None:
+                still.append(row)
+                continue
+            result = self.engine._result(row)
+            self._free.append(row.slot)
+            _, on_done = self._callbacks.pop(row.index, (None, None))
+            done.append((row.index, result))
+            if on_done is not None:
+                on_done(result)
+        self._active = still
+        return done
+
+    def run(self) -> dict[int, GenerationResult]:
+        """Step until every submitted row is done; ``ticket -> result``."""
+        results: dict[int, GenerationResult] = {}
+        while self.busy:
+            results.update(self.step())
+        return results
