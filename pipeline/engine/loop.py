@@ -61,7 +61,8 @@ class SpeculativeEngine:
         adaptive_draft_length: let the measured verification cost cut ``k`` (down to 0)
             as the batch grows (:mod:`pipeline.engine.draft_length`): ``None`` (default)
             when two or more rows are in flight, ``True`` always, ``False`` never.  Greedy
-            outputs never depend on it.
+            outputs never depend on it.  Off with static ensemble verification, whose
+            (lossy) output depends on the draft length.
 
     Raises:
         ValueError: a bad setting (naming it), a method without the model it needs, a
@@ -98,6 +99,11 @@ class SpeculativeEngine:
             )
         limit = getattr(self.proposer, "max_rows", None)
         self.max_batch_size = max_batch_size if limit is None else min(max_batch_size, limit)
+        if self.spec.assistant_ensemble_weight is not None:
+            if adaptive_draft_length:
+                raise ValueError("adaptive_draft_length cannot be used with assistant_ensemble_weight: static "
+                                 "ensemble verification is lossy, so its output depends on the draft length")
+            adaptive_draft_length = False
         self.adaptive = adaptive_draft_length
         self.policy = DraftLengthPolicy(self.spec.draft_length) if adaptive_draft_length is not False and self.proposer else None
         self._runner: ModelRunner | None = None

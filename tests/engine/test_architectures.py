@@ -41,6 +41,7 @@ from transformers import (
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 
+from coverage import REFUSED, SLIDING_ARCHS, SLIDING_METHODS
 from tiny_models import NO_SPECIAL, VOCAB, check_stats, perturbed_copy, prompt_of
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -83,7 +84,10 @@ def engines(target, drafter, k=K):
                                                                       num_assistant_tokens=k))
 
 
-@pytest.fixture(scope="module", params=sorted(SLIDING))
+assert sorted(SLIDING) == SLIDING_ARCHS
+
+
+@pytest.fixture(scope="module", params=SLIDING_ARCHS)
 def sliding_pair(request):
     target = SLIDING[request.param]()
     return request.param, target, perturbed_copy(target, 0.3)  # the drafter has the same sliding layers
@@ -111,6 +115,7 @@ def test_sliding_window_targets_and_drafters_are_lossless(sliding_pair, prompt_l
     prompt = prompt_of(prompt_len, seed=prompt_len)
     reference = hf_generate(target, prompt, 30)
     drafted = accepted = 0
+    assert [m for m, _ in engines(target, drafter)] == SLIDING_METHODS
     for method, engine in engines(target, drafter):
         result = engine.generate(prompt, GenerationSettings(max_new_tokens=30))
         assert result.token_ids == reference, (name, method)
@@ -268,9 +273,10 @@ def _refused_models():
     }
 
 
-@pytest.mark.parametrize("name", sorted(_refused_models()))
+@pytest.mark.parametrize("name", sorted(REFUSED))
 def test_recurrent_layers_are_refused_naming_the_layer_type_and_method(name):
     build_model, kind = _refused_models()[name]
+    assert kind == REFUSED[name]
     model = build_model()
     ordinary = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, **SMALL))
     with pytest.raises(ValueError, match=f"(?s){kind}.*'draft_model'"):

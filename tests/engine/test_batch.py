@@ -22,6 +22,7 @@ import test_sampling as ts
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.draft_length import DraftLengthPolicy
 
+from coverage import BATCH_ARCHS, BATCH_METHODS
 from tiny_models import NO_SPECIAL, VOCAB, bracket_tokenizer, build, check_stats, perturbed_copy, prompt_of
 
 K = 3
@@ -55,7 +56,10 @@ def rows_of(seed: int, n: int) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+assert sorted(ARCHS) == BATCH_ARCHS
+
+
+@pytest.fixture(scope="module", params=BATCH_ARCHS)
 def arch(request):
     target = ARCHS[request.param]()
     drafter = perturbed_copy(target, 0.3)
@@ -82,6 +86,8 @@ def method_engines(name, target, drafter, batch):
 def test_every_row_equals_its_single_row_plain_greedy(arch, batch):
     name, target, drafter, rows, references = arch
     settings = [GenerationSettings(max_new_tokens=b) for _, b in rows]
+    methods = [m for m, _ in method_engines(name, target, drafter, batch)]
+    assert methods == [m for m in BATCH_METHODS if not (name == "gpt2" and m == "early_exit")]
     for method, engine in method_engines(name, target, drafter, batch):
         results = engine.generate_batch([p for p, _ in rows], settings)
         for i, (result, reference) in enumerate(zip(results, references)):

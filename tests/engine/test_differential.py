@@ -14,7 +14,7 @@ from pipeline.engine import GenerationSettings, SpeculationSettings, Speculative
 
 from tiny_models import build, check_stats, perturbed_copy, prompt_of
 
-ARCHS = ["llama", "qwen2", "gpt_neox", "gpt2"]
+from coverage import DIFFERENTIAL_ARCHS as ARCHS, DIFFERENTIAL_METHODS
 PROMPT_LENGTHS = [1, 2, 3, 17]
 BUDGETS = [1, 2, 50]
 K = 3
@@ -55,6 +55,7 @@ def test_greedy_matches_generate(arch_models, prompt_len, max_new_tokens):
             hf_generate(target, prompt, max_new_tokens, prompt_lookup_num_tokens=K, max_matching_ngram_size=2),
         ),
     }
+    assert list(cases) == DIFFERENTIAL_METHODS  # what the README's architecture list claims
     for method, (engine, reference) in cases.items():
         result = engine.generate(prompt, settings)
         assert result.token_ids == reference, (arch, method)

@@ -128,3 +128,19 @@ def test_refused_without_draft_logits(models, method):
     target, _ = models
     with pytest.raises(ValueError, match="assistant_ensemble_weight"):
         SpeculativeEngine(target, SpeculationSettings(method=method, assistant_ensemble_weight=W))
+
+
+def test_batched_rows_equal_their_single_row_ensemble_output(models):
+    """In a batch each row gets the (lossy) output it gets alone: the draft length is fixed
+    (the load policy is off, since the mixture's output depends on it)."""
+    target, drafter = models
+    prompts = [prompt_of(n, seed=n) for n in (12, 3, 30, 7, 1)]
+    settings = GenerationSettings(max_new_tokens=25)
+    for method, engine in engines(target, drafter, W).items():
+        alone = [engine.generate(p, settings).token_ids for p in prompts]
+        batched = SpeculativeEngine(target, engine.spec, drafter=drafter if method == "draft_model" else None,
+                                    max_batch_size=3)
+        assert batched.policy is None
+        assert [r.token_ids for r in batched.generate_batch(prompts, settings)] == alone, method
+    with pytest.raises(ValueError, match="ensemble"):
+        SpeculativeEngine(target, engine.spec, adaptive_draft_length=True)

@@ -221,3 +221,20 @@ def test_example_job_configs():
         load_config(root / "gemma-4-e4b-it-assistant.yaml", ["models.drafter=null"])
     with pytest.raises(ConfigError, match="num_mtp_layers"):
         load_config(root / "deepseek-v3-mtp.yaml", ["method.num_mtp_layers=0"])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batched_rows_equal_plain(loaded, arch, batch):
+    """MTP layers draft for every row at once (ragged catch-up per layer): each row equals
+    its single-row plain greedy output, with budgets of 1, 2 and 24 tokens."""
+    target, mtp = loaded(arch, 2)
+    plain = SpeculativeEngine(target, max_batch_size=1)
+    engine = SpeculativeEngine(target, SpeculationSettings(method="mtp"), drafter=mtp, max_batch_size=batch)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((9, 1, 4, 30, 2, 17, 6, 11, 3))]
+    settings = [GenerationSettings(max_new_tokens=[24, 1, 2][i % 3]) for i in range(len(prompts))]
+    expected = [plain.generate(p, s).token_ids for p, s in zip(prompts, settings)]
+    results = engine.generate_batch(prompts, settings)
+    assert [r.token_ids for r in results] == expected
+    for r in results:
+        check_stats(r, k=2)

@@ -160,3 +160,16 @@ def test_needs_both_tokenizers_and_refuses_ensemble(pair):
     with pytest.raises(ValueError, match="assistant_ensemble_weight"):
         SpeculativeEngine(target, SpeculationSettings(method="universal", assistant_ensemble_weight=0.7),
                           drafter=drafter, tokenizer=tok_t, drafter_tokenizer=tok_d)
+
+
+def test_batch_runs_one_row_at_a_time(pair):
+    """Universal drafting re-synchronises through text, one row at a time: a batch runs its
+    rows in turn (one slot), each equal to its plain output."""
+    target, drafter, tok_t, tok_d = pair
+    eng = engine(pair)
+    rows = prompts(tok_t)
+    results = eng.generate_batch(rows, GenerationSettings(max_new_tokens=20), max_batch_size=8)
+    assert eng._runner.cache.max_rows == 1
+    plain = SpeculativeEngine(target)
+    for prompt, result in zip(rows, results):
+        assert result.token_ids == plain.generate(prompt, GenerationSettings(max_new_tokens=20)).token_ids

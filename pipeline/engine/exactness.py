@@ -1,0 +1,63 @@
+"""Checking a batched or speculative run against single-row plain greedy decoding.
+
+In float64 every row must be identical.  In float32 or bf16 a batched pass computes the
+same logits with other kernel shapes, so a row may take the other branch where the
+target's top two logits are within rounding of each other (a near-tie); anywhere else a
+difference is a bug.  :func:`compare_rows` finds, for each row that differs from its
+reference, the first differing position and the target's top-2 logit gap there
+(computed by one uncached pass over the common prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: the largest top-2 logit gap that counts as a near-tie (logits, not probabilities)
+NEAR_TIE = 1e-3
+
+
+@dataclass
+class RowCheck:
+    """One row against its reference: ``identical``, else the first differing ``position``
+    (0-based, in generated tokens) and the target's top-2 logit ``gap`` there."""
+
+    identical: bool
+    position: int | None = None
+    gap: float | None = None
+
+    @property
+    def near_tie(self) -> bool:
+        return self.identical or (self.gap is not None and self.gap < NEAR_TIE)
+
+
+@torch.inference_mode()
+def compare_rows(target, prompts: list[list[int]], outputs: list[list[int]], references: list[list[int]]) -> list[RowCheck]:
+    """Compare each output with its reference (both generated ids, prompt excluded).
+
+    A row that is a strict prefix of the other (one stopped earlier) differs at the first
+    missing position.
+    """
+    checks = []
+    for prompt, out, ref in zip(prompts, outputs, references):
+        if out == ref:
+            checks.append(RowCheck(True))
+            continue
+        i = next((j for j in range(min(len(out), len(ref))) if out[j] != ref[j]), min(len(out), len(ref)))
+        ids = torch.tensor([list(prompt) + ref[:i]], device=target.device)
+        top = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
+        checks.append(RowCheck(False, i, float(top[0] - top[1])))
+    return checks
+
+
+def summarize(checks: list[RowCheck]) -> dict:
+    """``{"rows", "identical", "differ", "differ_at_near_tie", "largest_gap"}``."""
+    differ = [c for c in checks if not c.identical]
+    return {
+        "rows": len(checks),
+        "identical": len(checks) - len(differ),
+        "differ": len(differ),
+        "differ_at_near_tie": sum(c.near_tie for c in differ),
+        "largest_gap": max((c.gap for c in differ), default=None),
+    }
