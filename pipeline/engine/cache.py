@@ -21,8 +21,10 @@ it is bounded by ``max_batch_size x (longest prompt + max_new_tokens + k)`` and 
 once reached.
 
 transformers' model code calls :meth:`SlotCache.update` from every attention layer; the
-cache needs nothing else from the models (they get explicit ``position_ids`` and a 4D
-mask, so they never ask it for lengths).
+cache needs nothing else from the models: they get explicit ``position_ids`` and a 4D
+mask, except in a pass whose rows all feed the same number of tokens from position 0 (a
+prefill), where SDPA's own causal kernel is faster and the model builds the mask from
+:meth:`SlotCache.get_mask_sizes`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class SlotLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        rows, cap = self.owner.max_rows, self.owner.initial_capacity
+        rows, cap = self.owner.max_rows, max(self.owner.initial_capacity, self.owner.reserved)
         self.keys = key_states.new_zeros((rows, key_states.shape[1], cap + 1, key_states.shape[3]))
         self.values = value_states.new_zeros((rows, value_states.shape[1], cap + 1, value_states.shape[3]))
         self.is_initialized = True
@@ -58,6 +60,7 @@ class SlotLayer(CacheLayerMixin):
 
     def _grow(self, needed: int) -> None:
         cap = self.capacity
+        needed = max(needed, self.owner.reserved)
         if needed <= cap:
             return
         new_cap = max(needed, min(2 * cap, self.owner.max_capacity or 2 * cap))
@@ -81,18 +84,16 @@ class SlotLayer(CacheLayerMixin):
         rows = step.rows.view(-1, 1)
         self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
-        if step.prefix_rows:
-            b = step.rows.numel()
-            return self.keys[:b, :, : step.kv_len], self.values[:b, :, : step.kv_len]
+        if step.first is not None:  # consecutive slots: a view, no copy
+            rows = slice(step.first, step.first + step.rows.numel())
+            return self.keys[rows, :, : step.kv_len], self.values[rows, :, : step.kv_len]
         return self.keys[step.rows, :, : step.kv_len], self.values[step.rows, :, : step.kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        step = self.owner.current
-        return (step.kv_len if step is not None else query_length), 0
+        return self.owner.get_mask_sizes(query_length, 0)
 
     def get_seq_length(self) -> int:
-        step = self.owner.current
-        return step.kv_len if step is not None else 0
+        return self.owner.get_seq_length()
 
     def get_max_length(self) -> int:
         return -1
@@ -105,13 +106,15 @@ class _Step:
     """Where one forward pass writes: ``rows`` ``(b,)`` slot rows, ``write`` ``(b, q)`` the
     slot (= position) of each token, ``-1`` for padding, ``kv_len`` the slots read."""
 
-    __slots__ = ("rows", "write", "kv_len", "prefix_rows")
+    __slots__ = ("rows", "write", "kv_len", "first")
 
-    def __init__(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int):
+    def __init__(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int, slots: list[int]):
         self.rows = rows
         self.write = write
         self.kv_len = kv_len
-        self.prefix_rows = bool(torch.equal(rows, torch.arange(rows.numel(), device=rows.device)))
+        # the first slot when the rows are consecutive slots (their keys are then a view)
+        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        self.first = slots[0] if consecutive else None
 
 
 class SlotCache(Cache):
@@ -128,13 +131,24 @@ class SlotCache(Cache):
         self.max_rows = max_rows
         self.max_capacity = max_capacity
         self.initial_capacity = max(1, min(initial_capacity, max_capacity or initial_capacity))
+        self.reserved = 0
         self.current: _Step | None = None
 
-    def step(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int) -> None:
-        """Declare the next forward pass: ``rows`` ``(b,)`` int64 slot rows of its batch rows,
+    def reserve(self, positions: int) -> None:
+        """Make room for rows of up to ``positions`` positions at the next write (one
+        allocation instead of repeated doubling), rounded up to a multiple of 64 and capped
+        by ``max_capacity``."""
+        positions = -(-positions // MIN_CAPACITY) * MIN_CAPACITY
+        if self.max_capacity is not None:
+            positions = min(positions, self.max_capacity)
+        self.reserved = max(self.reserved, positions)
+
+    def step(self, slots: list[int], write: torch.Tensor, kv_len: int) -> None:
+        """Declare the next forward pass: ``slots`` the slot row of each batch row,
         ``write`` ``(b, q)`` int64 the position each input token writes (``-1``: padding),
         ``kv_len`` the positions its queries may read (max position + 1)."""
-        self.current = _Step(rows, write, kv_len)
+        rows = torch.tensor(slots, dtype=torch.long, device=write.device)
+        self.current = _Step(rows, write, kv_len, list(slots))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -142,7 +156,9 @@ class SlotCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.current.kv_len if self.current is not None else 0
+        """Positions before this pass's queries, for a pass whose rows all start at the same
+        position (the only passes that let the model build its own mask)."""
+        return self.current.kv_len - self.current.write.shape[1] if self.current is not None else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return (self.current.kv_len if self.current is not None else query_length), 0

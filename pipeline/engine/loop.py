@@ -215,6 +215,11 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         slots = [r.slot for r in rows]
         prompts = [r.sequence for r in rows]
+        longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length + 1
+        self._runner.cache.reserve(longest)  # one allocation, not a doubling per pass
+        reserve = getattr(getattr(self.proposer, "runner", None), "cache", None)
+        if reserve is not None and reserve is not self._runner.cache:
+            reserve.reserve(longest)
         if self.proposer is not None:
             self.proposer.admit(slots, prompts)  # before the prefill, which hooks may record
         t1 = time.perf_counter()

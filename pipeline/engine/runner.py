@@ -172,6 +172,7 @@ class ModelRunner:
         self.layout = layout or model_layout(model)
         self.cache = SlotCache(max_rows, max_capacity=self.layout.context)
         self.device = model.device
+        self.impl = getattr(text_config(model), "_attn_implementation", None) or "eager"
         self.dtype = _float_dtype(model)
 
     # ------------------------------------------------------------------ inputs
@@ -224,6 +225,15 @@ class ModelRunner:
             return out
         return out[self.layout.layer_types[0]] if self.layout.layer_types else out["full_attention"]
 
+    def _plain_causal(self, tokens, starts) -> bool:
+        """Whether a pass is an ordinary causal one that SDPA can mask itself (``is_causal``):
+        every row feeds the same number of tokens from position 0, and no sliding window
+        is shorter than them."""
+        if self.impl != "sdpa" or any(starts) or len({int(t.shape[0]) for t in tokens}) != 1:
+            return False
+        q = int(tokens[0].shape[0])
+        return q > 1 and (self.layout.sliding_window is None or q <= self.layout.sliding_window)
+
     # ------------------------------------------------------------------ forward
     def forward(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int], logits_to_keep: int = 1,
                 model=None, **kwargs):
@@ -248,7 +258,9 @@ class ModelRunner:
                 logits[idx, logits_to_keep - m:] = parts[r]
             return _Output(logits)
         inputs, position_ids, write, kv_len, mask = self.inputs(slots, tokens, starts)
-        self.cache.step(torch.tensor(slots, dtype=torch.long, device=self.device), write, kv_len)
+        if self._plain_causal(tokens, starts):
+            mask = None  # every row starts at 0 with the same length: SDPA's own causal kernel
+        self.cache.step(slots, write, kv_len)
         feed = {"input_ids": inputs} if inputs.dim() == 2 else {"inputs_embeds": inputs}
         try:
             return model(**feed, position_ids=position_ids, attention_mask=mask, cache=self.cache,
@@ -269,28 +281,21 @@ def _float_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def length_groups(lengths: list[int], waste: float = 0.25, max_tokens: int = 16384) -> list[list[int]]:
-    """Indices of ``lengths`` grouped for padded passes: sorted by length, a group grows
-    while its padded size (longest x count) stays within ``1 + waste`` times its real
-    tokens and within ``max_tokens``."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
-        size = lengths[i] * (len(current) + 1)
-        if current and (size > (1 + waste) * (total + lengths[i]) or size > max_tokens):
-            groups.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += lengths[i]
-    if current:
-        groups.append(current)
-    return groups
+def length_groups(lengths: list[int], max_tokens: int = 16384) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for prefill passes: rows of the same length together
+    (no padding, and an ordinary causal pass), at most ``max_tokens`` tokens a pass."""
+    groups: dict[int, list[list[int]]] = {}
+    for i, n in enumerate(lengths):
+        runs = groups.setdefault(n, [[]])
+        if runs[-1] and n * (len(runs[-1]) + 1) > max_tokens:
+            runs.append([])
+        runs[-1].append(i)
+    return [g for n in sorted(groups) for g in groups[n]]
 
 
 def prefill(forward, slots: list[int], prompts: list[torch.Tensor]) -> None:
     """Feed each row's ``prompt[:-1]`` (``prompts[i]`` is ``(1, P)``) from position 0
-    through ``forward(slots, tokens, starts, logits_to_keep=1)``, rows of similar length
+    through ``forward(slots, tokens, starts, logits_to_keep=1)``, rows of the same length
     together.  One-token prompts need nothing."""
     todo = [(s, p[0, :-1]) for s, p in zip(slots, prompts) if p.shape[1] > 1]
     for group in length_groups([int(t.shape[0]) for _, t in todo]):

@@ -23,7 +23,9 @@ def _rows(texts, errors=None):
 
 @pytest.fixture(scope="module")
 def actor(tiny_models, tmp_path_factory):
-    cfg = job_config(tiny_models, "unused", str(tmp_path_factory.mktemp("o")))
+    # a fixed draft length, so that a batched row's statistics equal its single-row ones
+    cfg = job_config(tiny_models, "unused", str(tmp_path_factory.mktemp("o")),
+                     overrides=["compute.adaptive_draft_length=false"])
     return GenerateActor(cfg.model_dump(), device="cpu")
 
 

@@ -322,7 +322,7 @@ class MTPProposer:
         x, positions, write, kv_len, mask = runner.inputs(slots, embeds, starts)
         h, *_ = runner.inputs(slots, [p.to(self.device) for p in prev], starts)
         rope_positions = positions + 1 + layer  # MTP depth i runs i + 1 tokens ahead
-        runner.cache.step(torch.tensor(slots, dtype=torch.long, device=self.device), write, kv_len)
+        runner.cache.step(slots, write, kv_len)
         kwargs = {"position_embeddings": None}
         if self.mtp.rotary_emb is not None:
             rope_kwargs = {"layer_type": self.mtp.config.layer_types[layer]} if self.mtp.has_per_layer_rope else {}
