@@ -89,7 +89,10 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_
                 raise _gguf_error(e, gguf_file, gguf_key) from None
             raise ModelError(f"{key}: {path!r} holds no loadable model config: {type(e).__name__}: {e}") from None
     if _looks_local(path):
-        raise ModelError(f"{key}: model path {path!r} does not exist (resolved from {os.getcwd()!r})")
+        hint = ""
+        if "models/cache/" in path.replace(os.sep, "/"):
+            hint = "; the real models are fetched and converted by: python scripts/fetch_models.py"
+        raise ModelError(f"{key}: model path {path!r} does not exist (resolved from {os.getcwd()!r}){hint}")
     try:  # an org/name hub id: only from the local cache, so a typo fails fast and offline
         return AutoConfig.from_pretrained(path, local_files_only=True, **kw)
     except Exception:
