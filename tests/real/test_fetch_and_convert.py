@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CACHE, REPO, fetch_models, need
+from realkit import CACHE, REPO, fetch_models, need
 from safetensors import safe_open
 
 from pipeline.config import load_config

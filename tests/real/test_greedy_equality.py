@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO
+from realkit import REPO
 
 from pipeline.config import load_config
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
