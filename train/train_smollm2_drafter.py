@@ -514,7 +514,7 @@ Held-out (the target's own answers to XSum articles 0-{a['eval_rows'] - 1}): dis
 
 | prompts | rows | identical to plain | acceptance rate | mean accepted length (tokens per target pass) |
 | --- | ---: | ---: | ---: | ---: |
-| XSum 0-{a['eval_rows'] - 1} | {ax['rows']} | {ax['identical_to_plain']}/{ax['rows']} | {ax['acceptance_rate']:.3f} | {ax['mean_accepted_length']:.2f} |
+| XSum 0-{a['eval_rows'] - 1} (those of at most 700 prompt tokens) | {ax['rows']} | {ax['identical_to_plain']}/{ax['rows']} | {ax['acceptance_rate']:.3f} | {ax['mean_accepted_length']:.2f} |
 | `data/demo_prompts.jsonl` (first {ad['rows']}) | {ad['rows']} | {ad['identical_to_plain']}/{ad['rows']} | {ad['acceptance_rate']:.3f} | {ad['mean_accepted_length']:.2f} |
 
 (In float32 a greedy difference from plain decoding can only come at a near-tie of the target's top two logits.)
