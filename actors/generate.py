@@ -42,7 +42,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.config import JobConfig
-from pipeline.models import load_models
+from pipeline.models import load_models, model_ref
 from pipeline.prompts import PromptBuilder
 from pipeline.write import OUTPUT_SCHEMA
 
@@ -97,8 +97,9 @@ class GenerateActor:
             )
         self.meta = {
             "method": self.cfg.method.name,
-            "target_model": self.cfg.models.target,
-            "draft_model": self.cfg.models.drafter if self.cfg.uses_drafter else None,
+            "target_model": model_ref(self.cfg.models.target, self.cfg.models.gguf_file),
+            "draft_model": model_ref(self.cfg.models.drafter, self.cfg.models.drafter_gguf_file)
+            if self.cfg.uses_drafter else None,
         }
         self.rows_done = 0
 

@@ -203,7 +203,7 @@ def main() -> None:
     texts = load_texts(args.input, args.rows)
     sets = [f"models.target={target}", f"models.drafter={drafter}", f"method.name={args.method}",
             f"generation.max_new_tokens={args.max_new_tokens}", "compute.num_actors=1", "compute.rows_per_batch=8"]
-    cfg = load_config(str(REPO / "configs" / "summarize.yaml"), sets)
+    cfg = load_config(str(REPO / "configs" / "demo-summarize.yaml"), sets)
 
     threads = max(1, int(cfg.compute.cpus_per_actor))
     print(f"# bench_pipeline: torch threads={threads} target={target} drafter={drafter} method={args.method} "

@@ -11,6 +11,7 @@ Outputs (the jobs read ``id`` and ``text``; ``reference`` is kept for scoring):
   ``xsum_200.jsonl``: its first 200 rows (a quicker subset).
 - ``spec_bench_summarization.jsonl``: Spec-Bench's 80 CNN/DM prompts (question ids 241-320) without
   their ``Summarize: `` prefix (configs/spec_bench_summarize.yaml puts it back); ids ``spec-bench-<id>``.
+  ``spec_bench_summarization_50.jsonl``: its first 50 rows (configs/real/gemma3-smollm2-universal.yaml).
 - ``spec_bench_translation.jsonl``: Spec-Bench's 80 WMT14 German sentences (ids 161-240) without
   ``Translate German to English: `` (configs/spec_bench_translate.yaml puts it back).
 
@@ -58,6 +59,7 @@ def prepare(data: Path, out: Path) -> dict[str, int]:
                               "text": _strip(r["turns"][0], "Translate German to English: "),
                               "reference": r["reference"][0]})
     counts["spec_bench_summarization.jsonl"] = _write(out / "spec_bench_summarization.jsonl", summ)
+    counts["spec_bench_summarization_50.jsonl"] = _write(out / "spec_bench_summarization_50.jsonl", summ[:50])
     counts["spec_bench_translation.jsonl"] = _write(out / "spec_bench_translation.jsonl", trans)
     return counts
 

@@ -5,7 +5,7 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
     input:      uri, format, id_column, text_column
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
                 system_prompt, chat_template (auto | true | false)
-    models:     target, drafter, dtype, device_map, trust_remote_code
+    models:     target, drafter, gguf_file, drafter_gguf_file, dtype, device_map, trust_remote_code
     method:     name (one of pipeline.engine.METHODS) + SpeculationSettings fields
     generation: max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
                 repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens,
@@ -118,6 +118,11 @@ class TaskConfig(_Section):
 class ModelsConfig(_Section):
     """The model pair.  Paths are local directories (``save_pretrained`` output) or hub ids.
 
+    ``gguf_file`` / ``drafter_gguf_file``: load the target / drafter from a GGUF file (a
+    llama.cpp checkpoint) inside the folder or hub repo ``target`` / ``drafter``, as
+    transformers' ``from_pretrained(target, gguf_file=...)`` does: the weights are
+    dequantized to ``dtype`` and the tokenizer is read from the same file.  ``None``: the
+    folder holds a ``config.json`` checkpoint.
     ``dtype``: ``auto`` = the checkpoint's dtype on a GPU, float32 on the CPU.
     ``device_map``: ``None`` = ``cuda`` when the actor has a GPU, else ``cpu``; any value
     is passed to ``from_pretrained`` (e.g. ``auto`` to shard one model over the actor's GPUs).
@@ -125,9 +130,24 @@ class ModelsConfig(_Section):
 
     target: str = "models/demo-target"
     drafter: str | None = "models/demo-drafter"
+    gguf_file: str | None = None
+    drafter_gguf_file: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device_map: str | None = None
     trust_remote_code: bool = False
+
+    @field_validator("gguf_file", "drafter_gguf_file")
+    @classmethod
+    def _file_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must be a GGUF file name inside the model folder, or null")
+        return v
+
+    @model_validator(mode="after")
+    def _drafter_gguf(self) -> "ModelsConfig":
+        if self.drafter_gguf_file and not self.drafter:
+            raise ValueError("models.drafter_gguf_file is set but models.drafter (the folder holding it) is not")
+        return self
 
 
 class MethodConfig(BaseModel):

@@ -15,7 +15,10 @@ from pipeline.config import ModelsConfig
 
 
 class ModelError(ValueError):
-    """A model path does not exist or holds no loadable config/tokenizer."""
+    """A model path does not exist or holds no loadable config/tokenizer/GGUF file."""
+
+
+GGUF_MAGIC = b"GGUF"
 
 
 def _looks_local(path: str) -> bool:
@@ -25,38 +28,91 @@ def _looks_local(path: str) -> bool:
     return os.path.isdir(path.split("/", 1)[0])  # "models/demo-target" with a local models/
 
 
-def check_model_path(path: str, key: str, trust_remote_code: bool = False):
+def model_ref(path: str, gguf_file: str | None = None) -> str:
+    """How a model is named in outputs: its path, or ``path/file.gguf`` for a GGUF checkpoint."""
+    return path if not gguf_file else path.rstrip("/") + "/" + gguf_file
+
+
+def _check_gguf_file(folder: str, gguf_file: str, key: str, gguf_key: str) -> None:
+    """A local GGUF file: it exists and starts with the GGUF magic (cheap: reads 4 bytes)."""
+    full = os.path.join(folder, gguf_file)
+    if not os.path.isfile(full):
+        raise ModelError(f"{gguf_key}: GGUF file {gguf_file!r} not found in {key} {folder!r} (looked for {full!r})")
+    try:
+        with open(full, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"{gguf_key}: cannot read {full!r}: {e}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"{gguf_key}: {full!r} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+
+
+def _gguf_error(e: Exception, gguf_file: str, gguf_key: str) -> ModelError:
+    text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, ImportError) or "gguf" in text.lower() and "install" in text.lower():
+        return ModelError(f"{gguf_key}: loading {gguf_file!r} needs the gguf package (pip install gguf): {text}")
+    return ModelError(f"{gguf_key}: {gguf_file!r} is not a readable GGUF checkpoint: {type(e).__name__}: {text}")
+
+
+def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_file: str | None = None,
+                     gguf_key: str = "models.gguf_file"):
     """Load the config of the model at ``path``; returns it.
+
+    Args:
+        path: a local directory or a hub id.
+        key: the config key of ``path`` for messages (``models.target``).
+        gguf_file: a GGUF file inside ``path``, read as transformers'
+            ``from_pretrained(path, gguf_file=...)`` does (metadata and tensor index only;
+            no weights are dequantized).  ``None``: ``path`` holds ``config.json``.
+        gguf_key: the config key of ``gguf_file`` for messages.
 
     Raises:
         ModelError: naming ``key`` (``models.target``): the directory is missing, or has no
             loadable ``config.json``; or ``path`` is no local directory and no cached hub id.
+            Naming ``gguf_key``: the GGUF file is missing, is not a GGUF file, is truncated
+            or otherwise unreadable, has an architecture transformers cannot load, or the
+            ``gguf`` package is missing.
     """
     from transformers import AutoConfig
 
+    kw: dict = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        if gguf_file:
+            _check_gguf_file(expanded, gguf_file, key, gguf_key)
         try:
-            return AutoConfig.from_pretrained(expanded, trust_remote_code=trust_remote_code)
+            return AutoConfig.from_pretrained(expanded, **kw)
         except Exception as e:
+            if gguf_file:
+                raise _gguf_error(e, gguf_file, gguf_key) from None
             raise ModelError(f"{key}: {path!r} holds no loadable model config: {type(e).__name__}: {e}") from None
     if _looks_local(path):
-        raise ModelError(f"{key}: model path {path!r} does not exist (resolved from {os.getcwd()!r})")
+        hint = ""
+        if "models/cache/" in path.replace(os.sep, "/"):
+            hint = "; the real models are fetched and converted by: python scripts/fetch_models.py"
+        raise ModelError(f"{key}: model path {path!r} does not exist (resolved from {os.getcwd()!r}){hint}")
     try:  # an org/name hub id: only from the local cache, so a typo fails fast and offline
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True, **kw)
     except Exception:
         pass
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(path, **kw)
     except Exception as e:
+        what = f"with GGUF file {gguf_file!r} ({gguf_key}) " if gguf_file else ""
         raise ModelError(
             f"{key}: model path {path!r} is not a local directory (resolved from {os.getcwd()!r}) "
-            f"and not a loadable hub id: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"and not a loadable hub id {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
 
 
 def check_models(cfg: ModelsConfig, uses_drafter: bool) -> dict[str, Any]:
     """Check the target (config + tokenizer) and, when used, the drafter's config.
+
+    A GGUF checkpoint (``models.gguf_file``, ``models.drafter_gguf_file``) is checked the same
+    way: the file exists, is a GGUF file, and transformers reads its config (and, for the
+    target, its tokenizer) from it.
 
     Returns:
         ``{"target_config", "drafter_config" (or None), "tokenizer"}``.
@@ -66,12 +122,18 @@ def check_models(cfg: ModelsConfig, uses_drafter: bool) -> dict[str, Any]:
     """
     from transformers import AutoTokenizer
 
-    target_config = check_model_path(cfg.target, "models.target", cfg.trust_remote_code)
-    drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code) if uses_drafter else None
+    target_config = check_model_path(cfg.target, "models.target", cfg.trust_remote_code,
+                                     cfg.gguf_file, "models.gguf_file")
+    drafter_config = None
+    if uses_drafter:
+        drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code,
+                                          cfg.drafter_gguf_file, "models.drafter_gguf_file")
     try:
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), **_tokenizer_kwargs(cfg, cfg.gguf_file))
     except Exception as e:
-        raise ModelError(f"models.target: {cfg.target!r} has no loadable tokenizer: {type(e).__name__}: {e}") from None
+        key = "models.gguf_file" if cfg.gguf_file else "models.target"
+        raise ModelError(f"{key}: {model_ref(cfg.target, cfg.gguf_file)!r} has no loadable tokenizer: "
+                         f"{type(e).__name__}: {e}") from None
     return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok}
 
 
@@ -89,6 +151,13 @@ def checkpoint_generation_config(path: str, model_config, trust_remote_code: boo
         except (OSError, ValueError):
             continue
     return GenerationConfig.from_model_config(model_config)
+
+
+def _tokenizer_kwargs(cfg: ModelsConfig, gguf_file: str | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    return kw
 
 
 @dataclass
@@ -111,7 +180,9 @@ def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None
     """Load tokenizer, target and (when used) drafter, in eval mode.
 
     ``models.dtype: auto`` is the checkpoint's dtype on a GPU and float32 on the CPU;
-    ``models.device_map`` (default: the device) goes to ``from_pretrained``.
+    ``models.device_map`` (default: the device) goes to ``from_pretrained``.  A GGUF
+    checkpoint (``models.gguf_file`` / ``models.drafter_gguf_file``) is dequantized by
+    transformers to that dtype (float32 on the CPU).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -124,19 +195,20 @@ def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None
     device_map = cfg.device_map or device
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
 
-    def _load(path: str):
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **kw)
+    def _load(path: str, gguf_file: str | None):
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **kw, **extra)
         model.eval()
         return model
 
-    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), trust_remote_code=cfg.trust_remote_code)
-    target = _load(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), **_tokenizer_kwargs(cfg, cfg.gguf_file))
+    target = _load(cfg.target, cfg.gguf_file)
     drafter = drafter_tokenizer = None
     if uses_drafter and cfg.drafter:
-        drafter = _load(cfg.drafter)
+        drafter = _load(cfg.drafter, cfg.drafter_gguf_file)
         try:
             drafter_tokenizer = AutoTokenizer.from_pretrained(
-                os.path.expanduser(cfg.drafter), trust_remote_code=cfg.trust_remote_code
+                os.path.expanduser(cfg.drafter), **_tokenizer_kwargs(cfg, cfg.drafter_gguf_file)
             )
         except Exception:
             drafter_tokenizer = None  # a drafter saved without a tokenizer shares the target's

@@ -24,7 +24,7 @@ def _cost(model):
 
 
 def test_size_and_cards():
-    files = [p for p in MODELS.rglob("*") if p.is_file()]
+    files = [p for name in NAMES for p in (MODELS / name).rglob("*") if p.is_file()]  # not models/cache/
     assert sum(p.stat().st_size for p in files) <= 40 * 2**20
     for name in NAMES:
         card = (MODELS / name / "README.md").read_text()
@@ -54,3 +54,12 @@ def test_weights_are_bf16_on_disk(name):
     import json
 
     assert json.loads((MODELS / name / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_smollm2_drafter_ships_within_25_mb_with_its_card():
+    """models/smollm2-135m-drafter (tests/real/ checks it against its target)."""
+    folder = MODELS / "smollm2-135m-drafter"
+    assert sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) <= 25_000_000
+    card = (folder / "README.md").read_text()
+    for needed in ("## Data", "final training loss", "acceptance rate", "measured cost ratio", "load average"):
+        assert needed in card, needed

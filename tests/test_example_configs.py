@@ -35,3 +35,32 @@ def test_method_settings_are_checked():
         load_config(path, ["method.assistant_early_exit=0"])
     with pytest.raises(ConfigError, match="drafter"):
         load_config(Path(path).parent / "gemma2-9b-vicuna68m-universal.yaml", ["models.drafter=null"])
+
+
+REAL = sorted((Path(__file__).resolve().parents[1] / "configs" / "real").glob("*.yaml"))
+
+
+def test_real_model_configs_cover_the_methods():
+    """configs/real/: SmolLM2 with draft_model, prompt_lookup, early_exit; Gemma 3 with prompt_lookup
+    and early_exit; universal with a Gemma 3 target and a SmolLM2 drafter (different tokenizers)."""
+    runs = set()
+    for path in REAL:
+        cfg = load_config(path)
+        runs.add((Path(cfg.models.target).name, cfg.method.name, cfg.models.drafter and Path(cfg.models.drafter).name))
+    assert runs == {
+        ("SmolLM2-135M-Instruct", "draft_model", "smollm2-135m-drafter"),
+        ("SmolLM2-135M-Instruct", "prompt_lookup", None),
+        ("SmolLM2-135M-Instruct", "early_exit", None),
+        ("gemma-3-270m", "prompt_lookup", None),
+        ("gemma-3-270m", "early_exit", None),
+        ("gemma-3-270m", "universal", "SmolLM2-135M-Instruct"),
+    }
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
+def test_real_model_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.models.target.startswith("models/cache/")  # where scripts/fetch_models.py converts them
+    assert cfg.generation.do_sample is False and cfg.output.uri.startswith("out/real/")
+    # the instruct model is prompted through its chat template, the base model without one
+    assert cfg.task.chat_template is ("SmolLM2" in cfg.models.target)

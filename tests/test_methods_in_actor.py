@@ -1,5 +1,5 @@
 """Every method the bundled demo models support runs through the pipeline's actor from a job
-config (configs/summarize.yaml plus overrides): rows succeed, statistics are filled, and the
+config (configs/demo-summarize.yaml plus overrides): rows succeed, statistics are filled, and the
 greedy outputs of the lossless methods equal plain decoding."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def outputs(tmp_path_factory):
     out = {}
     for method, extra in METHODS.items():
         cfg = load_config(
-            REPO / "configs" / "summarize.yaml",
+            REPO / "configs" / "demo-summarize.yaml",
             [f"method.name={method}", "generation.max_new_tokens=12",
              f"models.target={REPO / 'models' / 'demo-target'}", f"models.drafter={REPO / 'models' / 'demo-drafter'}",
              f"output.uri={tmp_path_factory.mktemp(method)}", *extra],

@@ -10,12 +10,19 @@ from pipeline.engine import METHODS
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["summarize", "translate"])
+@pytest.mark.parametrize("name", ["summarize", "demo-summarize", "translate"])
 def test_shipped_configs_load(name):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
-    assert cfg.task.name == name
-    assert cfg.models.target == "models/demo-target"
-    assert cfg.input.uri == {"summarize": "data/demo_prompts.jsonl", "translate": "data/demo_translate.jsonl"}[name]
+    assert cfg.task.name == name.removeprefix("demo-")
+    # the default summarize job runs SmolLM2-135M-Instruct with the drafter distilled from it;
+    # the demo config and the translate job run the tiny demo pair
+    assert (cfg.models.target, cfg.models.drafter) == {
+        "summarize": ("models/cache/SmolLM2-135M-Instruct", "models/smollm2-135m-drafter"),
+        "demo-summarize": ("models/demo-target", "models/demo-drafter"),
+        "translate": ("models/demo-target", "models/demo-drafter")}[name]
+    assert cfg.models.gguf_file is None and cfg.models.drafter_gguf_file is None
+    assert cfg.input.uri == {"summarize": "data/demo_prompts.jsonl", "demo-summarize": "data/demo_prompts.jsonl",
+                             "translate": "data/demo_translate.jsonl"}[name]
     assert cfg.method.name in METHODS
     assert cfg.models.trust_remote_code is False
     if name == "translate":
