@@ -1,8 +1,12 @@
 """Model paths: checked in the driver (cheap, no weights), loaded in the actors.
 
-:func:`check_models` reads only each model's ``config.json`` and the target's tokenizer,
-so a wrong path fails the job before Ray starts any actor.  :func:`load_models` loads
-the weights, on ``cuda`` when the process sees a GPU, else on the CPU.
+:func:`check_models` reads only each model's ``config.json`` and the tokenizers, so a bad
+model fails the job before Ray starts any actor: a wrong path, an architecture that
+``AutoModelForCausalLM`` does not load as a decoder-only causal LM (T5, BART and other
+encoder-decoder models, encoders such as BERT), or a drafter whose vocabulary cannot map
+onto the target's (``draft_model``: the engine's own check, run on the configs;
+``mtp_assistant``: equal vocabulary sizes).  :func:`load_models` loads the weights, on
+``cuda`` when the process sees a GPU, else on the CPU.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import ModelsConfig
+from pipeline.config import JobRefused, ModelsConfig
 
 
-class ModelError(ValueError):
-    """A model path does not exist or holds no loadable config/tokenizer."""
+class ModelError(JobRefused):
+    """A model path does not exist, holds no loadable config/tokenizer, is not a causal LM,
+    or the drafter does not fit the target."""
 
 
 def _looks_local(path: str) -> bool:
@@ -55,24 +60,83 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False):
         ) from None
 
 
-def check_models(cfg: ModelsConfig, uses_drafter: bool) -> dict[str, Any]:
-    """Check the target (config + tokenizer) and, when used, the drafter's config.
-
-    Returns:
-        ``{"target_config", "drafter_config" (or None), "tokenizer"}``.
+def check_causal_lm(config, path: str, key: str, trust_remote_code: bool = False) -> None:
+    """Refuse a model that ``AutoModelForCausalLM`` would not load as a decoder-only causal LM.
 
     Raises:
-        ModelError: as :func:`check_model_path`, or the target has no tokenizer.
+        ModelError: naming ``key``, the model type and its architectures.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_type = getattr(config, "model_type", None)
+    archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+    what = f"{key}: {path!r} is a {model_type} model ({archs})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"{what}, an encoder-decoder model; speculative decoding here needs a decoder-only "
+                         "causal LM (one that AutoModelForCausalLM loads)")
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelError(f"{what}, which AutoModelForCausalLM cannot load: not a causal language model")
+
+
+def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = None) -> dict[str, Any]:
+    """Check the target (config, architecture, tokenizer) and, when used, the drafter
+    (config, architecture, vocabulary against the target's for ``method``).
+
+    Returns:
+        ``{"target_config", "drafter_config" (or None), "tokenizer", "drafter_tokenizer" (or None)}``.
+
+    Raises:
+        ModelError: as :func:`check_model_path` and :func:`check_causal_lm`, the target has
+            no tokenizer, or the drafter's vocabulary does not fit the target's.
     """
     from transformers import AutoTokenizer
 
     target_config = check_model_path(cfg.target, "models.target", cfg.trust_remote_code)
-    drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code) if uses_drafter else None
+    check_causal_lm(target_config, cfg.target, "models.target", cfg.trust_remote_code)
+    drafter_config = drafter_tok = None
+    if uses_drafter:
+        drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code)
+        check_causal_lm(drafter_config, cfg.drafter, "models.drafter", cfg.trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
         raise ModelError(f"models.target: {cfg.target!r} has no loadable tokenizer: {type(e).__name__}: {e}") from None
-    return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok}
+    if uses_drafter:
+        try:
+            drafter_tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.drafter),
+                                                        trust_remote_code=cfg.trust_remote_code)
+        except Exception:  # noqa: BLE001 - a drafter saved without a tokenizer shares the target's
+            drafter_tok = None
+        check_vocabularies(method, target_config, drafter_config, tok, drafter_tok)
+    return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok,
+            "drafter_tokenizer": drafter_tok}
+
+
+def check_vocabularies(method: str | None, target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:
+    """The drafter's vocabulary against the target's, from the configs and tokenizers alone.
+
+    Raises:
+        ModelError: ``draft_model``: the drafter's ids cannot map onto the target's
+            tokenizer, or the two tokenizers disagree on a shared id (the engine's own
+            check); ``mtp_assistant``: the vocabulary sizes differ.
+    """
+    from types import SimpleNamespace
+
+    from pipeline.engine.proposers.draft_model import text_config
+    from pipeline.engine.proposers.vocab import check_shared_vocabulary
+
+    target, drafter = SimpleNamespace(config=target_config), SimpleNamespace(config=drafter_config)
+    try:
+        if method == "draft_model":
+            check_shared_vocabulary(target, drafter, tokenizer, drafter_tokenizer)
+        elif method == "mtp_assistant":
+            t, d = text_config(target).vocab_size, text_config(drafter).vocab_size
+            if t != d:
+                raise ValueError(f"assistant vocabulary {d} != target vocabulary {t}")
+    except ValueError as e:
+        raise ModelError(f"models.drafter does not fit models.target for method {method!r}: {e}") from None
 
 
 @dataclass
@@ -99,7 +163,9 @@ def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Loading weights" bars from every actor on the driver's console
     device = device or pick_device()
     if cfg.dtype == "auto":
         dtype: Any = "auto" if device != "cpu" else torch.float32
