@@ -15,7 +15,8 @@ from pipeline.models import ModelError, load_models
 from pipeline.prompts import PromptBuilder
 from pipeline.read import InputError
 from pipeline.run import run_job
-from pipeline.write import OUTPUT_SCHEMA, is_complete
+from pipeline.config import OutputConfig
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter, is_complete
 
 STAT_COLUMNS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
                 "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
@@ -143,9 +144,11 @@ def test_failed_run_publishes_nothing(ray_local, tiny_models, inputs, tmp_path):
         f.write_bytes(b"corrupt")
     out = tmp_path / "out"
     # an earlier complete run in the same place
-    out.mkdir()
-    (out / "_SUCCESS").write_text("old")
-    pq.write_table(pa.table({"id": ["old"]}), out / "part-00000.parquet")
+    old = OutputWriter(OutputConfig(uri=str(out)))
+    old.prepare()
+    old.write_part(0, pa.Table.from_pylist([{"id": "old", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    old.commit({"rows": 1})
+    assert is_complete(str(out))
     cfg = job_config(dict(tiny_models, target=str(broken)), str(inputs / "s2.parquet"), str(out),
                      overrides=["output.overwrite=true"])
     with pytest.raises(Exception) as e:

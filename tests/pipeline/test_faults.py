@@ -241,16 +241,16 @@ EXPECTED = sorted(f"s{i}-{j}" for i in range(3) for j in range(2))
 def _outage_at_shard(monkeypatch, proxy, index, seconds=None):
     """Take the storage down when the driver starts committing shard ``index``
     (back after ``seconds``, or never)."""
-    original = pipeline.write.OutputWriter.write_part
+    original = pipeline.write.OutputWriter.finish_shard
 
-    def hooked(self, shard, table, totals=None):
+    def hooked(self, shard, totals=None):
         if getattr(shard, "index", shard) == index and not proxy.paused.is_set():
             proxy.pause()
             if seconds is not None:
                 threading.Timer(seconds, proxy.resume).start()
-        return original(self, shard, table, totals)
+        return original(self, shard, totals)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "write_part", hooked)
+    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", hooked)
 
 
 def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypatch, caplog):
