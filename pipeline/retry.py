@@ -162,7 +162,7 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, retry_cfg: 
 
     For ``s3://`` URLs, ``config_kwargs`` gets botocore's ``connect_timeout`` and
     ``read_timeout`` (``retry.connect_timeout_s`` / ``read_timeout_s``) and
-    ``retries: {max_attempts: 1}``, and the filesystem's own retry loop is set to one
+    ``retries: {total_max_attempts: 1}``, and the filesystem's own retry loop is set to one
     try: :func:`with_retries` is the only retry loop.  Keys the user set in
     ``storage_options.config_kwargs`` win.
 
@@ -178,7 +178,7 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, retry_cfg: 
         ck = dict(opts.get("config_kwargs") or {})
         ck.setdefault("connect_timeout", settings["connect_timeout_s"])
         ck.setdefault("read_timeout", settings["read_timeout_s"])
-        ck.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # no retry inside a call
         opts["config_kwargs"] = ck
     fs, path = url_to_fs(url, **opts)
     if s3 and hasattr(fs, "retries"):
