@@ -163,8 +163,9 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, retry_cfg: 
     For ``s3://`` URLs, ``config_kwargs`` gets botocore's ``connect_timeout`` and
     ``read_timeout`` (``retry.connect_timeout_s`` / ``read_timeout_s``) and
     ``retries: {total_max_attempts: 1}``, and the filesystem's own retry loop is set to one
-    try: :func:`with_retries` is the only retry loop.  Keys the user set in
-    ``storage_options.config_kwargs`` win.
+    try: :func:`with_retries` is the only retry loop; uploads send no ``Expect:
+    100-continue`` (see :func:`_s3_session`).  Keys the user set in
+    ``storage_options.config_kwargs`` (or a ``session`` of their own) win.
 
     Returns:
         ``(filesystem, path)`` as ``url_to_fs``.
@@ -180,10 +181,31 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None, retry_cfg: 
         ck.setdefault("read_timeout", settings["read_timeout_s"])
         ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # no retry inside a call
         opts["config_kwargs"] = ck
+        if "session" not in opts:
+            opts["session"] = _s3_session(opts.get("profile"))
     fs, path = url_to_fs(url, **opts)
     if s3 and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own loop (5 tries by default) around every request
     return fs, path
+
+
+_SESSIONS: dict[Any, Any] = {}
+
+
+def _s3_session(profile: str | None):
+    """One aiobotocore session per profile and process, without botocore's ``Expect:
+    100-continue`` header on uploads: aiohttp waits for the server's "100 Continue" with no
+    timeout, so an upload to an endpoint that stopped answering hung forever whatever
+    ``read_timeout`` said (the body is now sent at once; the server's answer is still
+    awaited under the read timeout)."""
+    if profile not in _SESSIONS:
+        from aiobotocore.session import AioSession
+        from botocore.handlers import add_expect_header
+
+        session = AioSession(profile=profile) if profile else AioSession()
+        session.unregister("before-call.s3", add_expect_header)
+        _SESSIONS[profile] = session
+    return _SESSIONS[profile]
 
 
 def endpoint_of(fs: Any) -> str | None:
