@@ -60,8 +60,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import os
 import posixpath
 import re
+import shutil
 import uuid
 from typing import Any
 
@@ -337,8 +339,7 @@ class OutputWriter:
         for name in sorted(self._owned_data_files(entries)):
             self._rm_if_exists(self._p(name), f"remove {name}")
         for d in (MANIFEST, STAGING):
-            if self._exists(self._p(d)):
-                self.io(lambda d=d: self.fs.rm(self._p(d), recursive=True), f"remove {d}")
+            self.io(lambda d=d: self._rm_tree(self._p(d)), f"remove {d}")
         self.intents = {}
 
     def _rm_if_exists(self, path: str, what: str) -> None:
@@ -572,7 +573,11 @@ class OutputWriter:
             pass
 
     def _rm_tree(self, path: str) -> None:
-        if self.fs.exists(path):
+        if self.local:  # fsspec's local rm(recursive) calls os.getcwd(), which fails when the
+            # working directory is gone (seen under ray job submit on a worker node)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+        elif self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
     def url(self, name: str = "") -> str:
