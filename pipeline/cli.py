@@ -30,6 +30,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -136,8 +137,8 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
             print(f"error: {_one_line(stall)}", file=sys.stderr)
             return 1
         path = _write_log(e)
-        print(f"error: {type(e).__name__}: {_one_line(e)} (traceback in {path}); shards committed before the "
-              "error are kept: rerun the same command to resume", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {_one_line(e)}{_root_cause(e)} (traceback in {path}); shards committed "
+              "before the error are kept: rerun the same command to resume", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -186,9 +187,26 @@ def _cause(e: BaseException, kind: type) -> BaseException | None:
     return None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+
+
+def _lines(e: BaseException) -> list[str]:
+    return [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+
+
 def _one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    lines = _lines(e)
     return lines[0] if lines else type(e).__name__
+
+
+def _root_cause(e: BaseException) -> str:
+    """``"; cause: RuntimeError: ..."``: the last line of a message that carries a remote
+    traceback (Ray's errors of tasks and actors), when it names an exception; else ``""``."""
+    lines = _lines(e)
+    if len(lines) > 1 and _EXCEPTION_LINE.match(lines[-1]):
+        return f"; cause: {lines[-1]}"
+    return ""
 
 
 def _write_log(e: BaseException) -> str:

@@ -3,10 +3,12 @@
 :func:`check_models` reads only each model's ``config.json`` and the tokenizers, so a bad
 model fails the job before Ray starts any actor: a wrong path, an architecture that
 ``AutoModelForCausalLM`` does not load as a decoder-only causal LM (T5, BART and other
-encoder-decoder models, encoders such as BERT), or a drafter whose vocabulary cannot map
+encoder-decoder models, encoders such as DistilBERT), a corrupt weight file, or a drafter whose vocabulary cannot map
 onto the target's (``draft_model``: the engine's own check, run on the configs;
 ``mtp_assistant``: equal vocabulary sizes).  :func:`load_models` loads the weights, on
-``cuda`` when the process sees a GPU, else on the CPU.
+``cuda`` when the process sees a GPU, else on the CPU.  Safetensors weight files are
+checked by their headers only (:func:`check_weight_files`: a corrupt or truncated file, a
+shard missing from a sharded checkpoint), never read.
 """
 
 from __future__ import annotations
@@ -80,6 +82,39 @@ def check_causal_lm(config, path: str, key: str, trust_remote_code: bool = False
         raise ModelError(f"{what}, which AutoModelForCausalLM cannot load: not a causal language model")
 
 
+def check_weight_files(path: str, key: str) -> None:
+    """Open the header of every safetensors file of a local model (no weights are read) and
+    check that a sharded checkpoint's index names files that exist.
+
+    Raises:
+        ModelError: naming ``key`` and the file: a truncated or corrupt header, a missing shard.
+    """
+    import glob
+    import json
+
+    from safetensors import safe_open
+
+    d = os.path.expanduser(path)
+    if not os.path.isdir(d):
+        return  # a hub id: transformers fetches and checks it
+    for index in glob.glob(os.path.join(d, "*.safetensors.index.json")):
+        try:
+            with open(index) as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"{key}: {os.path.basename(index)} is unreadable: {type(e).__name__}: {e}") from None
+        missing = sorted(s for s in shards if not os.path.isfile(os.path.join(d, s)))
+        if missing:
+            raise ModelError(f"{key}: {path!r} lacks weight files its index names: {', '.join(missing[:5])}")
+    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+        try:
+            with safe_open(f, framework="pt") as h:
+                h.keys()
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"{key}: weight file {os.path.basename(f)} of {path!r} is unreadable: "
+                             f"{type(e).__name__}: {e}") from None
+
+
 def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = None) -> dict[str, Any]:
     """Check the target (config, architecture, tokenizer) and, when used, the drafter
     (config, architecture, vocabulary against the target's for ``method``).
@@ -88,17 +123,20 @@ def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = Non
         ``{"target_config", "drafter_config" (or None), "tokenizer", "drafter_tokenizer" (or None)}``.
 
     Raises:
-        ModelError: as :func:`check_model_path` and :func:`check_causal_lm`, the target has
-            no tokenizer, or the drafter's vocabulary does not fit the target's.
+        ModelError: as :func:`check_model_path`, :func:`check_causal_lm` and
+            :func:`check_weight_files`, the target has no tokenizer, or the drafter's
+            vocabulary does not fit the target's.
     """
     from transformers import AutoTokenizer
 
     target_config = check_model_path(cfg.target, "models.target", cfg.trust_remote_code)
     check_causal_lm(target_config, cfg.target, "models.target", cfg.trust_remote_code)
+    check_weight_files(cfg.target, "models.target")
     drafter_config = drafter_tok = None
     if uses_drafter:
         drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code)
         check_causal_lm(drafter_config, cfg.drafter, "models.drafter", cfg.trust_remote_code)
+        check_weight_files(cfg.drafter, "models.drafter")
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), trust_remote_code=cfg.trust_remote_code)
     except Exception as e:

@@ -123,7 +123,9 @@ def init_ray(cfg: JobConfig) -> bool:
         # Ray >= 2.5x turns token authentication on for a new local cluster (RAY_AUTH_MODE
         # unset) and warns that it did: that is the setting we want, so the warning is noise.
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_TokenAuthDefault())
-        ray.init(include_dashboard=False)
+        # Actors' own output (a traceback when one dies loading a model, once per restart)
+        # goes to Ray's log files, not the job's console: the job reports failures itself.
+        ray.init(include_dashboard=False, log_to_driver=False)
         return True
     finally:
         if on_main and callable(previous):
@@ -169,9 +171,12 @@ def check_resource_plan(cfg: JobConfig, embedded: bool) -> None:
 
 
 #: Ray Data console messages that say nothing to a user of this job (they still reach
-#: Ray Data's log file): our own progress bar replaces Ray Data's, and the run's end is
-#: logged by the job itself (Ray Data's "execution finished" also shows on an interrupt).
-_RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled")
+#: Ray Data's log file): our own progress bar replaces Ray Data's, the run's end is logged
+#: by the job itself (Ray Data's "execution finished" also shows on an interrupt), and a
+#: failure is reported by the job in one line, its traceback in a log file (pipeline.cli),
+#: where Ray Data would print the stack trace again and ask for a Ray bug report.
+_RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled", "Exception occurred in",
+                   "Full stack trace")
 
 
 class _QuietRayData(logging.Filter):

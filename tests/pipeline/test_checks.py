@@ -49,6 +49,26 @@ def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused_from_its_config
         check_models(cfg, uses_drafter=True, method="draft_model")
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "missing shard"])
+def test_a_corrupt_weight_file_is_refused_from_its_header(tiny_models, tmp_path, damage):
+    m = tmp_path / "m"
+    shutil.copytree(tiny_models["target"], m)
+    weights = m / "model.safetensors"
+    if damage == "garbage":
+        weights.write_bytes(b"corrupt")
+    elif damage == "truncated":
+        os.truncate(weights, weights.stat().st_size - 100)
+    else:
+        weights.rename(m / "model-00001-of-00002.safetensors")
+        (m / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    cfg = job_config(dict(tiny_models, target=str(m)), "unused", str(tmp_path / "o")).models
+    message = ".* lacks weight files its index names: model-00002-of-00002" if damage == "missing shard" else \
+        "weight file model.safetensors of .* is unreadable: SafetensorError"
+    with pytest.raises(ModelError, match=f"models.target: {message}"):
+        check_models(cfg, uses_drafter=True, method="draft_model")
+
+
 def test_the_drafter_must_share_the_targets_vocabulary_for_draft_model(tiny_models, tmp_path):
     from transformers import LlamaConfig
 
@@ -154,3 +174,25 @@ def test_an_unexpected_error_is_one_line_and_a_log_file(tmp_path, capsys, monkey
     log = err[0].split("(traceback in ", 1)[1].split(")", 1)[0]
     text = open(log).read()
     assert "Traceback" in text and "with a second line" in text and "def broken" not in err[0]
+
+
+def test_an_actor_that_dies_loading_its_model_is_one_line_with_the_cause(tiny_models, tmp_path):
+    """Readable weights of a model of another size pass the driver's checks; the actors die
+    loading them: one line with Ray's error and its root cause, the traceback in a log file
+    (no actor traceback and no Ray Data stack trace on the console)."""
+    from tiny import make_model_pair
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_models["target"], broken)
+    other, _ = make_model_pair(tmp_path / "other", hidden=32)
+    shutil.copy(os.path.join(other, "model.safetensors"), broken / "model.safetensors")
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "text": TEXTS[0]}])
+    r, _ = _cli(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--target", str(broken),
+                 "--method", "plain", "--no-progress", "--set", "compute.max_actor_restarts=0"], timeout=240)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = [ln for ln in _said(r.stderr) if "Started a local Ray instance" not in ln and "core_worker.cc:2465" not in ln]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert said[0].startswith("error: ActorDiedError: ") and "; cause: RuntimeError: " in said[0]
+    log = said[0].split("(traceback in ", 1)[1].split(")", 1)[0]
+    assert "size mismatch" in open(log).read() or "mismatched" in open(log).read()
+    assert "Traceback" not in r.stderr and "Full stack trace" not in r.stderr

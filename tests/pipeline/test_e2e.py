@@ -3,6 +3,7 @@ equal to the engine's for the same row; bad rows kept with an error; failed runs
 
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -137,11 +138,14 @@ def test_errors_before_any_model_loads(tiny_models, inputs, tmp_path, monkeypatc
 
 
 def test_failed_run_publishes_nothing(ray_local, tiny_models, inputs, tmp_path):
-    """The actors cannot load the weights: the run fails, no part and no _SUCCESS is published."""
+    """The actors cannot load the weights (readable files, but of a model of another size:
+    only loading finds out): the run fails, no part and no _SUCCESS is published."""
+    from tiny import make_model_pair
+
     broken = tmp_path / "broken-target"
     shutil.copytree(tiny_models["target"], broken)
-    for f in broken.glob("*.safetensors"):
-        f.write_bytes(b"corrupt")
+    other, _ = make_model_pair(tmp_path / "other", hidden=32)
+    shutil.copy(Path(other) / "model.safetensors", broken / "model.safetensors")
     out = tmp_path / "out"
     # an earlier complete run in the same place
     old = OutputWriter(OutputConfig(uri=str(out)))
