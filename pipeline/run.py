@@ -310,9 +310,12 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
 
     Raises:
         InputError, ModelError, OutputError, ConfigError: before any model loads.
+        PlanError: the actor pool is larger than the (embedded) cluster.
+        StallError: no output row came back for ``compute.stall_timeout_s``.
+        StorageError: a storage call failed after its retries or its deadline.
         RunError: the output rows do not match the input rows.
-        Any Ray / storage error during the run; the output then has no ``_SUCCESS``, and
-        the shards committed before the error stay committed.
+        Any Ray error during the run, or KeyboardInterrupt; the output then has no
+        ``_SUCCESS``, and the shards committed before stay committed.
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
@@ -398,8 +401,10 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
                 "audit_rows": this["audit_rows"], "audit_mismatches": this["audit_mismatches"],
             },
             "runs": sorted({e.get("run_id") for e in entries if e.get("run_id")}),
-            "parts": [{k: e.get(k) for k in ("part", "source_file", "rows", "errors", "run_id")} for e in entries],
+            "parts": [{k: e.get(k) for k in ("part", "files", "source_file", "rows", "errors", "run_id")}
+                      for e in entries],
             "config": cfg.resolved(),
+            "config_fingerprint": writer.config_fingerprint,
             "environment": _environment(),
         }
         expected = sum(s.num_rows for s in shards)
