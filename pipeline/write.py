@@ -399,12 +399,13 @@ class OutputWriter:
         self._buffered[index] = self._buffered.get(index, 0) + table.num_rows
         if self._buffered[index] >= limit:
             self._flush(index, final=False)
-        if sum(self._buffered.values()) > 2 * limit:
-            self._flush(max(self._buffered, key=self._buffered.get), final=False)
+        while sum(self._buffered.values()) > 2 * limit:  # many shards in flight at once
+            self._flush(max(self._buffered, key=self._buffered.get), final=True)
 
     def _flush(self, index: int, final: bool) -> None:
         """Write the buffered rows of shard ``index`` to staging in files of at most
-        ``max_rows_per_file`` rows; unless ``final``, a remainder below that stays buffered."""
+        ``max_rows_per_file`` rows; unless ``final``, a remainder below that stays buffered
+        (``final`` with nothing buffered and nothing staged writes an empty file)."""
         tables = self._buffers.pop(index, [])
         self._buffered.pop(index, None)
         table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()

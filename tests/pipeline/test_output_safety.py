@@ -202,3 +202,22 @@ def test_the_issue_example_part_archive_survives_a_run(ray_local, tiny_models, t
     assert summary["rows"] == 3
     assert (out / "part-archive.parquet").read_bytes() == FOREIGN["part-archive.parquet"]
     assert pq.read_table(out / "part-00000.parquet").num_rows == 3 and is_complete(str(out))
+
+
+def test_rows_held_for_many_shards_in_flight_stay_bounded(tmp_path):
+    """Rows of many unfinished shards at once: whenever more than twice max_rows_per_file
+    rows are held in all, the largest shard's are written out (a smaller file)."""
+    w = OutputWriter(OutputConfig(uri=str(tmp_path / "out"), max_rows_per_file=10))
+    w.prepare()
+    for rnd in range(3):
+        for shard in range(6):
+            w.add_rows(shard, _rows(4, start=4 * rnd))
+            assert sum(w._buffered.values()) <= 20
+    for shard in range(6):
+        w.finish_shard(shard)
+    w.commit({"rows": 72})
+    for shard in range(6):
+        entry = json.loads((tmp_path / "out" / "_manifest" / f"part-{shard:05d}.json").read_text())
+        tables = [pq.read_table(tmp_path / "out" / f) for f in entry["files"]]
+        assert all(t.num_rows <= 10 for t in tables) and entry["rows"] == 12
+        assert [i for t in tables for i in t.column("id").to_pylist()] == [str(i) for i in range(12)]
