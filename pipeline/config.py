@@ -12,9 +12,12 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
                 suppress_tokens, seed, eos_token_id, stop_strings (GenerationSettings'
                 fields; unset ones take the target checkpoint's generation_config)
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
-                adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s
-    output:     uri, overwrite, partition_by_date, run_date, storage_options
-    retry:      attempts, initial_backoff_s, max_backoff_s (transient storage errors)
+                adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
+                stall_timeout_s
+    output:     uri, overwrite, allow_foreign_files, partition_by_date, run_date, max_rows_per_file,
+                storage_options
+    retry:      storage calls: attempts, initial_backoff_s, max_backoff_s (transient errors),
+                connect_timeout_s, read_timeout_s, deadline_s
     audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
     ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
 
@@ -52,7 +55,12 @@ DEFAULT_TEMPLATES = {
 }
 
 
-class ConfigError(ValueError):
+class JobRefused(ValueError):
+    """Base of every refusal of a job before any work starts: a bad config, input, model
+    or output location.  The command line reports it in one line and exits with status 2."""
+
+
+class ConfigError(JobRefused):
     """A job config is unreadable, has an unknown key, or a bad value (message names the key)."""
 
 
@@ -248,6 +256,10 @@ class ComputeConfig(_Section):
     #: fail (instead of waiting forever) when the pool's actors cannot start in this time,
     #: e.g. no node has the GPUs they ask for
     actor_start_timeout_s: int = Field(600, ge=1)
+    #: fail when no output row comes back for this long (seconds), whatever the cause (a
+    #: resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
+    #: longer than model loading plus the slowest batch of ``rows_per_batch`` rows
+    stall_timeout_s: float = Field(1800, gt=0)
 
 
 class OutputConfig(_Section):
@@ -255,8 +267,13 @@ class OutputConfig(_Section):
 
     ``overwrite: false`` (default) resumes: shards already committed in the output (a
     ``_manifest/part-NNNNN.json`` entry for the same source file, same size and
-    mtime/ETag) are skipped, the rest are run.  ``overwrite: true`` deletes the output's
-    parts and manifest first and starts afresh.
+    mtime/ETag, written under the same config fingerprint) are skipped, the rest are run.
+    ``overwrite: true`` deletes the files the output's manifest names and starts afresh.
+    The job never deletes or overwrites a file it did not write: a location holding other
+    files is refused unless ``allow_foreign_files: true`` (they are then left alone).
+    ``max_rows_per_file``: a shard's rows are written as Parquet files of at most this many
+    rows, so the driver holds at most about this many rows per shard in flight, whatever
+    the shard's size (one file per shard when it fits).
     ``partition_by_date: true`` writes under ``<uri>/date=<run_date>/``; ``run_date`` is
     ``YYYY-MM-DD``, ``None`` = today in UTC.
     ``storage_options`` are passed to fsspec, e.g. for an S3-compatible server::
@@ -268,8 +285,10 @@ class OutputConfig(_Section):
 
     uri: str = "out/summarize/"
     overwrite: bool = False
+    allow_foreign_files: bool = False
     partition_by_date: bool = False
     run_date: str | None = None
+    max_rows_per_file: int = Field(10_000, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("run_date", mode="before")
@@ -297,13 +316,27 @@ class OutputConfig(_Section):
 
 
 class RetryConfig(_Section):
-    """Transient object-storage errors (connection refused/reset, timeouts, 5xx, throttling)
-    are retried ``attempts`` times in all, waiting ``initial_backoff_s``, doubling up to
-    ``max_backoff_s``.  Missing files and denied access are not retried."""
+    """Storage calls (listing, reading shards, writing parts and manifest): retries,
+    timeouts and a deadline.
+
+    Transient errors (connection refused/reset, timeouts, 5xx, throttling) are retried
+    ``attempts`` times in all, waiting ``initial_backoff_s``, doubling up to
+    ``max_backoff_s``; missing files and denied access are not retried.  No attempt
+    starts later than ``deadline_s`` seconds after the call's first one.  Every request
+    to an S3 endpoint gives up after ``connect_timeout_s`` to connect and
+    ``read_timeout_s`` waiting for the next bytes of an answer (passed to botocore, whose
+    own retries, and s3fs's, are turned off: this loop is the only one).  So a call to an
+    endpoint that accepts connections but never answers fails after at most
+    ``deadline_s + connect_timeout_s + read_timeout_s`` seconds (100 with the defaults).
+    A transfer that keeps receiving data is never cut by the deadline.
+    """
 
     attempts: int = Field(6, ge=1)
     initial_backoff_s: float = Field(0.5, ge=0)
     max_backoff_s: float = Field(30.0, ge=0)
+    connect_timeout_s: float = Field(10.0, gt=0)
+    read_timeout_s: float = Field(30.0, gt=0)
+    deadline_s: float = Field(60.0, gt=0)
 
 
 class AuditConfig(_Section):
@@ -375,7 +408,7 @@ def _format_error(e: ValidationError) -> str:
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         lines.append(f"{loc}: {msg}" if loc and not msg.startswith(("unknown key", loc)) else msg)
-    return "invalid job config:\n  " + "\n  ".join(lines)
+    return "invalid job config: " + "; ".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -11,11 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import ModelsConfig
+from pipeline.config import JobRefused, ModelsConfig
 
 
-class ModelError(ValueError):
-    """A model path does not exist or holds no loadable config/tokenizer/GGUF file."""
+class ModelError(JobRefused):
+    """A model path does not exist, holds no loadable config/tokenizer/GGUF file, is not a
+    causal LM, or the drafter does not fit the target."""
 
 
 GGUF_MAGIC = b"GGUF"
@@ -107,34 +108,130 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_
         ) from None
 
 
-def check_models(cfg: ModelsConfig, uses_drafter: bool) -> dict[str, Any]:
-    """Check the target (config + tokenizer) and, when used, the drafter's config.
+def check_causal_lm(config, path: str, key: str, trust_remote_code: bool = False) -> None:
+    """Refuse a model that ``AutoModelForCausalLM`` would not load as a decoder-only causal LM.
+
+    Raises:
+        ModelError: naming ``key``, the model type and its architectures.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_type = getattr(config, "model_type", None)
+    archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+    what = f"{key}: {path!r} is a {model_type} model ({archs})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"{what}, an encoder-decoder model; speculative decoding here needs a decoder-only "
+                         "causal LM (one that AutoModelForCausalLM loads)")
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelError(f"{what}, which AutoModelForCausalLM cannot load: not a causal language model")
+
+
+def check_weight_files(path: str, key: str) -> None:
+    """Open the header of every safetensors file of a local model (no weights are read) and
+    check that a sharded checkpoint's index names files that exist.
+
+    Raises:
+        ModelError: naming ``key`` and the file: a truncated or corrupt header, a missing shard.
+    """
+    import glob
+    import json
+
+    from safetensors import safe_open
+
+    d = os.path.expanduser(path)
+    if not os.path.isdir(d):
+        return  # a hub id: transformers fetches and checks it
+    for index in glob.glob(os.path.join(d, "*.safetensors.index.json")):
+        try:
+            with open(index) as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"{key}: {os.path.basename(index)} is unreadable: {type(e).__name__}: {e}") from None
+        missing = sorted(s for s in shards if not os.path.isfile(os.path.join(d, s)))
+        if missing:
+            raise ModelError(f"{key}: {path!r} lacks weight files its index names: {', '.join(missing[:5])}")
+    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+        try:
+            with safe_open(f, framework="pt") as h:
+                h.keys()
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"{key}: weight file {os.path.basename(f)} of {path!r} is unreadable: "
+                             f"{type(e).__name__}: {e}") from None
+
+
+def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = None) -> dict[str, Any]:
+    """Check the target (config, architecture, weight files, tokenizer) and, when used, the
+    drafter (config, architecture, weight files, vocabulary against the target's for
+    ``method``).
 
     A GGUF checkpoint (``models.gguf_file``, ``models.drafter_gguf_file``) is checked the same
     way: the file exists, is a GGUF file, and transformers reads its config (and, for the
     target, its tokenizer) from it.
 
     Returns:
-        ``{"target_config", "drafter_config" (or None), "tokenizer"}``.
+        ``{"target_config", "drafter_config" (or None), "tokenizer", "drafter_tokenizer" (or None)}``.
 
     Raises:
-        ModelError: as :func:`check_model_path`, or the target has no tokenizer.
+        ModelError: as :func:`check_model_path`, :func:`check_causal_lm` and
+            :func:`check_weight_files`, the target has no tokenizer, or the drafter's
+            vocabulary does not fit the target's.
     """
     from transformers import AutoTokenizer
 
     target_config = check_model_path(cfg.target, "models.target", cfg.trust_remote_code,
                                      cfg.gguf_file, "models.gguf_file")
-    drafter_config = None
+    check_causal_lm(target_config, cfg.target, "models.target", cfg.trust_remote_code)
+    if not cfg.gguf_file:
+        check_weight_files(cfg.target, "models.target")
+    drafter_config = drafter_tok = None
     if uses_drafter:
         drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code,
                                           cfg.drafter_gguf_file, "models.drafter_gguf_file")
+        check_causal_lm(drafter_config, cfg.drafter, "models.drafter", cfg.trust_remote_code)
+        if not cfg.drafter_gguf_file:
+            check_weight_files(cfg.drafter, "models.drafter")
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), **_tokenizer_kwargs(cfg, cfg.gguf_file))
     except Exception as e:
         key = "models.gguf_file" if cfg.gguf_file else "models.target"
         raise ModelError(f"{key}: {model_ref(cfg.target, cfg.gguf_file)!r} has no loadable tokenizer: "
                          f"{type(e).__name__}: {e}") from None
-    return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok}
+    if uses_drafter:
+        try:
+            drafter_tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.drafter),
+                                                        **_tokenizer_kwargs(cfg, cfg.drafter_gguf_file))
+        except Exception:  # noqa: BLE001 - a drafter saved without a tokenizer shares the target's
+            drafter_tok = None
+        check_vocabularies(method, target_config, drafter_config, tok, drafter_tok)
+    return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok,
+            "drafter_tokenizer": drafter_tok}
+
+
+def check_vocabularies(method: str | None, target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:
+    """The drafter's vocabulary against the target's, from the configs and tokenizers alone.
+
+    Raises:
+        ModelError: ``draft_model``: the drafter's ids cannot map onto the target's
+            tokenizer, or the two tokenizers disagree on a shared id (the engine's own
+            check); ``mtp_assistant``: the vocabulary sizes differ.
+    """
+    from types import SimpleNamespace
+
+    from pipeline.engine.proposers.draft_model import text_config
+    from pipeline.engine.proposers.vocab import check_shared_vocabulary
+
+    target, drafter = SimpleNamespace(config=target_config), SimpleNamespace(config=drafter_config)
+    try:
+        if method == "draft_model":
+            check_shared_vocabulary(target, drafter, tokenizer, drafter_tokenizer)
+        elif method == "mtp_assistant":
+            t, d = text_config(target).vocab_size, text_config(drafter).vocab_size
+            if t != d:
+                raise ValueError(f"assistant vocabulary {d} != target vocabulary {t}")
+    except ValueError as e:
+        raise ModelError(f"models.drafter does not fit models.target for method {method!r}: {e}") from None
 
 
 def checkpoint_generation_config(path: str, model_config, trust_remote_code: bool = False):
@@ -186,6 +283,9 @@ def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars from every actor on the driver's console
 
     device = device or pick_device()
     if cfg.dtype == "auto":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import TaskConfig
+from pipeline.config import ConfigError, TaskConfig
 
 
 class PromptError(ValueError):
@@ -38,7 +38,7 @@ class PromptBuilder:
     """Turns texts into ``(prompt_string, token_ids)`` for one tokenizer.
 
     Raises (constructor):
-        ValueError: ``task.chat_template`` is ``true`` but the tokenizer has none.
+        ConfigError: ``task.chat_template`` is ``true`` but the tokenizer has none.
     """
 
     def __init__(self, tokenizer, task: TaskConfig):
@@ -46,7 +46,7 @@ class PromptBuilder:
         self.task = task
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         if task.chat_template is True and not has_chat:
-            raise ValueError("task.chat_template is true but the target's tokenizer has no chat template")
+            raise ConfigError("task.chat_template is true but the target's tokenizer has no chat template")
         self.use_chat = has_chat and task.chat_template in ("auto", True)
 
     def render(self, text: Any) -> str:
@@ -69,3 +69,32 @@ class PromptBuilder:
         prompt = self.render(text)
         ids = self.tokenizer(prompt, add_special_tokens=not self.use_chat)["input_ids"]
         return prompt, list(ids)
+
+
+#: the text :func:`check_prompt` renders the template with
+SAMPLE_TEXT = "A sample sentence to check the prompt template."
+
+
+def check_prompt(tokenizer, task: TaskConfig) -> str:
+    """Render and tokenize one prompt in the driver, exactly as the actors will (template,
+    chat template, system prompt), so a template that fails fails the job before any model
+    loads, instead of every row after.  Returns the rendered sample prompt.
+
+    Raises:
+        ConfigError: naming the task keys involved (``task.chat_template``,
+            ``task.system_prompt``, ``task.prompt_template``) and the template's error.
+    """
+    builder = PromptBuilder(tokenizer, task)
+    try:
+        prompt, ids = builder.build(SAMPLE_TEXT)
+    except Exception as e:  # noqa: BLE001 - jinja errors, a template raising on a role, ...
+        keys = ["task.prompt_template"]
+        if builder.use_chat:
+            keys = ["task.chat_template (the target tokenizer's chat template)"]
+            if task.system_prompt:
+                keys.append("task.system_prompt")
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"the prompt cannot be rendered with {' and '.join(keys)}: {type(e).__name__}: {detail}") from None
+    if not ids:
+        raise ConfigError("the prompt template renders to no tokens (task.prompt_template)")
+    return prompt

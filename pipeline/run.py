@@ -1,50 +1,68 @@
 """One job, top to bottom: check -> read -> prompt/generate (actor pool) -> write -> summary.
 
 :func:`run_job` first checks everything that can be checked cheaply in the driver (config,
-input shards, model paths, output location), so a bad job fails before Ray starts any
-actor.  Then it builds the Ray Data dataset::
+input shards, model paths and architectures, the prompt template rendered once, the output
+location and its manifest), so a bad job fails before Ray starts any actor.  Then it
+builds the Ray Data dataset::
 
     shards (one item each) --map_batches(read_shards_batch)--> rows (INPUT_SCHEMA)
       --repartition(rows_per_batch rows per block)--> balanced blocks
       --map_batches(GenerateActor, actor pool)--> rows (OUTPUT_SCHEMA)
 
 and streams the result back to the driver, which shows a progress bar of rows done,
-collects each shard's rows and commits that shard (part, then manifest entry) as soon as
-the shard is complete, and finally writes ``_summary.json`` and ``_SUCCESS`` (see
+writes each shard's rows to staging as they come (at most ``output.max_rows_per_file``
+rows of a shard held at a time), commits each shard (its files, then its manifest entry)
+as soon as it is complete, and finally writes ``_summary.json`` and ``_SUCCESS`` (see
 pipeline.write).
 
+Resource plan.  The read and repartition stages ask Ray for no CPU (they are I/O and
+slicing, at most two read tasks at a time), so they never wait behind an actor pool that
+holds every CPU (``num_actors x cpus_per_actor`` = the cluster's CPUs, the normal plan on
+a GPU node: one actor per GPU).  A plan that asks for more CPUs or GPUs than the cluster
+has (or than any one node has, per actor) is refused with the numbers (:class:`PlanError`;
+on a cluster that may autoscale it is only logged).  Whatever the cause, a run whose
+driver receives no output row for ``compute.stall_timeout_s`` fails with
+:class:`StallError` instead of waiting forever.
+
 Reliability.  Shards already committed in the output by an earlier run of the same job
-are skipped (resume; ``output.overwrite`` starts afresh).  A dead actor is restarted by
-Ray (``compute.max_actor_restarts``) and its batch resubmitted (``compute.max_batch_retries``);
-if Ray gives up, or the pool cannot run (every actor dead), the dataset raises and the run
-fails with the shards committed so far intact.  Storage calls are retried with backoff
-(``retry:``).  A run that fails leaves no ``_SUCCESS``; rerunning it does only the shards
-that are missing.
+(same input, same config fingerprint) are skipped (resume; ``output.overwrite`` starts
+afresh).  A dead actor is restarted by Ray (``compute.max_actor_restarts``) and its batch
+resubmitted (``compute.max_batch_retries``); if Ray gives up, or the pool cannot run
+(every actor dead), the dataset raises and the run fails with the shards committed so far
+intact.  Storage calls are retried with backoff within timeouts and a deadline
+(``retry:``).  A run that fails or is interrupted leaves no ``_SUCCESS``; rerunning it
+does only the shards that are missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import logging
 import os
 import platform
+import signal
 import socket
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
-from pipeline.config import ConfigError, JobConfig
+from pipeline.config import ConfigError, JobConfig, JobRefused
 from pipeline.engine import GenerationSettings
 from pipeline.engine.settings import resolve_generation_settings
+from pipeline.fingerprint import config_identity
 from pipeline.models import check_models, checkpoint_generation_config
-from pipeline.prompts import PromptBuilder
+from pipeline.prompts import check_prompt
 from pipeline.read import INPUT_SCHEMA, Shard, read_shards_batch, resolve_shards
+from pipeline.retry import StorageError
 from pipeline.summary import RunTotals
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter, part_name
+from pipeline.write import OutputWriter, part_name
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +70,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 class RunError(RuntimeError):
     """The run finished but its output does not match its input (rows lost or duplicated)."""
+
+
+class PlanError(JobRefused):
+    """The actor pool asks for more CPUs or GPUs than the cluster (or any one node) has."""
+
+
+class StallError(RuntimeError):
+    """No output row came back for ``compute.stall_timeout_s`` seconds."""
 
 
 def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSettings]:
@@ -62,15 +88,18 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     engines resolve the same ones).
 
     Raises:
-        InputError, ModelError, OutputError, ConfigError (all ``ValueError``), or
-        ValueError for a chat template that is required but missing.
+        InputError, ModelError, OutputError, ConfigError (all :class:`JobRefused`): a bad
+            input, model (path, architecture, vocabulary), prompt or chat template, generation
+            setting (explicit or the checkpoint's), or output location (foreign files, another
+            config or input committed there).
+        StorageError: the storage kept failing with transient errors.
     """
     shards = resolve_shards(cfg.input, cfg.retry)
-    checked = check_models(cfg.models, cfg.uses_drafter)
-    PromptBuilder(checked["tokenizer"], cfg.task)  # task.chat_template: true needs a template
+    checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
+    check_prompt(checked["tokenizer"], cfg.task)  # the template rendered once, system prompt included
     generation = resolve_job_generation(cfg, checked["target_config"])
     writer = OutputWriter(cfg.output, retry=cfg.retry)
-    writer.skip = writer.prepare(shards)
+    writer.skip = writer.prepare(shards, config_identity(cfg))
     return shards, writer, generation
 
 
@@ -86,32 +115,111 @@ def resolve_job_generation(cfg: JobConfig, target_config) -> GenerationSettings:
         raise ConfigError(f"generation: {e}") from None
 
 
-def init_ray(cfg: JobConfig) -> None:
+def init_ray(cfg: JobConfig) -> bool:
     """Join a cluster (``ray.address`` or ``RAY_ADDRESS``, as under ``ray job submit``) or
-    start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks)."""
+    start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks).
+
+    ``ray.init`` replaces the process's SIGTERM handler (with one that exits at once); the
+    handler the caller had installed is put back (see pipeline.cli: interrupts).
+
+    Returns:
+        True when this call started an embedded Ray (its resources are all there will be).
+    """
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main else None
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=True)
+            return False
+        # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
+        root = str(REPO_ROOT)
+        pp = os.environ.get("PYTHONPATH", "")
+        if root not in pp.split(os.pathsep):
+            os.environ["PYTHONPATH"] = root + (os.pathsep + pp if pp else "")
+        # Ray >= 2.5x turns token authentication on for a new local cluster (RAY_AUTH_MODE
+        # unset) and warns that it did: that is the setting we want, so the warning is noise.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_TokenAuthDefault())
+        # Actors' own output (a traceback when one dies loading a model, once per restart)
+        # goes to Ray's log files, not the job's console: the job reports failures itself.
+        ray.init(include_dashboard=False, log_to_driver=False)
+        return True
+    finally:
+        if on_main and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _TokenAuthDefault(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
+
+
+def check_resource_plan(cfg: JobConfig, embedded: bool) -> None:
+    """Refuse an actor pool the cluster can never hold.
+
+    Raises:
+        PlanError: ``num_actors x cpus_per_actor`` CPUs (or ``x gpus_per_actor`` GPUs) are
+            more than the cluster has, or one actor's share is more than any one node has;
+            only logged when joining a cluster, which an autoscaler may grow.
+    """
+    import ray
+
+    c = cfg.compute
+    total = ray.cluster_resources()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    problems = []
+    for res, per_actor, key in (("CPU", c.cpus_per_actor, "cpus_per_actor"), ("GPU", c.gpus_per_actor, "gpus_per_actor")):
+        if not per_actor:
+            continue
+        need, have = c.num_actors * per_actor, total.get(res, 0)
+        if need > have:
+            problems.append(f"compute.num_actors={c.num_actors} x compute.{key}={per_actor:g} = {need:g} {res}s, "
+                            f"but the cluster has {have:g}")
+        biggest = max((n.get(res, 0) for n in nodes), default=0)
+        if nodes and per_actor > biggest:
+            problems.append(f"compute.{key}={per_actor:g} {res}s per actor, but no node has more than {biggest:g}")
+    if not problems:
         return
-    # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
-    root = str(REPO_ROOT)
-    pp = os.environ.get("PYTHONPATH", "")
-    if root not in pp.split(os.pathsep):
-        os.environ["PYTHONPATH"] = root + (os.pathsep + pp if pp else "")
-    ray.init(include_dashboard=False)
+    message = "the actor pool cannot be scheduled: " + "; ".join(problems)
+    if embedded:
+        raise PlanError(message + "; lower compute.num_actors or the per-actor resources")
+    log.warning("%s; waiting for the cluster to grow (up to compute.actor_start_timeout_s=%d s)",
+                message, c.actor_start_timeout_s)
+
+
+#: Ray Data console messages that say nothing to a user of this job (they still reach
+#: Ray Data's log file): our own progress bar replaces Ray Data's, the run's end is logged
+#: by the job itself (Ray Data's "execution finished" also shows on an interrupt), and a
+#: failure is reported by the job in one line, its traceback in a log file (pipeline.cli),
+#: where Ray Data would print the stack trace again and ask for a Ray bug report.
+_RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled", "Exception occurred in",
+                   "Full stack trace")
+
+
+class _QuietRayData(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING and not str(record.msg).startswith(_RAY_DATA_NOISE)
+
+
+def _quiet_ray_data_console() -> None:
+    """Show only Ray Data's warnings and errors on the console (minus the known noise)."""
+    for handler in logging.getLogger("ray.data").handlers:
+        if not isinstance(handler, logging.FileHandler) and not any(isinstance(f, _QuietRayData) for f in handler.filters):
+            handler.addFilter(_QuietRayData())
 
 
 def build_dataset(cfg: JobConfig, shards: list[Shard]):
     """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA) for ``shards``."""
     import ray
-    from ray.data import ActorPoolStrategy
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     from actors.generate import GenerateActor
 
+    _quiet_ray_data_console()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
     ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
@@ -125,23 +233,86 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
         fn_kwargs={"cfg": cfg.input.model_dump(), "retry": cfg.retry.model_dump()},
         batch_size=1,
         batch_format="pyarrow",
-        num_cpus=0.25,
+        num_cpus=0,  # I/O: never waits behind actors that hold every CPU (see the module docstring)
+        compute=TaskPoolStrategy(size=min(2, len(items))),  # shards read at a time (a task holds one shard's rows)
     )
-    ds = ds.repartition(target_num_rows_per_block=cfg.compute.rows_per_batch)
-    ds = ds.map_batches(
-        GenerateActor,
-        fn_constructor_kwargs={"config": cfg.model_dump()},
-        batch_size=cfg.compute.rows_per_batch,
-        batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=cfg.compute.num_actors),
-        num_gpus=cfg.compute.gpus_per_actor or None,
-        num_cpus=cfg.compute.cpus_per_actor,
-        # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
-        # actor every time would be retried forever)
-        max_restarts=cfg.compute.max_actor_restarts,
-        max_task_retries=cfg.compute.max_batch_retries,
-    )
+    ds = _zero_cpu(ds.repartition(target_num_rows_per_block=cfg.compute.rows_per_batch))
+    with warnings.catch_warnings():
+        # max_restarts / max_task_retries have no named parameter in map_batches (Ray 2.60)
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        ds = ds.map_batches(
+            GenerateActor,
+            fn_constructor_kwargs={"config": cfg.model_dump()},
+            batch_size=cfg.compute.rows_per_batch,
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(size=cfg.compute.num_actors),
+            num_gpus=cfg.compute.gpus_per_actor or None,
+            num_cpus=cfg.compute.cpus_per_actor,
+            # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
+            # actor every time would be retried forever)
+            max_restarts=cfg.compute.max_actor_restarts,
+            max_task_retries=cfg.compute.max_batch_retries,
+        )
     return ds
+
+
+def _zero_cpu(ds):
+    """Make the repartition stage ask for no CPU.  ``Dataset.repartition`` takes no resource
+    arguments and its tasks default to 1 CPU, which an actor pool holding every CPU would
+    never leave free (the job hung there); its logical operator carries the remote args."""
+    args = getattr(getattr(getattr(ds, "_logical_plan", None), "dag", None), "ray_remote_args", None)
+    if not isinstance(args, dict):
+        raise RuntimeError("this Ray version's repartition operator has no ray_remote_args: "
+                           "pipeline.run._zero_cpu needs updating")
+    args["num_cpus"] = 0
+    return ds
+
+
+@contextlib.contextmanager
+def stall_guard(timeout_s: float, describe: Callable[[], str]) -> Iterator[Callable[[], None]]:
+    """Raise :class:`StallError` in the main thread when the returned ``beat()`` has not
+    been called for ``timeout_s`` seconds (checked every ``min(timeout_s, 5)`` s with
+    SIGALRM, which also interrupts a blocking wait on Ray).  Off in other threads."""
+    last = [time.monotonic()]
+
+    def beat() -> None:
+        last[0] = time.monotonic()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield beat
+        return
+
+    def on_alarm(signum, frame) -> None:
+        idle = time.monotonic() - last[0]
+        if idle >= timeout_s:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            raise StallError(f"no output row came back for {idle:.0f} s (compute.stall_timeout_s={timeout_s:g}): "
+                             f"the run is stuck; {describe()}")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    interval = min(timeout_s, 5.0)
+    signal.setitimer(signal.ITIMER_REAL, interval, interval)
+    try:
+        yield beat
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _stall_report(cfg: JobConfig, done: Callable[[], int], total: int) -> Callable[[], str]:
+    def describe() -> str:
+        try:
+            import ray
+
+            have, free = ray.cluster_resources(), ray.available_resources()
+            res = ", ".join(f"{k} {free.get(k, 0):g} free of {have[k]:g}" for k in ("CPU", "GPU") if k in have)
+        except Exception:  # noqa: BLE001 - best effort
+            res = "unknown"
+        c = cfg.compute
+        return (f"{done()} of {total} rows done; actor pool {c.num_actors} x ({c.cpus_per_actor:g} CPU, "
+                f"{c.gpus_per_actor:g} GPU); cluster: {res}.  Committed shards are kept: rerun to resume")
+
+    return describe
 
 
 def _progress(total: int, enabled: bool):
@@ -160,9 +331,12 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
 
     Raises:
         InputError, ModelError, OutputError, ConfigError: before any model loads.
+        PlanError: the actor pool is larger than the (embedded) cluster.
+        StallError: no output row came back for ``compute.stall_timeout_s``.
+        StorageError: a storage call failed after its retries or its deadline.
         RunError: the output rows do not match the input rows.
-        Any Ray / storage error during the run; the output then has no ``_SUCCESS``, and
-        the shards committed before the error stay committed.
+        Any Ray error during the run, or KeyboardInterrupt; the output then has no
+        ``_SUCCESS``, and the shards committed before stay committed.
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
@@ -179,29 +353,24 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     log.info("%d shards (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
              len(shards), len(skip), total_rows, writer.url(), writer.run_id)
     try:
-        init_ray(cfg)
         totals = RunTotals()  # this run's rows
-        pending: dict[str, list[pa.Table]] = {}
+        shard_totals: dict[str, RunTotals] = {}  # shards in flight
         counts: dict[str, int] = {s.url: 0 for s in todo}
         by_url = {s.url: s for s in todo}
 
-        def flush(shard: Shard) -> None:
-            tables = pending.pop(shard.url, [])
-            table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()
-            table = table.sort_by("source_row") if table.num_rows else table
-            shard_totals = RunTotals()
-            shard_totals.add(table)
-            writer.write_part(shard, table, shard_totals.state())
-
         for s in todo:
             if s.num_rows == 0:
-                flush(s)
+                writer.finish_shard(s, RunTotals().state())
         t_gen = time.perf_counter()
         first: tuple[float, int] | None = None  # (seconds to the first output batch, its new tokens)
         if total_rows:
+            embedded = init_ray(cfg)
+            check_resource_plan(cfg, embedded)
             ds = build_dataset(cfg, [s for s in todo if s.num_rows])
-            with _progress(total_rows, progress) as bar:
+            describe = _stall_report(cfg, lambda: totals.rows, total_rows)
+            with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
                 for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    beat()
                     if batch.num_rows == 0:
                         continue
                     batch = _with_audit_column(batch)
@@ -211,12 +380,14 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
                     for url, sub in _split_by_shard(batch):
                         if url not in by_url:
                             raise RunError(f"output row from unknown shard {url!r}")
-                        pending.setdefault(url, []).append(sub)
+                        shard = by_url[url]
                         counts[url] += sub.num_rows
-                        if counts[url] > by_url[url].num_rows:
-                            raise RunError(f"shard {url!r}: more output rows than its {by_url[url].num_rows} input rows")
-                        if counts[url] == by_url[url].num_rows:
-                            flush(by_url[url])
+                        if counts[url] > shard.num_rows:
+                            raise RunError(f"shard {url!r}: more output rows than its {shard.num_rows} input rows")
+                        writer.add_rows(shard, sub)
+                        shard_totals.setdefault(url, RunTotals()).add(sub)
+                        if counts[url] == shard.num_rows:
+                            writer.finish_shard(shard, shard_totals.pop(url).state())
                     bar.update(batch.num_rows)
         generate_elapsed = time.perf_counter() - t_gen
         missing = {u: (counts[u], by_url[u].num_rows) for u in counts if counts[u] != by_url[u].num_rows}
@@ -253,8 +424,10 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
                 "audit_rows": this["audit_rows"], "audit_mismatches": this["audit_mismatches"],
             },
             "runs": sorted({e.get("run_id") for e in entries if e.get("run_id")}),
-            "parts": [{k: e.get(k) for k in ("part", "source_file", "rows", "errors", "run_id")} for e in entries],
+            "parts": [{k: e.get(k) for k in ("part", "files", "source_file", "rows", "errors", "run_id")}
+                      for e in entries],
             "config": cfg.resolved(),
+            "config_fingerprint": writer.config_fingerprint,
             "environment": _environment(),
         }
         expected = sum(s.num_rows for s in shards)
@@ -267,8 +440,9 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
             log.info("audit: %d rows re-decoded with plain decoding, %d mismatches",
                      overall.audit_rows, overall.audit_mismatches)
         return summary
-    except BaseException:
-        writer.abort()
+    except BaseException as e:
+        # a failing storage would make the clean-up hang too: a later successful run removes it
+        writer.abort(cleanup=not isinstance(e, StorageError))
         raise
 
 
@@ -306,4 +480,5 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-__all__ = ["run_job", "preflight", "build_dataset", "init_ray", "RunError", "INPUT_SCHEMA"]
+__all__ = ["run_job", "preflight", "build_dataset", "init_ray", "check_resource_plan", "stall_guard",
+           "RunError", "PlanError", "StallError", "INPUT_SCHEMA"]

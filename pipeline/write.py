@@ -1,57 +1,80 @@
-"""Stage 4, write: Parquet parts through fsspec, committed shard by shard.
+"""Stage 4, write: Parquet files through fsspec, committed shard by shard.
 
 Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD`` with
 ``output.partition_by_date``; any fsspec URL: local path, ``s3://bucket/prefix``...)::
 
-    <dir>/part-00000.parquet          one part per input shard (shard index 0 -> part-00000),
-    <dir>/part-00001.parquet          rows in the shard's order; OUTPUT_SCHEMA
+    <dir>/part-00000.parquet          the rows of input shard 0 (OUTPUT_SCHEMA, in the shard's order)
+    <dir>/part-00001-00000.parquet    a shard of more than output.max_rows_per_file rows is
+    <dir>/part-00001-00001.parquet    written as several files, in row order
     <dir>/_manifest/part-00000.json   the shard's commit record (see below)
+    <dir>/_manifest/pending/...       publish intents (see below)
     <dir>/_summary.json               the run summary over all committed shards (pipeline.summary)
     <dir>/_SUCCESS                    written last: every shard of the input is committed
     <dir>/_staging/<run_id>/          files of a run in progress, before they are published
 
-Commit protocol, per shard.  When every row of an input shard is back, its part is
-written to ``_staging/<run_id>/`` and published under its final name (a rename on a local
-filesystem; copy + delete on S3, where a copy is atomic: the object appears whole or not
-at all).  Then the shard's **manifest entry** ``_manifest/part-NNNNN.json`` is written:
-source URL, fingerprint (size + mtime or ETag), row and error counts, the run id and the
-shard's totals.  The manifest entry is the shard's commit point: a part without one is
-not committed (a run died between the two writes) and is rewritten by the next run.
+Files this job owns, and the only ones it ever deletes or overwrites: the data files named
+by a manifest entry or a publish intent, everything under ``_manifest/`` and
+``_staging/``, and ``_summary.json`` / ``_SUCCESS`` of a directory that has a manifest.
+Anything else in the directory is *foreign*: the job refuses such a directory
+(:class:`OutputError`) unless ``output.allow_foreign_files: true``, and even then, and with
+``overwrite``, never touches those files (a foreign file with a name the job would write,
+``part-*.parquet``, ``_SUCCESS``, ``_summary.json``, is always refused).
+
+Commit protocol, per shard.  As a shard's rows come back they are written to
+``_staging/<run_id>/`` in files of at most ``max_rows_per_file`` rows, so the driver holds
+a bounded number of rows whatever the shard's size.  When the shard is complete: a
+*publish intent* ``_manifest/pending/part-NNNNN.<run_id>.json`` names the final file
+names; the files are published (a rename on a local filesystem; copy + delete on S3, where
+a copy is atomic: the object appears whole or not at all); then the shard's **manifest
+entry** ``_manifest/part-NNNNN.json`` is written: its files, the source URL and its
+fingerprint (size + mtime or ETag), the config fingerprint (pipeline.fingerprint), row and
+error counts, the run id and the shard's totals.  The manifest entry is the shard's commit
+point; the intent is then removed.  Files named by an intent but by no entry (a run died
+between the two) are not committed: a later run rewrites the shard and removes them.
 
 Resume (``overwrite: false``, the default): :meth:`OutputWriter.prepare` reads the
-manifest and returns the shards already committed *from the same source* (same URL and
-fingerprint); the run skips them, so committed rows are never duplicated or rewritten.
-A manifest entry that disagrees with today's input (another file at that index, or the
-file changed) is refused with :class:`OutputError`: rerun with ``overwrite: true``.
-When every shard is already committed and ``_SUCCESS`` exists, the run writes nothing.
+manifest and returns the shards already committed *from the same source under the same
+config fingerprint*; the run skips them, so committed rows are never duplicated or
+rewritten.  A manifest entry that disagrees with today's input (another file at that
+index, or the file changed) or with today's config (another method, generation setting,
+prompt template, model file...) is refused with :class:`OutputError`, naming what
+changed: rerun with ``overwrite: true``.  When every shard is already committed and
+``_SUCCESS`` exists, the run writes nothing.
 
-Overwrite (``overwrite: true``): parts, manifest, summary and ``_SUCCESS`` are deleted
-first and the run starts afresh.
+Overwrite (``overwrite: true``): ``_SUCCESS``, ``_summary.json``, the files the manifest
+and intents name, ``_manifest/`` and ``_staging/`` are deleted first and the run starts
+afresh.
 
-The run ends with :meth:`OutputWriter.commit`: parts without a manifest entry are
-removed, then ``_summary.json``, then ``_SUCCESS``.  A reader that wants a complete
-output checks ``_SUCCESS``; one that takes what is there reads the parts that have a
-manifest entry.  pyarrow's dataset discovery skips names starting with ``_`` or ``.``,
-so ``pq.read_table(<dir>)`` reads the published parts.
+The run ends with :meth:`OutputWriter.commit`: files of dead publish intents are removed,
+then ``_summary.json`` is written, every ``_staging/`` folder (this run's, and any an
+interrupted run left) is removed, then ``_SUCCESS`` is written.  A reader that wants a
+complete output checks ``_SUCCESS``; pyarrow's dataset discovery skips names starting
+with ``_`` or ``.``, so ``pq.read_table(<dir>)`` reads the published files.
 
 Every storage call goes through :func:`pipeline.retry.with_retries` (transient errors
-retried with exponential backoff; see ``retry:`` in the job config).
+retried with backoff, bounded by timeouts and a deadline; see ``retry:`` in the job config).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
+import os
 import posixpath
+import re
+import shutil
 import uuid
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.core import url_to_fs
 
-from pipeline.config import OutputConfig
-from pipeline.retry import retrying
+from pipeline.config import JobRefused, OutputConfig
+from pipeline.fingerprint import describe_changes, fingerprint
+from pipeline.retry import endpoint_of, open_fs, retrying
+
+log = logging.getLogger("specbatch")
 
 #: One row of output.  ``error`` is null when the row succeeded; statistics are null when
 #: it failed.  Counts are tokens of the target tokenizer; times are seconds.
@@ -90,22 +113,37 @@ SUCCESS = "_SUCCESS"
 SUMMARY = "_summary.json"
 STAGING = "_staging"
 MANIFEST = "_manifest"
+PENDING = "pending"  # under _manifest/
+#: names of data files the job writes; a foreign file with such a name is always refused
+DATA_FILE = re.compile(r"^part-\d{5,}(-\d{5,})?\.parquet$")
 
 
-class OutputError(ValueError):
-    """The output location holds a finished run (and ``overwrite`` is off) or is not writable."""
+class OutputError(JobRefused):
+    """The output location cannot be used: it holds files this job did not write, a run of
+    another config or input (and ``overwrite`` is off), or it is not writable."""
 
 
 def part_name(shard_index: int) -> str:
-    """Output part of input shard ``shard_index``: ``part-00003.parquet``."""
+    """The name of input shard ``shard_index`` in the output: ``part-00003.parquet`` (also
+    its only data file's name when its rows fit in one file)."""
     return f"part-{shard_index:05d}.parquet"
 
 
-class OutputWriter:
-    """Publishes one run's parts shard by shard, with a manifest entry per committed shard.
+def data_file_names(shard_index: int, n_files: int) -> list[str]:
+    """Final names of a shard's data files: ``[part-00003.parquet]`` for one file, else
+    ``part-00003-00000.parquet``, ``part-00003-00001.parquet``, ... (row order)."""
+    if n_files <= 1:
+        return [part_name(shard_index)]
+    return [f"part-{shard_index:05d}-{c:05d}.parquet" for c in range(n_files)]
 
-    Use: ``prepare(shards)`` (driver, before models load; returns the committed shard
-    indices to skip) -> ``write_part()`` per shard -> ``commit(summary)``; on failure ``abort()``.
+
+class OutputWriter:
+    """Publishes one run's files shard by shard, with a manifest entry per committed shard.
+
+    Use: ``prepare(shards, identity)`` (driver, before models load; returns the committed
+    shard indices to skip) -> per shard ``add_rows()`` as rows come back, then
+    ``finish_shard()`` (or ``write_part()`` for a whole shard at once) -> ``commit(summary)``;
+    on failure ``abort()``.
 
     Args:
         cfg: the output section; the directory is ``cfg.location()``.
@@ -117,15 +155,23 @@ class OutputWriter:
         self.cfg = cfg
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.location = cfg.location()
-        self.fs, root = url_to_fs(self.location, **cfg.storage_options)
+        self.fs, root = open_fs(self.location, cfg.storage_options, retry)
         self.root = root.rstrip("/") or "/"
         self.staging = posixpath.join(self.root, STAGING, self.run_id)
-        self.io = retrying(retry)
-        self.written: list[str] = []  # final paths of the parts this run published
+        self.io = retrying(retry, endpoint_of(self.fs))
+        self.written: list[str] = []  # final paths of the files this run published
         self.entries: dict[str, dict[str, Any]] = {}  # part name -> manifest entry (committed)
+        self.intents: dict[str, dict[str, Any]] = {}  # intent path -> publish intent (earlier runs)
+        self.foreign: list[str] = []  # files in the directory that this job did not write
         self.skipped: list[str] = []  # part names committed by earlier runs, skipped by this one
         self.nothing_to_do = False
         self.skip: set[int] = set()  # set by pipeline.run.preflight from prepare()
+        self.identity: dict[str, Any] | None = None
+        self.config_fingerprint: str | None = None
+        self._buffers: dict[int, list[pa.Table]] = {}  # shard index -> rows not yet written
+        self._buffered: dict[int, int] = {}
+        self._staged: dict[int, list[str]] = {}  # shard index -> staged file paths, in order
+        self._counts: dict[int, list[int]] = {}  # shard index -> [rows, error rows] staged
         protos = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.local = "file" in protos or "local" in protos
         self.object_store = any(p in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss") for p in protos)
@@ -133,57 +179,88 @@ class OutputWriter:
     def _p(self, *names: str) -> str:
         return posixpath.join(self.root, *names)
 
-    def existing_parts(self) -> list[str]:
-        def glob() -> list[str]:
-            try:
-                return sorted(self.fs.glob(self._p("part-*.parquet")))
-            except FileNotFoundError:
-                return []
-
-        return self.io(glob, f"list {self.url()}")
-
     def _exists(self, path: str) -> bool:
         return self.io(lambda: self.fs.exists(path), f"check {path}")
 
+    def _listing(self) -> list[str]:
+        """Every file under the output directory, as paths relative to it."""
+        def find() -> list[str]:
+            try:
+                return self.fs.find(self.root, withdirs=False)
+            except FileNotFoundError:
+                return []
+
+        prefix = self.root.rstrip("/") + "/"
+        return sorted(p[len(prefix):] for p in self.io(find, f"list {self.url()}")
+                      if p.startswith(prefix) and not p.endswith("/"))
+
     def read_manifest(self) -> dict[str, dict[str, Any]]:
         """Part name -> manifest entry, for every committed shard of this output."""
-        def load() -> dict[str, dict[str, Any]]:
+        return {e["part"]: e for e in self._read_json_files(self._p(MANIFEST, "part-*.json"), "the manifest")}
+
+    def _read_intents(self) -> dict[str, dict[str, Any]]:
+        """Intent path -> publish intent, for every intent an unfinished shard left."""
+        return {e["_path"]: e for e in self._read_json_files(self._p(MANIFEST, PENDING, "part-*.json"),
+                                                              "publish intents", keep_path=True)}
+
+    def _read_json_files(self, pattern: str, what: str, keep_path: bool = False) -> list[dict[str, Any]]:
+        def load() -> list[dict[str, Any]]:
             try:
-                paths = sorted(self.fs.glob(self._p(MANIFEST, "part-*.json")))
+                paths = sorted(self.fs.glob(pattern))
             except FileNotFoundError:
-                return {}
-            out = {}
+                return []
+            out = []
             for p in paths:
                 with self.fs.open(p, "r") as f:
                     entry = json.load(f)
-                out[entry["part"]] = entry
+                if keep_path:
+                    entry["_path"] = p
+                out.append(entry)
             return out
 
-        return self.io(load, f"read the manifest of {self.url()}")
+        return self.io(load, f"read {what} of {self.url()}")
 
-    def prepare(self, shards: list | None = None) -> set[int]:
-        """Check the output against the input; on overwrite, clear it; check staging is writable.
+    def prepare(self, shards: list | None = None, identity: dict[str, Any] | None = None) -> set[int]:
+        """Check the output against the input and config; on overwrite, clear this job's
+        files; check staging is writable.
 
         Args:
             shards: the input shards (:class:`pipeline.read.Shard`); None = no resume check.
+            identity: :func:`pipeline.fingerprint.config_identity` of this run's config
+                (recorded with every shard and compared on resume); None = not checked.
 
         Returns:
-            Indices of the shards already committed from the same source (to skip).
+            Indices of the shards already committed from the same source and config (to skip).
 
         Raises:
-            OutputError: the output holds a finished run written without a manifest, or its
-                manifest disagrees with the input (and ``overwrite`` is off); or the
-                location is not writable (bad bucket, credentials, permissions).
+            OutputError: the directory holds files this job did not write (see the module
+                docstring); or its manifest disagrees with the input or the config (and
+                ``overwrite`` is off); or the location is not writable (bad bucket,
+                credentials, permissions).
+            StorageError: the storage kept failing with transient errors.
         """
+        from pipeline.retry import StorageError
+
+        self.identity = identity
+        self.config_fingerprint = fingerprint(identity) if identity is not None else None
         self.fs.invalidate_cache()
         try:
+            files = self._listing()
+            entries = self.read_manifest()
+            self.intents = self._read_intents()
+            self.foreign = self._foreign(files, entries)
+            self._check_foreign(entries)
             if self.cfg.overwrite:
-                self._clear()
+                self._clear(entries)
                 skip: set[int] = set()
             else:
-                skip = self._resume_check(shards)
+                skip = self._resume_check(shards, entries)
         except OutputError:
             raise
+        except StorageError as e:
+            if e.transient:
+                raise
+            raise OutputError(f"output {self.url()!r} is not usable: {e}") from None
         except Exception as e:
             raise OutputError(f"output {self.url()!r} is not usable: {type(e).__name__}: {e}") from None
         if shards is not None and len(skip) == len(shards) and self._exists(self._p(SUCCESS)):
@@ -202,32 +279,94 @@ class OutputWriter:
                 self.fs.rm(probe)
 
             self.io(write_probe, f"write to {self.url()}")
+        except StorageError as e:
+            if e.transient:
+                raise
+            raise OutputError(f"output {self.url()!r} is not writable: {e}") from None
         except Exception as e:
             raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
         return skip
 
-    def _clear(self) -> None:
-        """Overwrite: forget every earlier run (markers first, so the output never looks complete)."""
+    def _owned_data_files(self, entries: dict[str, dict[str, Any]]) -> set[str]:
+        named = set()
+        for e in list(entries.values()) + list(self.intents.values()):
+            named.update(e.get("files") or [e["part"]])
+        return named
+
+    def _foreign(self, files: list[str], entries: dict[str, dict[str, Any]]) -> list[str]:
+        """The files (relative paths) this job did not write."""
+        named = self._owned_data_files(entries)
+        ours_markers = bool(entries or self.intents)
+        foreign = []
+        for rel in files:
+            top = rel.split("/", 1)[0]
+            if top in (MANIFEST, STAGING) and "/" in rel:
+                continue
+            if rel in named or (rel in (SUCCESS, SUMMARY) and ours_markers):
+                continue
+            foreign.append(rel)
+        return foreign
+
+    def _check_foreign(self, entries: dict[str, dict[str, Any]]) -> None:
+        if not self.foreign:
+            return
+        clashing = [f for f in self.foreign if DATA_FILE.match(f) or f in (SUCCESS, SUMMARY)]
+        shown = ", ".join(self.foreign[:5]) + (f" and {len(self.foreign) - 5} more" if len(self.foreign) > 5 else "")
+        if clashing and not entries and SUCCESS in self.foreign:
+            raise OutputError(
+                f"output {self.url()!r} already holds a run without a manifest (written before resumable runs, "
+                f"or by another tool): {shown}; the job never deletes files it did not write, so move them away "
+                "or choose another output.uri"
+            )
+        if clashing:
+            raise OutputError(
+                f"output {self.url()!r} holds files this job did not write with names it writes: "
+                f"{', '.join(clashing[:5])}; the job never deletes or overwrites files it did not write "
+                "(even with --overwrite or output.allow_foreign_files): move them away or choose another output.uri"
+            )
+        if not self.cfg.allow_foreign_files:
+            raise OutputError(
+                f"output {self.url()!r} holds {len(self.foreign)} file(s) this job did not write: {shown}; "
+                "the job never deletes files it did not write: move them away, choose another output.uri, or set "
+                "output.allow_foreign_files: true to write beside them (they are left alone)"
+            )
+        log.warning("output %s holds %d file(s) this job did not write (left alone): %s",
+                    self.url(), len(self.foreign), shown)
+
+    def _clear(self, entries: dict[str, dict[str, Any]]) -> None:
+        """Overwrite: delete this job's files (markers first, so the output never looks complete)."""
         for name in (SUCCESS, SUMMARY):
             if self._exists(self._p(name)):
                 self.io(lambda n=name: self.fs.rm(self._p(n)), f"remove {name}")
-        if self._exists(self._p(MANIFEST)):
-            self.io(lambda: self.fs.rm(self._p(MANIFEST), recursive=True), "remove the manifest")
-        for old in self.existing_parts():
-            self.io(lambda o=old: self.fs.rm(o), f"remove {old}")
+        for name in sorted(self._owned_data_files(entries)):
+            self._rm_if_exists(self._p(name), f"remove {name}")
+        for d in (MANIFEST, STAGING):
+            self.io(lambda d=d: self._rm_tree(self._p(d)), f"remove {d}")
+        self.intents = {}
 
-    def _resume_check(self, shards: list | None) -> set[int]:
-        entries = self.read_manifest()
-        has_success = self._exists(self._p(SUCCESS))
+    def _rm_if_exists(self, path: str, what: str) -> None:
+        def rm() -> None:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass
+
+        self.io(rm, what)
+
+    def _resume_check(self, shards: list | None, entries: dict[str, dict[str, Any]]) -> set[int]:
         if not entries:
-            if has_success:
-                raise OutputError(
-                    f"output {self.url()!r} already holds a run without a manifest (written before resumable "
-                    "runs); set output.overwrite: true (--overwrite) or choose another output.uri"
-                )
             return set()
         if shards is None:
             raise OutputError(f"output {self.url()!r} already holds committed shards; set output.overwrite: true")
+        if self.identity is not None:
+            for part, entry in sorted(entries.items()):
+                if entry.get("config_fingerprint") != self.config_fingerprint:
+                    raise OutputError(
+                        f"output {self.url()!r}: {part} was committed under another config "
+                        f"({describe_changes(entry.get('config_identity'), self.identity)}); resuming would mix "
+                        "outputs of two configs: rerun with --overwrite (output.overwrite: true) to redo the "
+                        "output from scratch, or choose another output.uri"
+                    )
         by_part = {part_name(s.index): s for s in shards}
         skip = set()
         for part, entry in sorted(entries.items()):
@@ -249,50 +388,123 @@ class OutputWriter:
         self.skipped = sorted(entries)
         return skip
 
-    def write_part(self, shard: Any, table: pa.Table, totals: dict[str, Any] | None = None) -> str:
-        """Commit one shard: write its part (OUTPUT_SCHEMA) to staging, publish it under its
-        final name, then write its manifest entry (the commit point).  Returns the part's path.
+    # ------------------------------------------------------------------ writing shards
 
-        Args:
-            shard: a :class:`pipeline.read.Shard` (or a bare index, for tests: no fingerprint).
-            table: the shard's rows.
-            totals: the shard's :meth:`pipeline.summary.RunTotals.state` (goes into the manifest).
-        """
-        index = shard if isinstance(shard, int) else shard.index
-        name = part_name(index)
-        staged = posixpath.join(self.staging, name)
-        final = self._p(name)
+    def add_rows(self, shard: Any, table: pa.Table) -> None:
+        """Rows of a shard, as they come back (any order within the shard; OUTPUT_SCHEMA).
+        Whenever ``max_rows_per_file`` rows of a shard are buffered they are written to
+        staging, so the buffers hold at most about that many rows per shard in flight
+        (and when all buffers together hold more than twice that, the largest is written)."""
+        index = _index(shard)
+        limit = self.cfg.max_rows_per_file
+        self._buffers.setdefault(index, []).append(table)
+        self._buffered[index] = self._buffered.get(index, 0) + table.num_rows
+        if self._buffered[index] >= limit:
+            self._flush(index, final=False)
+        while sum(self._buffered.values()) > 2 * limit:  # many shards in flight at once
+            self._flush(max(self._buffered, key=self._buffered.get), final=True)
+
+    def _flush(self, index: int, final: bool) -> None:
+        """Write the buffered rows of shard ``index`` to staging in files of at most
+        ``max_rows_per_file`` rows; unless ``final``, a remainder below that stays buffered
+        (``final`` with nothing buffered and nothing staged writes an empty file)."""
+        tables = self._buffers.pop(index, [])
+        self._buffered.pop(index, None)
+        table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()
+        del tables
+        if table.num_rows:
+            table = table.sort_by("source_row")
+        limit = self.cfg.max_rows_per_file
+        staged = self._staged.setdefault(index, [])
+        start = 0
+        while table.num_rows - start >= limit or (final and (start < table.num_rows or not staged)):
+            chunk = table.slice(start, limit)
+            start += chunk.num_rows
+            self._stage(index, len(staged), chunk)
+            staged.append(self._staged_path(index, len(staged)))
+            if chunk.num_rows == 0:
+                break
+        if start < table.num_rows:
+            self._buffers[index] = [table.slice(start)]
+            self._buffered[index] = table.num_rows - start
+
+    def _staged_path(self, index: int, chunk: int) -> str:
+        return posixpath.join(self.staging, f"part-{index:05d}", f"{chunk:05d}.parquet")
+
+    def _stage(self, index: int, chunk: int, table: pa.Table) -> None:
+        path = self._staged_path(index, chunk)
         table = table.cast(OUTPUT_SCHEMA)
 
         def write() -> None:
-            self._makedirs(self.staging)
-            with self.fs.open(staged, "wb") as f:
+            self._makedirs(posixpath.dirname(path))
+            with self.fs.open(path, "wb") as f:
                 pq.write_table(table, f)
 
-        self.io(write, f"write {name} to staging")
-        self._publish(staged, final, name)
+        self.io(write, f"write {part_name(index)} (file {chunk}) to staging")
+        counts = self._counts.setdefault(index, [0, 0])
+        counts[0] += table.num_rows
+        counts[1] += table.num_rows - table.column("error").null_count
+
+    def finish_shard(self, shard: Any, totals: dict[str, Any] | None = None) -> list[str]:
+        """Commit one shard whose rows were all given to :meth:`add_rows`: write what is
+        buffered, record the publish intent, publish the files under their final names,
+        then write the manifest entry (the commit point).  Returns the final paths.
+
+        Args:
+            shard: a :class:`pipeline.read.Shard` (or a bare index, for tests: no fingerprint).
+            totals: the shard's :meth:`pipeline.summary.RunTotals.state` (goes into the manifest).
+        """
+        index = _index(shard)
+        self._flush(index, final=True)
+        staged = self._staged.pop(index)
+        name = part_name(index)
+        names = data_file_names(index, len(staged))
+        rows, errors = self._counts.pop(index)
+        intent_path = self._p(MANIFEST, PENDING, f"part-{index:05d}.{self.run_id}.json")
+        intent = {"part": name, "files": names, "run_id": self.run_id}
+        self._write_json(intent_path, intent, f"write the publish intent of {name}")
+        finals = [self._p(n) for n in names]
+        for src, dst, n in zip(staged, finals, names):
+            self._publish(src, dst, n)
         entry = {
             "part": name,
+            "files": names,
             "source_file": None if isinstance(shard, int) else shard.url,
             "fingerprint": None if isinstance(shard, int) else shard.fingerprint,
-            "rows": table.num_rows,
-            "errors": table.num_rows - table.column("error").null_count,
+            "config_fingerprint": self.config_fingerprint,
+            "config_identity": self.identity,
+            "rows": rows,
+            "errors": errors,
             "run_id": self.run_id,
             "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             "totals": totals,
         }
-        staged_entry = posixpath.join(self.staging, name + ".json")
-
-        def write_entry() -> None:
-            with self.fs.open(staged_entry, "w") as f:
-                json.dump(entry, f, default=str)
-
-        self.io(write_entry, f"write the manifest entry of {name}")
-        self.io(lambda: self._makedirs(self._p(MANIFEST)), "create the manifest")
-        self._publish(staged_entry, self._p(MANIFEST, name.replace(".parquet", ".json")), f"manifest entry of {name}")
-        self.written.append(final)
+        self._write_json(self._p(MANIFEST, name.replace(".parquet", ".json")), entry,
+                         f"write the manifest entry of {name}", staged_as=posixpath.join(self.staging, name + ".json"))
+        self._rm_if_exists(intent_path, f"remove the publish intent of {name}")
+        self.written.extend(finals)
         self.entries[name] = entry
-        return final
+        return finals
+
+    def write_part(self, shard: Any, table: pa.Table, totals: dict[str, Any] | None = None) -> str:
+        """Commit one shard given all its rows at once (:meth:`add_rows` + :meth:`finish_shard`).
+        Returns the path of its first data file."""
+        self.add_rows(shard, table)
+        return self.finish_shard(shard, totals)[0]
+
+    def _write_json(self, path: str, obj: dict[str, Any], what: str, staged_as: str | None = None) -> None:
+        """Write a small JSON file; with ``staged_as``, write it there and publish it to ``path``."""
+        target = staged_as or path
+
+        def write() -> None:
+            self._makedirs(posixpath.dirname(target))
+            with self.fs.open(target, "w") as f:
+                json.dump(obj, f, default=str)
+
+        self.io(write, what)
+        if staged_as:
+            self.io(lambda: self._makedirs(posixpath.dirname(path)), f"create {posixpath.dirname(path)}")
+            self._publish(staged_as, path, what.replace("write ", ""))
 
     def _makedirs(self, path: str) -> None:
         """On an object store there is nothing to create, and s3fs's makedirs may try to
@@ -309,28 +521,28 @@ class OutputWriter:
         def copy() -> None:  # S3: an atomic server-side copy, then drop the staged object
             self.fs.copy(src, dst)
 
-        def drop() -> None:
-            try:
-                self.fs.rm(src)
-            except FileNotFoundError:
-                pass
-
         self.io(copy, f"publish {what}")
-        self.io(drop, f"remove staged {what}")
+        self._rm_if_exists(src, f"remove staged {what}")
 
     def commit(self, summary: dict[str, Any]) -> None:
-        """Finish the output: remove parts without a manifest entry, write the summary, then ``_SUCCESS``."""
+        """Finish the output: remove the files of dead publish intents (never named by a
+        manifest entry), write the summary, remove every staging folder, then ``_SUCCESS``."""
         self.fs.invalidate_cache()
-        for old in self.existing_parts():
-            if posixpath.basename(old) not in self.entries:
-                self.io(lambda o=old: self.fs.rm(o), f"remove uncommitted {posixpath.basename(old)}")
+        intents = self._read_intents()
+        committed = {n for e in self.entries.values() for n in e.get("files") or [e["part"]]}
+        for path, intent in sorted(intents.items()):
+            for n in intent.get("files") or []:
+                if n not in committed:
+                    self._rm_if_exists(self._p(n), f"remove uncommitted {n}")
+            self._rm_if_exists(path, f"remove the publish intent {posixpath.basename(path)}")
+        self.io(lambda: self._rm_tree(self._p(MANIFEST, PENDING)), "remove the publish intents folder")
 
         def write_summary() -> None:
             with self.fs.open(self._p(SUMMARY), "w") as f:
                 json.dump(summary, f, indent=2, default=str)
 
         self.io(write_summary, f"write {SUMMARY}")
-        self.io(self._rm_staging, "remove staging")
+        self.io(lambda: self._rm_tree(self._p(STAGING)), "remove staging")
 
         def write_success() -> None:
             with self.fs.open(self._p(SUCCESS), "w") as f:
@@ -345,23 +557,31 @@ class OutputWriter:
 
         return self.io(load, f"read {SUMMARY}")
 
-    def abort(self) -> None:
-        """Remove this run's staging directory (best effort, no retries); never writes a marker.
-        Shards committed so far stay committed: a rerun resumes after them."""
+    def abort(self, cleanup: bool = True) -> None:
+        """Drop this run's buffers and (with ``cleanup``, best effort, no retries) its staging
+        folder; never writes a marker.  Shards committed so far stay committed: a rerun
+        resumes after them, and a later successful run removes any staging left behind."""
+        self._buffers.clear()
+        self._buffered.clear()
+        self._staged.clear()
+        self._counts.clear()
+        if not cleanup:
+            return
         try:
-            self._rm_staging()
-        except Exception:
-            pass
-
-    def _rm_staging(self) -> None:
-        if self.fs.exists(self.staging):
-            self.fs.rm(self.staging, recursive=True)
-        base = self._p(STAGING)
-        try:
+            self._rm_tree(self.staging)
+            base = self._p(STAGING)
             if self.fs.exists(base) and not self.fs.ls(base):
                 self.fs.rmdir(base)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort
             pass
+
+    def _rm_tree(self, path: str) -> None:
+        if self.local:  # fsspec's local rm(recursive) calls os.getcwd(), which fails when the
+            # working directory is gone (seen under ray job submit on a worker node)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+        elif self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
 
     def url(self, name: str = "") -> str:
         """The output directory (or a file in it) as a full URL; local paths made absolute
@@ -372,11 +592,11 @@ class OutputWriter:
         return base + ("/" + name if name else "")
 
 
-def part_name_of(path: str) -> str:
-    return posixpath.basename(path)
+def _index(shard: Any) -> int:
+    return shard if isinstance(shard, int) else shard.index
 
 
 def is_complete(uri: str, storage_options: dict | None = None) -> bool:
     """Whether ``uri`` holds a finished run (its ``_SUCCESS`` marker exists)."""
-    fs, root = url_to_fs(uri, **(storage_options or {}))
+    fs, root = open_fs(uri, storage_options)
     return fs.exists(posixpath.join(root.rstrip("/"), SUCCESS))

@@ -34,3 +34,26 @@ def ray_local():
              configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """An S3-compatible server (moto) on 127.0.0.1 for the session: ``{"endpoint", "client",
+    "options"}``; ``options`` are fsspec storage options for it (a JSON string for ``--set``)."""
+    import json
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from pipeline_testkit import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing-key",
+                          aws_secret_access_key="testing-secret", region_name="us-east-1")
+    options = {"key": "testing-key", "secret": "testing-secret",
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    yield {"endpoint": endpoint, "client": client, "options": options, "options_json": json.dumps(options)}
+    server.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from pathlib import Path
 
 from pipeline.config import load_config
@@ -51,3 +52,91 @@ TEXTS = [
     "the museum opened a new exhibition about ancient ships",
     "local farmers said the dry summer hurt their crops",
 ]
+
+
+class PausableProxy:
+    """A TCP proxy 127.0.0.1:<port> -> 127.0.0.1:<target>.  ``pause()``: the server is down
+    (open connections dropped, new ones closed at once); ``hang()``: the server accepts
+    connections but never answers (open and new connections stay open, nothing is relayed)."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.paused = threading.Event()
+        self.hanging = threading.Event()
+        self.held: list[socket.socket] = []
+        self.conns: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.refused = 0
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.paused.is_set():
+                self.refused += 1
+                c.close()
+                continue
+            if self.hanging.is_set():
+                self.held.append(c)
+                continue
+            try:
+                u = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                c.close()
+                continue
+            with self.lock:
+                self.conns |= {c, u}
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+
+    def _pipe(self, a, b):
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                if not self.hanging.is_set():
+                    b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def pause(self):
+        self.paused.set()
+        with self.lock:
+            conns, self.conns = self.conns, set()
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def hang(self):
+        self.hanging.set()
+
+    def resume(self):
+        self.paused.clear()
+        self.hanging.clear()
+        held, self.held = self.held, []
+        for c in held:
+            c.close()
+
+    def close(self):
+        self.closed = True
+        self.pause()
+        self.sock.close()

@@ -3,6 +3,7 @@ equal to the engine's for the same row; bad rows kept with an error; failed runs
 
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,7 +16,8 @@ from pipeline.models import ModelError, load_models
 from pipeline.prompts import PromptBuilder
 from pipeline.read import InputError
 from pipeline.run import run_job
-from pipeline.write import OUTPUT_SCHEMA, is_complete
+from pipeline.config import OutputConfig
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter, is_complete
 
 STAT_COLUMNS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
                 "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
@@ -142,16 +144,21 @@ def test_errors_before_any_model_loads(tiny_models, inputs, tmp_path, monkeypatc
 
 
 def test_failed_run_publishes_nothing(ray_local, tiny_models, inputs, tmp_path):
-    """The actors cannot load the weights: the run fails, no part and no _SUCCESS is published."""
+    """The actors cannot load the weights (readable files, but of a model of another size:
+    only loading finds out): the run fails, no part and no _SUCCESS is published."""
+    from tiny import make_model_pair
+
     broken = tmp_path / "broken-target"
     shutil.copytree(tiny_models["target"], broken)
-    for f in broken.glob("*.safetensors"):
-        f.write_bytes(b"corrupt")
+    other, _ = make_model_pair(tmp_path / "other", hidden=32)
+    shutil.copy(Path(other) / "model.safetensors", broken / "model.safetensors")
     out = tmp_path / "out"
     # an earlier complete run in the same place
-    out.mkdir()
-    (out / "_SUCCESS").write_text("old")
-    pq.write_table(pa.table({"id": ["old"]}), out / "part-00000.parquet")
+    old = OutputWriter(OutputConfig(uri=str(out)))
+    old.prepare()
+    old.write_part(0, pa.Table.from_pylist([{"id": "old", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    old.commit({"rows": 1})
+    assert is_complete(str(out))
     cfg = job_config(dict(tiny_models, target=str(broken)), str(inputs / "s2.parquet"), str(out),
                      overrides=["output.overwrite=true"])
     with pytest.raises(Exception) as e:

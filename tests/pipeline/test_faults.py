@@ -11,7 +11,6 @@ back empty, losing the committed shards the test wants to check)."""
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -20,7 +19,7 @@ import pytest
 
 import pipeline.write
 from actors.generate import GenerateActor
-from pipeline_testkit import TEXTS, free_port, job_config, write_jsonl
+from pipeline_testkit import TEXTS, PausableProxy, free_port, job_config, write_jsonl
 from pipeline.retry import StorageError
 from pipeline.run import run_job
 
@@ -114,79 +113,6 @@ def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, t
 # ---------------------------------------------------------------------------- storage
 
 
-class PausableProxy:
-    """A TCP proxy 127.0.0.1:<port> -> 127.0.0.1:<target>; ``pause()`` = the server is down."""
-
-    def __init__(self, target_port: int):
-        self.target = target_port
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.paused = threading.Event()
-        self.conns: set[socket.socket] = set()
-        self.lock = threading.Lock()
-        self.refused = 0
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self.closed:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            if self.paused.is_set():
-                self.refused += 1
-                c.close()
-                continue
-            try:
-                u = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                c.close()
-                continue
-            with self.lock:
-                self.conns |= {c, u}
-            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
-
-    def _pipe(self, a, b):
-        try:
-            while True:
-                data = a.recv(65536)
-                if not data:
-                    break
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def pause(self):
-        self.paused.set()
-        with self.lock:
-            conns, self.conns = self.conns, set()
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-                s.close()
-            except OSError:
-                pass
-
-    def resume(self):
-        self.paused.clear()
-
-    def close(self):
-        self.closed = True
-        self.pause()
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
 def s3():
     import boto3
@@ -241,16 +167,16 @@ EXPECTED = sorted(f"s{i}-{j}" for i in range(3) for j in range(2))
 def _outage_at_shard(monkeypatch, proxy, index, seconds=None):
     """Take the storage down when the driver starts committing shard ``index``
     (back after ``seconds``, or never)."""
-    original = pipeline.write.OutputWriter.write_part
+    original = pipeline.write.OutputWriter.finish_shard
 
-    def hooked(self, shard, table, totals=None):
+    def hooked(self, shard, totals=None):
         if getattr(shard, "index", shard) == index and not proxy.paused.is_set():
             proxy.pause()
             if seconds is not None:
                 threading.Timer(seconds, proxy.resume).start()
-        return original(self, shard, table, totals)
+        return original(self, shard, totals)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "write_part", hooked)
+    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", hooked)
 
 
 def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypatch, caplog):
@@ -304,7 +230,7 @@ def test_retry_helper_backs_off_on_transient_errors_only():
 
     assert with_retries(flaky, what="x", attempts=5, initial_backoff_s=0.5, max_backoff_s=1.5, sleep=sleeps.append) == "ok"
     assert sleeps == [0.5, 1.0, 1.5]
-    with pytest.raises(StorageError, match="x failed after 2 attempts: TimeoutError"):
+    with pytest.raises(StorageError, match=r"x failed after 2 attempts in \d+ s: TimeoutError"):
         with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), what="x", attempts=2, sleep=sleeps.append)
     sleeps.clear()
     with pytest.raises(StorageError, match=r"\(not retried\): FileNotFoundError"):

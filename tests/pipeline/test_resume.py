@@ -50,19 +50,19 @@ def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_mod
     day = out / f"date={DATE}"
 
     # Run 1 dies while committing shard 2 (after shards 0 and 1 are committed).
-    original = pipeline.write.OutputWriter.write_part
+    original = pipeline.write.OutputWriter.finish_shard
 
-    def dying(self, shard, table, totals=None):
+    def dying(self, shard, totals=None):
         if getattr(shard, "index", shard) == 2:
             raise RuntimeError("driver died")
-        return original(self, shard, table, totals)
+        return original(self, shard, totals)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "write_part", dying)
+    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", dying)
     with pytest.raises(RuntimeError, match="driver died"):
         run_job(_cfg(tiny_models, inputs, out), progress=False)
-    monkeypatch.setattr(pipeline.write.OutputWriter, "write_part", original)
+    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", original)
     assert not is_complete(str(day)) and not (day / "_staging").exists()
-    assert sorted(p.name for p in (day / "_manifest").iterdir()) == ["part-00000.json", "part-00001.json"]
+    assert sorted(p.name for p in (day / "_manifest").glob("part-*.json")) == ["part-00000.json", "part-00001.json"]
     first_run = json.loads((day / "_manifest" / "part-00000.json").read_text())["run_id"]
     committed = {n: (day / n).read_bytes() for n in ("part-00000.parquet", "part-00001.parquet")}
 
@@ -106,6 +106,7 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     before any model loads; nothing in the output changes."""
     import shutil
 
+    from pipeline.fingerprint import config_identity
     from pipeline.read import resolve_shards
     from pipeline.write import OutputWriter
     import pyarrow as pa
@@ -116,7 +117,7 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     cfg = _cfg(tiny_models, src, tmp_path / "out")
     shards = resolve_shards(cfg.input)
     w = OutputWriter(cfg.output)
-    assert w.prepare(shards) == set()
+    assert w.prepare(shards, config_identity(cfg)) == set()
     w.write_part(shards[0], pa.Table.from_pylist([{"id": "x", "source_row": 0}], schema=OUTPUT_SCHEMA))
     # same input: shard 0 is committed and would be skipped
     assert OutputWriter(cfg.output).prepare(resolve_shards(cfg.input)) == {0}

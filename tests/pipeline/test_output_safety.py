@@ -1,0 +1,223 @@
+"""The job never touches files that are not its own: a folder holding foreign files is
+refused (unless ``output.allow_foreign_files``), foreign files survive ``--overwrite`` and
+every commit, files of a run that died mid-publish are cleaned by the next run, stale
+``_staging/`` folders go after a successful run, and a shard larger than
+``output.max_rows_per_file`` is written as several files under one manifest entry.
+On local disk and on moto S3."""
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline.write
+from pipeline.config import OutputConfig
+from pipeline.write import OUTPUT_SCHEMA, OutputError, OutputWriter, is_complete
+
+
+def _parquet_bytes(n=2):
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": [f"archived-{i}" for i in range(n)], "x": list(range(n))}), buf)
+    return buf.getvalue()
+
+
+FOREIGN = {"part-archive.parquet": _parquet_bytes(), "notes.txt": b"keep me", "nested/old.parquet": _parquet_bytes(3)}
+
+
+class Store:
+    """One output location on local disk or on moto S3, read and written behind the job's back."""
+
+    def __init__(self, kind, tmp_path, moto, name):
+        self.kind = kind
+        if kind == "local":
+            self.root = tmp_path / name
+            self.base = str(self.root)
+            self.options = {}
+        else:
+            self.client, self.bucket, self.prefix = moto["client"], "safety", f"{tmp_path.name}/{name}"
+            self.client.create_bucket(Bucket=self.bucket)
+            self.base = f"s3://{self.bucket}/{self.prefix}"
+            self.options = moto["options"]
+
+    def put(self, rel, data):
+        if self.kind == "local":
+            p = self.root / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        else:
+            self.client.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{rel}", Body=data)
+
+    def files(self):
+        """Relative path -> bytes of every file under the location."""
+        if self.kind == "local":
+            return {str(p.relative_to(self.root)): p.read_bytes() for p in self.root.rglob("*") if p.is_file()} \
+                if self.root.exists() else {}
+        out = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+            for o in page.get("Contents", []):
+                body = self.client.get_object(Bucket=self.bucket, Key=o["Key"])["Body"].read()
+                out[o["Key"][len(self.prefix) + 1:]] = body
+        return out
+
+    def cfg(self, **kw):
+        return OutputConfig(uri=self.base, storage_options=self.options, **kw)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None
+    return lambda name="out": Store(request.param, tmp_path, moto, name)
+
+
+def _rows(n, start=0, errors=()):
+    return pa.Table.from_pylist([{"id": str(i), "source_row": i, "error": "E: x" if i in errors else None}
+                                 for i in range(start, start + n)], schema=OUTPUT_SCHEMA)
+
+
+def _ours(files):
+    return {k: v for k, v in files.items() if k not in FOREIGN}
+
+
+def test_a_folder_with_foreign_files_is_refused_and_they_are_never_deleted(store):
+    s = store()
+    for rel, data in FOREIGN.items():
+        s.put(rel, data)
+    for kw in ({}, {"overwrite": True}):
+        with pytest.raises(OutputError, match="3 file\\(s\\) this job did not write: nested/old.parquet, notes.txt, "
+                                              "part-archive.parquet.*allow_foreign_files"):
+            OutputWriter(s.cfg(**kw)).prepare()
+    assert s.files() == FOREIGN  # refused before touching anything
+
+    # allowed: the job writes beside them, and neither commit nor --overwrite touches them
+    for run in range(2):
+        w = OutputWriter(s.cfg(allow_foreign_files=True, overwrite=run > 0))
+        w.prepare()
+        w.write_part(0, _rows(3))
+        w.commit({"rows": 3})
+        files = s.files()
+        assert {k: files[k] for k in FOREIGN} == FOREIGN
+        assert sorted(_ours(files)) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json", "part-00000.parquet"]
+        assert json.loads(files["_manifest/part-00000.json"])["run_id"] == w.run_id
+    assert is_complete(s.base, s.options)
+
+
+@pytest.mark.parametrize("clash", ["part-00003.parquet", "part-00000-00001.parquet", "_summary.json"])
+def test_a_foreign_file_with_a_name_the_job_writes_is_always_refused(store, clash):
+    s = store()
+    s.put(clash, b"not ours")
+    for kw in ({}, {"allow_foreign_files": True}, {"allow_foreign_files": True, "overwrite": True}):
+        with pytest.raises(OutputError, match=clash.replace(".", "\\.")):
+            OutputWriter(s.cfg(**kw)).prepare()
+    assert s.files() == {clash: b"not ours"}
+
+
+def test_an_output_of_another_tool_is_refused(store):
+    """Spark-style: parts and a _SUCCESS, no manifest."""
+    s = store()
+    s.put("_SUCCESS", b"")
+    s.put("part-00000.parquet", _parquet_bytes())
+    with pytest.raises(OutputError, match="without a manifest"):
+        OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True)).prepare()
+    assert sorted(s.files()) == ["_SUCCESS", "part-00000.parquet"]
+
+
+def test_a_large_shard_is_written_in_files_of_max_rows_per_file(store):
+    s = store()
+    w = OutputWriter(s.cfg(max_rows_per_file=10))
+    w.prepare()
+    # rows arrive in batches of odd sizes; 3 error rows
+    start = 0
+    for n in (3, 7, 1, 9, 5):
+        w.add_rows(0, _rows(n, start, errors={4, 12, 24}))
+        start += n
+        assert sum(t.num_rows for t in w._buffers.get(0, [])) < 10  # never more than a file's worth held
+    w.add_rows(1, _rows(4))
+    w.finish_shard(0, {"rows": 25})
+    w.finish_shard(1)
+    w.commit({"rows": 29})
+    files = s.files()
+    names = ["part-00000-00000.parquet", "part-00000-00001.parquet", "part-00000-00002.parquet"]
+    assert sorted(k for k in files if k.startswith("part-")) == names + ["part-00001.parquet"]
+    sizes = [pq.read_table(io.BytesIO(files[n])).num_rows for n in names]
+    assert sizes == [10, 10, 5]
+    ids = [i for n in names for i in pq.read_table(io.BytesIO(files[n])).column("id").to_pylist()]
+    assert ids == [str(i) for i in range(25)]  # in row order across the files
+    entry = json.loads(files["_manifest/part-00000.json"])
+    assert entry["files"] == names and entry["rows"] == 25 and entry["errors"] == 3
+    assert json.loads(files["_manifest/part-00001.json"])["files"] == ["part-00001.parquet"]
+    assert not any(k.startswith(("_staging", "_manifest/pending")) for k in files)
+
+
+def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(store, monkeypatch):
+    """Run 1 publishes shard 0's files and dies before its manifest entry (and leaves its
+    staging behind, as a SIGKILL would).  Run 2 rewrites shard 0 (fewer files now) and its
+    commit removes the files only the dead run's publish intent names."""
+    s = store()
+    s.put("notes.txt", b"keep me")
+    original = OutputWriter._write_json
+
+    def die_at_manifest_entry(self, path, obj, what, staged_as=None):
+        if "manifest entry" in what:
+            raise RuntimeError("killed")
+        return original(self, path, obj, what, staged_as)
+
+    monkeypatch.setattr(OutputWriter, "_write_json", die_at_manifest_entry)
+    w1 = OutputWriter(s.cfg(allow_foreign_files=True, max_rows_per_file=2))
+    w1.prepare()
+    w1.add_rows(0, _rows(5))
+    with pytest.raises(RuntimeError, match="killed"):
+        w1.finish_shard(0)
+    monkeypatch.setattr(OutputWriter, "_write_json", original)
+    s.put(f"_staging/{w1.run_id}/part-00001/00000.parquet", b"left by a killed run")
+    files = s.files()
+    assert {"part-00000-00000.parquet", "part-00000-00002.parquet",
+            f"_manifest/pending/part-00000.{w1.run_id}.json"} <= set(files)
+    assert "_manifest/part-00000.json" not in files
+
+    w2 = OutputWriter(s.cfg(allow_foreign_files=True))  # not refused: those files are ours
+    assert w2.prepare([]) == set() and w2.foreign == ["notes.txt"]
+    w2.write_part(0, _rows(5))
+    w2.commit({"rows": 5})
+    assert sorted(s.files()) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json", "notes.txt",
+                                 "part-00000.parquet"]
+
+
+def test_the_issue_example_part_archive_survives_a_run(ray_local, tiny_models, tmp_path):
+    from pipeline_testkit import TEXTS, job_config, write_jsonl
+    from pipeline.run import run_job
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:3])])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-archive.parquet").write_bytes(FOREIGN["part-archive.parquet"])
+    cfg = lambda *o: job_config(tiny_models, str(tmp_path / "in"), str(out), method="plain",
+                                overrides=["generation.max_new_tokens=3", *o])
+    with pytest.raises(OutputError, match="part-archive.parquet"):
+        run_job(cfg(), progress=False)
+    with pytest.raises(OutputError, match="part-archive.parquet"):
+        run_job(cfg("output.overwrite=true"), progress=False)
+    summary = run_job(cfg("output.overwrite=true", "output.allow_foreign_files=true"), progress=False)
+    assert summary["rows"] == 3
+    assert (out / "part-archive.parquet").read_bytes() == FOREIGN["part-archive.parquet"]
+    assert pq.read_table(out / "part-00000.parquet").num_rows == 3 and is_complete(str(out))
+
+
+def test_rows_held_for_many_shards_in_flight_stay_bounded(tmp_path):
+    """Rows of many unfinished shards at once: whenever more than twice max_rows_per_file
+    rows are held in all, the largest shard's are written out (a smaller file)."""
+    w = OutputWriter(OutputConfig(uri=str(tmp_path / "out"), max_rows_per_file=10))
+    w.prepare()
+    for rnd in range(3):
+        for shard in range(6):
+            w.add_rows(shard, _rows(4, start=4 * rnd))
+            assert sum(w._buffered.values()) <= 20
+    for shard in range(6):
+        w.finish_shard(shard)
+    w.commit({"rows": 72})
+    for shard in range(6):
+        entry = json.loads((tmp_path / "out" / "_manifest" / f"part-{shard:05d}.json").read_text())
+        tables = [pq.read_table(tmp_path / "out" / f) for f in entry["files"]]
+        assert all(t.num_rows <= 10 for t in tables) and entry["rows"] == 12
+        assert [i for t in tables for i in t.column("id").to_pylist()] == [str(i) for i in range(12)]

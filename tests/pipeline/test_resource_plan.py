@@ -1,0 +1,133 @@
+"""The job never hangs on its own resource plan: with 1 to all of the cluster's CPUs taken
+by actors (``cpus_per_actor: 1``), the read and repartition stages still run; a plan the
+cluster cannot hold is refused naming the numbers; and whatever the cause, a run that makes
+no progress for ``compute.stall_timeout_s`` fails with a clear message instead of waiting
+forever.  (A local 2-node cluster under ``ray job submit``: test_job_submit.py.)"""
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from ray import cloudpickle
+
+from actors.generate import GenerateActor
+from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
+from pipeline.run import PlanError, check_resource_plan, run_job
+
+EMBEDDED_CPUS = 2  # the ray_local fixture (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("in")
+    for s in range(3):
+        write_jsonl(d / f"s{s}.jsonl", [{"id": f"{s}-{i}", "text": TEXTS[(s + i) % 8]} for i in range(4)])
+    return d
+
+
+@pytest.mark.parametrize("actors", range(1, EMBEDDED_CPUS + 1))
+def test_every_actor_count_up_to_the_cpu_count_finishes(ray_local, tiny_models, inputs, tmp_path, actors):
+    assert ray_local.cluster_resources()["CPU"] == EMBEDDED_CPUS
+    cfg = job_config(tiny_models, str(inputs), str(tmp_path / "out"), method="plain", overrides=[
+        f"compute.num_actors={actors}", "compute.cpus_per_actor=1", "compute.rows_per_batch=2",
+        "generation.max_new_tokens=4", "compute.stall_timeout_s=90"])  # a deadlock fails in 90 s, not never
+    t0 = time.monotonic()
+    summary = run_job(cfg, progress=False)
+    assert summary["rows"] == 12 and summary["errors"] == 0
+    assert pq.read_table(tmp_path / "out").num_rows == 12
+    assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.slow
+def test_the_job_with_one_actor_per_cpu_of_its_embedded_ray_finishes(tiny_models, inputs, tmp_path):
+    """The issue's case: ``--num-actors <CPU count>`` with the default ``cpus_per_actor: 1``
+    on the job's own embedded Ray (it hung with no output)."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    r = subprocess.run([sys.executable, str(REPO / "jobs" / "summarize.py"), "--input", str(inputs), "--output",
+                        str(tmp_path / "out"), "--target", tiny_models["target"], "--drafter", tiny_models["drafter"],
+                        "--num-actors", str(os.cpu_count()), "--max-new-tokens", "4", "--no-progress",
+                        "--set", "compute.stall_timeout_s=120", "--set", "output.partition_by_date=false"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert pq.read_table(tmp_path / "out").num_rows == 12
+
+
+def test_a_plan_the_cluster_cannot_hold_is_refused_with_the_numbers(ray_local, tiny_models, tmp_path, caplog):
+    cfg = lambda *o: job_config(tiny_models, "unused", str(tmp_path / "o"), overrides=list(o))
+    with pytest.raises(PlanError, match=f"compute.num_actors=3 x compute.cpus_per_actor=1 = 3 CPUs, but the "
+                                        f"cluster has {EMBEDDED_CPUS}"):
+        check_resource_plan(cfg("compute.num_actors=3"), embedded=True)
+    with pytest.raises(PlanError, match="compute.gpus_per_actor=1 = 1 GPUs, but the cluster has 0"):
+        check_resource_plan(cfg("compute.gpus_per_actor=1"), embedded=True)
+    with pytest.raises(PlanError, match=f"compute.cpus_per_actor=3 CPUs per actor, but no node has more than "
+                                        f"{EMBEDDED_CPUS}"):
+        check_resource_plan(cfg("compute.cpus_per_actor=3"), embedded=True)
+    check_resource_plan(cfg(f"compute.num_actors={EMBEDDED_CPUS}"), embedded=True)  # every CPU: fine
+    with caplog.at_level(logging.WARNING, logger="specbatch"):  # a cluster that may autoscale: a warning
+        check_resource_plan(cfg("compute.num_actors=3"), embedded=False)
+    assert "waiting for the cluster to grow" in caplog.text
+
+
+def test_the_command_line_refuses_more_actors_than_cpus(tiny_models, inputs, tmp_path):
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    n = os.cpu_count() + 1
+    r = subprocess.run([sys.executable, str(REPO / "jobs" / "summarize.py"), "--input", str(inputs), "--output",
+                        str(tmp_path / "out"), "--target", tiny_models["target"], "--drafter", tiny_models["drafter"],
+                        "--num-actors", str(n)], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: the actor pool cannot be scheduled: compute.num_actors={n} x compute.cpus_per_actor=1 "
+                      f"= {n} CPUs, but the cluster has {os.cpu_count()}; lower compute.num_actors or the "
+                      "per-actor resources"]
+    assert "Traceback" not in r.stderr
+
+
+class _StuckActor(GenerateActor):
+    """Never returns from the row 'hang here' (a stuck model, a hung read, a lost node...)."""
+
+    def generate_row(self, row):
+        if row.get("text") == "hang here":
+            time.sleep(3600)
+        return super().generate_row(row)
+
+
+def _alive_generate_actors():
+    from ray._private import state
+
+    return [a for a in state.actors().values() if "GenerateActor" in a["ActorClassName"] and a["State"] == "ALIVE"]
+
+
+def test_a_run_that_makes_no_progress_fails_after_the_stall_timeout(ray_local, tiny_models, tmp_path, monkeypatch,
+                                                                   capsys):
+    import actors.generate
+    from pipeline.cli import main
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(actors.generate, "GenerateActor", _StuckActor)
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "a", "text": TEXTS[0]}])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": "b", "text": "hang here"}])
+    t0 = time.monotonic()
+    try:
+        rc = main("summarize", ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--target",
+                                tiny_models["target"], "--method", "plain", "--rows-per-batch", "1",
+                                "--max-new-tokens", "4", "--no-progress", "--set", "compute.stall_timeout_s=8",
+                                "--set", "output.partition_by_date=false"])
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    elapsed = time.monotonic() - t0
+    assert rc == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "no output row came back for" in err[0] and "compute.stall_timeout_s=8" in err[0]
+    assert "of 2 rows done" in err[0] and "Committed shards are kept" in err[0]
+    assert elapsed < 8 + 5 + 60  # the stall (checked every 5 s) plus start-up
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    deadline = time.monotonic() + 60  # the stuck actor does not outlive the run
+    while _alive_generate_actors() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _alive_generate_actors()

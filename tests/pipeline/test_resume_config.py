@@ -1,0 +1,208 @@
+"""Resume compares the config: each committed shard records a fingerprint of everything
+that changes outputs (models and their files, method and parameters, generation settings,
+task and prompt/chat template, system prompt); a run under another fingerprint is refused
+(exit 2) naming what changed and pointing to --overwrite, which redoes the output; settings
+that do not change outputs (actors, batch size, retries, file size) resume."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
+from pipeline.fingerprint import config_identity, describe_changes, file_identity, fingerprint, model_files
+from pipeline.read import resolve_shards
+from pipeline.write import OUTPUT_SCHEMA, OutputError, OutputWriter
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:2])])
+    return tmp_path / "in"
+
+
+def _commit_shard0(cfg):
+    w = OutputWriter(cfg.output, retry=cfg.retry)
+    shards = resolve_shards(cfg.input)
+    assert w.prepare(shards, config_identity(cfg)) == set()
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": "0", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    w.commit({"rows": 1})
+
+
+def _resume(cfg):
+    return OutputWriter(cfg.output, retry=cfg.retry).prepare(resolve_shards(cfg.input), config_identity(cfg))
+
+
+CHANGES = [  # (override, what the refusal names)
+    ("method.name=plain", "method.name: 'draft_model' -> 'plain'"),
+    ("method.num_assistant_tokens=3", "method.num_assistant_tokens: (unset) -> 3"),
+    ("generation.max_new_tokens=8", "generation.max_new_tokens: 12 -> 8"),
+    ("generation.do_sample=true", "generation.do_sample: False -> True"),
+    ("generation.seed=7", "generation.seed: (unset) -> 7"),
+    ('task.prompt_template="Sum up: {text}"', "task.prompt_template: 'Summarize the following article"),
+    ("task.system_prompt=Be brief.", "task.system_prompt: (unset) -> 'Be brief.'"),
+    ("task.chat_template=false", "task.chat_template: 'auto' -> False"),
+    ("models.dtype=bfloat16", "models.dtype: 'auto' -> 'bfloat16'"),
+]
+
+
+@pytest.mark.parametrize("override, named", CHANGES, ids=[c[0].split("=")[0] for c in CHANGES])
+def test_resume_under_another_config_is_refused_naming_the_change(tiny_models, inputs, tmp_path, override, named):
+    out = str(tmp_path / "out")
+    _commit_shard0(job_config(tiny_models, str(inputs), out))
+    with pytest.raises(OutputError, match="another config") as e:
+        _resume(job_config(tiny_models, str(inputs), out, overrides=[override]))
+    assert named in str(e.value) and "--overwrite" in str(e.value)
+    # --overwrite redoes it from scratch under the new config
+    assert OutputWriter(job_config(tiny_models, str(inputs), out, overrides=[override, "output.overwrite=true"]).output
+                        ).prepare(resolve_shards(job_config(tiny_models, str(inputs), out).input)) == set()
+
+
+@pytest.mark.parametrize("override", ["compute.num_actors=2", "compute.rows_per_batch=1", "retry.attempts=2",
+                                      "output.max_rows_per_file=5", "audit.fraction=0.5", "generation.top_k=null",
+                                      "compute.stall_timeout_s=60"])
+def test_settings_that_do_not_change_outputs_resume(tiny_models, inputs, tmp_path, override):
+    out = str(tmp_path / "out")
+    _commit_shard0(job_config(tiny_models, str(inputs), out))
+    assert _resume(job_config(tiny_models, str(inputs), out, overrides=[override])) == {0}
+
+
+def test_the_drafter_counts_only_for_methods_that_use_it(tiny_models, inputs, tmp_path):
+    other = tmp_path / "other-drafter"
+    shutil.copytree(tiny_models["drafter"], other)
+    plain = job_config(tiny_models, str(inputs), str(tmp_path / "o1"), method="plain")
+    assert fingerprint(config_identity(plain)) == fingerprint(config_identity(
+        job_config(dict(tiny_models, drafter=str(other)), str(inputs), str(tmp_path / "o1"), method="plain")))
+    out = str(tmp_path / "o2")
+    _commit_shard0(job_config(tiny_models, str(inputs), out))
+    with pytest.raises(OutputError, match="models.drafter: "):
+        _resume(job_config(dict(tiny_models, drafter=str(other)), str(inputs), out))
+
+
+def test_model_files_are_identified_by_content_not_by_time(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "m"
+    shutil.copytree(tiny_models["target"], m)
+    before = model_files(str(m))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(before)
+    os.utime(m / "model.safetensors", (1, 1))  # a copy or an unpacked working dir: new times, same bytes
+    assert model_files(str(m)) == before
+    (m / "README.md").write_text("a model card does not change outputs")
+    assert model_files(str(m)) == before
+    tensors = load_file(m / "model.safetensors")
+    name = sorted(tensors)[len(tensors) // 2]
+    tensors[name] = tensors[name] + 1e-3  # "retrained": same shapes, same size
+    save_file(tensors, m / "model.safetensors", metadata={"format": "pt"})
+    after = model_files(str(m))
+    assert after["model.safetensors"] != before["model.safetensors"]
+    old_id, new_id = {"model_files": {"target": before}}, {"model_files": {"target": after}}
+    assert describe_changes(old_id, new_id) == "model_files.target: files changed: model.safetensors"
+    tok = json.loads((m / "tokenizer_config.json").read_text())
+    tok["chat_template"] = "{{ messages[0]['content'] }}"
+    (m / "tokenizer_config.json").write_text(json.dumps(tok))
+    assert model_files(str(m))["tokenizer_config.json"] != before["tokenizer_config.json"]
+
+
+def test_large_files_are_sampled_not_read_whole(tmp_path, monkeypatch):
+    big = tmp_path / "weights.gguf"
+    size = 9 * 2**20 + 123
+    with open(big, "wb") as f:
+        f.write(os.urandom(size))
+    ident = file_identity(str(big))
+    assert ident.startswith(f"size={size};sample-sha256:")
+    read = []
+    real_open = open
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def seek(self, o):
+            self.f.seek(o)
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+    monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: Counting(real_open(p, mode, *a, **k)))
+    assert file_identity(str(big)) == ident
+    assert sum(read) == 3 * 2**20  # three 1 MiB samples of a 9 MiB file
+    monkeypatch.undo()
+    with open(big, "r+b") as f:  # one byte in the middle sample
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert file_identity(str(big)) != ident
+
+
+def _cli(args, timeout=120):
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "summarize.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_the_issue_example_plain_then_draft_model(ray_local, tiny_models, tmp_path):
+    """Run plain (max 4 tokens); the same input and output with draft_model (max 8) is
+    refused with exit 2, before any model loads, naming both changes; a partly overlapping
+    input (one more shard) too; --overwrite redoes every shard with draft_model."""
+    from pipeline.run import run_job
+
+    for i in range(2):
+        write_jsonl(tmp_path / "in" / f"s{i}.jsonl", [{"id": f"{i}-{j}", "text": TEXTS[i + j]} for j in range(2)])
+    out = tmp_path / "out"
+    base = [f"--input={tmp_path / 'in'}", f"--output={out}", f"--target={tiny_models['target']}",
+            f"--drafter={tiny_models['drafter']}", "--no-progress", "--set", "output.partition_by_date=false"]
+    first = run_job(job_config(tiny_models, str(tmp_path / "in"), str(out), method="plain",
+                               overrides=["generation.max_new_tokens=4"]), progress=False)
+    assert first["rows"] == 4
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    r = _cli([*base, "--method", "draft_model", "--max-new-tokens", "8"])
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in r.stderr
+    for named in ("method.name: 'plain' -> 'draft_model'", "generation.max_new_tokens: 4 -> 8", "--overwrite"):
+        assert named in err[0]
+    write_jsonl(tmp_path / "in" / "s2.jsonl", [{"id": "2-0", "text": TEXTS[5]}])  # partly overlapping input
+    r = _cli([*base, "--method", "draft_model", "--max-new-tokens", "8"])
+    assert r.returncode == 2 and "method.name: 'plain' -> 'draft_model'" in r.stderr
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # untouched
+
+    summary = run_job(job_config(tiny_models, str(tmp_path / "in"), str(out), method="draft_model",
+                                 overrides=["generation.max_new_tokens=8", "output.overwrite=true"]), progress=False)
+    assert summary["this_run"]["shards_skipped"] == [] and summary["rows"] == 5
+    assert set(pq.read_table(out).column("method").to_pylist()) == {"draft_model"}
+    assert summary["config"]["method"]["name"] == "draft_model"
+
+
+def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_path):
+    client = moto_s3["client"]
+    client.create_bucket(Bucket="fingerprints")
+    client.put_object(Bucket="fingerprints", Key="in/a.jsonl", Body=json.dumps({"id": 1, "text": TEXTS[0]}).encode() + b"\n")
+    opts = moto_s3["options_json"]
+    cfg = lambda *o: job_config(tiny_models, "s3://fingerprints/in/", "s3://fingerprints/out", overrides=[
+        f"input.storage_options={opts}", f"output.storage_options={opts}", *o])
+    w = OutputWriter(cfg().output)
+    shards = resolve_shards(cfg().input)
+    w.prepare(shards, config_identity(cfg()))
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": "1", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    entry = json.loads(client.get_object(Bucket="fingerprints", Key="out/_manifest/part-00000.json")["Body"].read())
+    assert entry["config_fingerprint"] == fingerprint(config_identity(cfg()))
+    assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())) == {0}
+    with pytest.raises(OutputError, match="generation.max_new_tokens: 12 -> 5"):
+        OutputWriter(cfg().output).prepare(resolve_shards(cfg().input),
+                                           config_identity(cfg("generation.max_new_tokens=5")))
