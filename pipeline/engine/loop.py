@@ -60,9 +60,11 @@ class SpeculativeEngine:
             row at a time).
         adaptive_draft_length: let the measured verification cost cut ``k`` (down to 0)
             as the batch grows (:mod:`pipeline.engine.draft_length`): ``None`` (default)
-            when two or more rows are in flight, ``True`` always, ``False`` never.  Greedy
-            outputs never depend on it.  Off with static ensemble verification, whose
-            (lossy) output depends on the draft length.
+            for greedy rows when two or more rows are in flight, ``True`` always, ``False``
+            never.  Greedy outputs never depend on it.  Sampled rows keep their draft length
+            unless ``True``: their law never depends on it, but the draws a seed gives do, and
+            the choice follows measured times, so a seed would not reproduce its output.  Off
+            with static ensemble verification, whose (lossy) output depends on it.
 
     Raises:
         ValueError: a bad setting (naming it), a method without the model it needs, a
@@ -248,7 +250,7 @@ class SpeculativeEngine:
         """One propose -> verify -> commit step for every row in flight."""
         t0 = time.perf_counter()
         ks = [self._draft_length(r) for r in rows]
-        if self.policy is not None and (self.adaptive or len(rows) > 1):
+        if self.policy is not None and (self.adaptive or (len(rows) > 1 and not rows[0].settings.do_sample)):
             limit = self.policy.limit(len(rows))
             ks = [min(k, limit) for k in ks]
         want_probs = rows[0].settings.do_sample or self.spec.assistant_ensemble_weight is not None
