@@ -1,13 +1,15 @@
 """Benchmark of the pipeline (not a test): on the same rows, tokens/s of
 
-  1. the bare engine, row after row (no Ray Data, models already loaded);
+  1. the bare engine (no Ray Data, models already loaded), fed batches of ``rows_per_batch`` rows
+     as the actor is, ``max_batch_size`` rows in flight;
   2. the pipeline: ``run_job`` with an embedded Ray and one actor (end to end from the
      dataset start, so actor start-up and model loading count; and the actor's own
      engine time, sum of row ``wall_time_s``), i.e. the pipeline's overhead;
   3. plain batched decoding with transformers' ``generate()`` on batches of 8 rows,
      greedy, no speculation, left padding (what a user gets without specbatch);
 
-and the peak memory of one actor after 100 and after 1,000 rows (it must not grow).
+and the peak memory of one actor after 100 and after 1,000 rows (it must not grow; batches of
+``rows_per_batch`` rows, ``max_batch_size`` in flight).
 
     python bench/bench_pipeline.py                       # demo models if present, else tiny random ones
     python bench/bench_pipeline.py --target models/demo-target --drafter models/demo-drafter \
@@ -64,16 +66,20 @@ def bench_engine(cfg, texts, repeats=1):
 
     m = load_models(cfg.models, cfg.uses_drafter, "cpu")
     engine = SpeculativeEngine(m.target, cfg.method.speculation_settings(), drafter=m.drafter,
-                               tokenizer=m.tokenizer, drafter_tokenizer=m.drafter_tokenizer)
+                               tokenizer=m.tokenizer, drafter_tokenizer=m.drafter_tokenizer,
+                               max_batch_size=cfg.compute.max_batch_size,
+                               adaptive_draft_length=cfg.compute.adaptive_draft_length)
     builder = PromptBuilder(m.tokenizer, cfg.task)
     settings = cfg.generation.generation_settings()
     engine.generate(builder.build(texts[0])[1], settings)  # warm-up
+    batch = cfg.compute.rows_per_batch
 
-    def once():
+    def once():  # as the actor does: each batch of rows_per_batch rows to generate_batch
         new = 0
         t0 = time.perf_counter()
-        for t in texts:
-            new += engine.generate(builder.build(t)[1], settings).stats.new_tokens
+        for i in range(0, len(texts), batch):
+            prompts = [builder.build(t)[1] for t in texts[i:i + batch]]
+            new += sum(r.stats.new_tokens for r in engine.generate_batch(prompts, settings))
         return new, time.perf_counter() - t0
 
     new, sec = best_of(repeats, once)
@@ -143,7 +149,7 @@ def bench_pipeline(cfg, texts, workdir: Path):
     return summary, time.perf_counter() - t0
 
 
-def bench_memory(cfg, texts, checkpoints=(100, 1000), batch=8):
+def bench_memory(cfg, texts, checkpoints=(100, 1000)):
     import pyarrow as pa
     import ray
 
@@ -154,6 +160,7 @@ def bench_memory(cfg, texts, checkpoints=(100, 1000), batch=8):
     first = ray.get(actor.memory.remote())
     results = [("after load", first)]
     done = 0
+    batch = cfg.compute.rows_per_batch
     t0 = time.perf_counter()
     for target in checkpoints:
         while done < target:
@@ -177,6 +184,8 @@ def main() -> None:
     ap.add_argument("--method", default="draft_model")
     ap.add_argument("--rows", type=int, default=64, help="rows for the throughput comparison")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--rows-per-batch", type=int, default=32, help="compute.rows_per_batch (the actor's batch)")
+    ap.add_argument("--max-batch-size", type=int, default=16, help="compute.max_batch_size (rows in flight)")
     ap.add_argument("--memory-rows", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--memory-max-new-tokens", type=int, default=16)
     ap.add_argument("--skip-memory", action="store_true")
@@ -202,7 +211,8 @@ def main() -> None:
             args.input = None
     texts = load_texts(args.input, args.rows)
     sets = [f"models.target={target}", f"models.drafter={drafter}", f"method.name={args.method}",
-            f"generation.max_new_tokens={args.max_new_tokens}", "compute.num_actors=1", "compute.rows_per_batch=8"]
+            f"generation.max_new_tokens={args.max_new_tokens}", "compute.num_actors=1",
+            f"compute.rows_per_batch={args.rows_per_batch}", f"compute.max_batch_size={args.max_batch_size}"]
     cfg = load_config(str(REPO / "configs" / "demo-summarize.yaml"), sets)
 
     threads = max(1, int(cfg.compute.cpus_per_actor))

@@ -60,3 +60,30 @@ def test_gemma3_base_prompt(gemma3, which):
     assert (len(ids) > window + 50) == (which != "short"), len(ids)
     assert ids[0] == tok.bos_token_id
     _check(model, tok, ids)
+
+
+def test_gemma3_as_draft_model_and_early_exit_past_the_window(gemma3):
+    """The issue's regression: Gemma 3 270M (five sliding layers of 512 to one global) as a
+    draft model (the target a copy of itself, so every draft is accepted and the verifier
+    runs ahead of the window with rollbacks of nothing) and drafting with its own first six
+    layers (early exit: rejections and rollbacks), on a prompt past the window, batched with
+    a short one: outputs equal plain greedy."""
+    import copy
+
+    model, tok = gemma3
+    task = load_config(REPO / "configs" / "real" / "gemma3-spec-bench-prompt_lookup.yaml").task
+    builder = PromptBuilder(tok, task)
+    prompts = [builder.build(_long_article())[1], builder.build(DEMO[1])[1]]
+    assert len(prompts[0]) > model.config.sliding_window + 50
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    plain = [r.token_ids for r in SpeculativeEngine(model, tokenizer=tok).generate_batch(prompts, settings)]
+    assert plain[0] == _generate(model, prompts[0])
+    drafter = copy.deepcopy(model)
+    for spec, d in [(SpeculationSettings(method="draft_model", num_assistant_tokens=4), drafter),
+                    (SpeculationSettings(method="early_exit", assistant_early_exit=6, num_assistant_tokens=3), None)]:
+        engine = SpeculativeEngine(model, spec, drafter=d, tokenizer=tok, max_batch_size=2, adaptive_draft_length=False)
+        results = engine.generate_batch(prompts, settings)
+        assert [r.token_ids for r in results] == plain, spec.method
+        assert sum(r.stats.draft_tokens for r in results) > 0
+        if spec.method == "draft_model":
+            assert all(r.stats.acceptance_rate == 1.0 for r in results)
