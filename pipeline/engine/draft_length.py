@@ -25,6 +25,9 @@ from __future__ import annotations
 DECAY = 0.05
 #: verification passes to see before the policy acts
 MIN_OBSERVATIONS = 12
+#: every this many steps the full ``K`` is drafted, so the cost line and the acceptance by
+#: position keep being measured at the long end even when shorter drafts win
+PROBE_EVERY = 32
 
 
 class DraftLengthPolicy:
@@ -107,6 +110,8 @@ class DraftLengthPolicy:
         if self.verify_passes < MIN_OBSERVATIONS or self.verify_time(1) is None:
             # explore: a few cheaper passes give the cost line its second point
             return self.k_max if self.steps % 4 else max(0, self.k_max // 2 - 1)
+        if self.steps % PROBE_EVERY == 0:
+            return self.k_max
         scores = {k: self.throughput(rows, k) for k in range(self.k_max + 1)}
         if any(v is None for v in scores.values()):
             return self.k_max
