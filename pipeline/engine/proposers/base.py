@@ -139,6 +139,45 @@ def draft_tokens(
     return tokens, qs
 
 
+class Drafting:
+    """The drafts of a step's rows, built position by position.
+
+    ``requests[i]``'s drafted tokens and, when it wants them, their distributions ``q``
+    accumulate with :meth:`append`; :meth:`prefix` is the row's text so far (committed
+    sequence + its drafted tokens) and :meth:`drafts` the finished :class:`Draft` per row.
+    """
+
+    def __init__(self, requests: list[DraftRequest]):
+        self.requests = requests
+        self.tokens: list[list[torch.Tensor]] = [[] for _ in requests]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in requests]
+
+    def append(self, i: int, token: torch.Tensor, q: torch.Tensor | None) -> None:
+        """Row ``i`` drafted ``token`` ``(1,)`` int64 from ``q`` ``(1, V)``."""
+        self.tokens[i].append(token.to(self.requests[i].sequence.device))
+        if self.requests[i].want_probs:
+            self.probs[i].append(q)
+
+    def count(self, i: int) -> int:
+        return len(self.tokens[i])
+
+    def prefix(self, i: int) -> torch.Tensor:
+        """``(1, L + n)``: row ``i``'s committed tokens and its ``n`` draft tokens so far."""
+        seq = self.requests[i].sequence
+        if not self.tokens[i]:
+            return seq
+        return torch.cat([seq, torch.cat(self.tokens[i]).view(1, -1)], dim=1)
+
+    def drafts(self) -> list[Draft]:
+        out = []
+        for r, tokens, probs in zip(self.requests, self.tokens, self.probs):
+            if not tokens:
+                out.append(empty_draft(r.sequence.device))
+            else:
+                out.append(Draft(tokens=torch.cat(tokens), probs=torch.cat(probs, dim=0) if r.want_probs else None))
+        return out
+
+
 def empty_draft(device: torch.device | str) -> Draft:
     return Draft(tokens=torch.empty(0, dtype=torch.long, device=device))
 

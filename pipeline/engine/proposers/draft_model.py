@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..runner import ModelRunner, model_layout, prefill, text_config
-from .base import Draft, DraftRequest, draft_tokens, empty_draft
+from .base import Draft, DraftRequest, Drafting, draft_tokens
 
 
 class DraftModelProposer:
@@ -88,19 +88,14 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=1)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        out: list[Draft | None] = [None] * len(requests)
+        drafting = Drafting(requests)
         active = []  # (request index, k)
         for i, r in enumerate(requests):
             length = r.sequence.shape[1]
             k = r.k if self.context is None else min(r.k, self.context - length + 1)
-            if k <= 0 or self.seen[r.slot] >= length:
-                out[i] = empty_draft(r.sequence.device)
-            else:
+            if k > 0 and self.seen[r.slot] < length:
                 active.append((i, k))
-        tokens: dict[int, list[torch.Tensor]] = {i: [] for i, _ in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in active}
         feeds = {i: self._feedable(requests[i].sequence[0, self.seen[requests[i].slot]:]) for i, _ in active}
-        step = 0
         while active:
             reqs = [requests[i] for i, _ in active]
             slots = [r.slot for r in reqs]
@@ -109,28 +104,15 @@ class DraftModelProposer:
             for r, (i, _) in zip(reqs, active):
                 self.seen[r.slot] += feeds[i].shape[0]
             logits = self._to_target_width(logits)
-            prefixes = [self._prefix(requests[i], tokens[i]) for i, _ in active]
+            prefixes = [drafting.prefix(i) if r.shaper.prefix_dependent else r.sequence for r, (i, _) in zip(reqs, active)]
             chosen, qs = draft_tokens(logits, reqs, prefixes, need_q=self.threshold > 0)
-            step += 1
             still = []
             for j, (i, k) in enumerate(active):
                 tok = chosen[j : j + 1]
-                tokens[i].append(tok)
-                if requests[i].want_probs:
-                    probs[i].append(qs[j])
+                drafting.append(i, tok, qs[j])
                 low = self.threshold > 0 and float(qs[j][0, tok[0]]) < self.threshold
-                if step < k and not low:
+                if drafting.count(i) < k and not low:
                     still.append((i, k))
                     feeds[i] = self._feedable(tok)
             active = still
-        for i, toks in tokens.items():
-            r = requests[i]
-            t = torch.cat(toks).to(r.sequence.device)
-            out[i] = Draft(tokens=t, probs=torch.cat(probs[i], dim=0) if r.want_probs else None)
-        return out
-
-    def _prefix(self, request: DraftRequest, drafted: list[torch.Tensor]) -> torch.Tensor:
-        """The text before the next draft token (only built when a processor reads it)."""
-        if not request.shaper.prefix_dependent or not drafted:
-            return request.sequence
-        return torch.cat([request.sequence, torch.cat(drafted).view(1, -1).to(request.sequence.device)], dim=1)
+        return drafting.drafts()

@@ -42,7 +42,7 @@ import re
 import torch
 
 from ..runner import ModelLayout, ModelRunner
-from .base import Draft, DraftRequest, draft_tokens, empty_draft
+from .base import Draft, DraftRequest, Drafting, draft_tokens
 
 
 # --------------------------------------------------------------------------- loading
@@ -274,15 +274,12 @@ class MTPProposer:
 
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        out: list[Draft] = [empty_draft(r.sequence.device) for r in requests]
+        drafting = Drafting(requests)
         active = []
         for i, r in enumerate(requests):
             L = r.sequence.shape[1]
             if L >= 2 and self.hidden[r.slot].end >= L - 1 and min(r.k, self.num_layers) > 0:
                 active.append(i)  # else: no target hidden state yet (one-token prompt)
-        ext = {i: requests[i].sequence for i in active}
-        tokens = {i: [] for i in active}
-        probs = {i: [] for i in active}
         for layer in range(self.num_layers):
             rows = [i for i in active if min(requests[i].k, self.num_layers) > layer]
             if not rows:
@@ -293,7 +290,7 @@ class MTPProposer:
             for i, r in zip(rows, reqs):
                 a, b = self.lengths[r.slot][layer], r.sequence.shape[1] - 1
                 prev.append(self.hidden[r.slot].get(a, b) if layer == 0 else self.outs[r.slot][layer - 1].get(a, b))
-                ids.append(ext[i][0, a + 1 + layer : b + 1 + layer])
+                ids.append(drafting.prefix(i)[0, a + 1 + layer : b + 1 + layer])
                 starts.append(a)
             hidden = self._layer(layer, slots, ids, prev, starts)
             for j, (i, r) in enumerate(zip(rows, reqs)):
@@ -301,18 +298,10 @@ class MTPProposer:
                 self.outs[r.slot][layer].put(starts[j], hidden[j, hidden.shape[1] - q:])
                 self.lengths[r.slot][layer] = r.sequence.shape[1] - 1
             logits = self.mtp._project_to_logits(hidden[:, -1:])[:, -1].to(reqs[0].sequence.device)
-            chosen, qs = draft_tokens(logits, reqs, [ext[i] for i in rows])
+            chosen, qs = draft_tokens(logits, reqs, [drafting.prefix(i) for i in rows])
             for j, i in enumerate(rows):
-                tok = chosen[j : j + 1]
-                tokens[i].append(tok)
-                if requests[i].want_probs:
-                    probs[i].append(qs[j])
-                ext[i] = torch.cat([ext[i], tok.view(1, 1)], dim=1)
-        for i in active:
-            if tokens[i]:
-                r = requests[i]
-                out[i] = Draft(tokens=torch.cat(tokens[i]), probs=torch.cat(probs[i], dim=0) if r.want_probs else None)
-        return out
+                drafting.append(i, chosen[j : j + 1], qs[j])
+        return drafting.drafts()
 
     def _layer(self, layer: int, slots, ids, prev, starts) -> torch.Tensor:
         """MTP layer ``layer`` over ragged rows: main positions ``starts[b] ..`` feed

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..runner import text_config
-from .base import Draft, DraftRequest, draft_tokens, empty_draft
+from .base import Draft, DraftRequest, Drafting, draft_tokens
 from .mtp import Positions, store_hidden
 
 
@@ -136,23 +136,19 @@ class MTPAssistantProposer:
         return kv, mask
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        out: list[Draft] = [empty_draft(r.sequence.device) for r in requests]
+        drafting = Drafting(requests)
         rows = [i for i, r in enumerate(requests)
                 if r.sequence.shape[1] >= 2 and self.hidden[r.slot].end >= r.sequence.shape[1] - 1
                 and self.hidden[r.slot].start <= r.sequence.shape[1] - 2]  # else: no target pass yet
         if not rows:
-            return out
+            return drafting.drafts()
         reqs = [requests[i] for i in rows]
         lengths = [r.sequence.shape[1] - 1 for r in reqs]
         kv, mask = self._shared_kv([r.slot for r in reqs], lengths)
         hidden = torch.stack([self.hidden[r.slot].get(n - 1, n) for r, n in zip(reqs, lengths)])  # (b, 1, H)
         token = torch.stack([r.sequence[0, -1:] for r in reqs])  # (b, 1)
         position_ids = torch.tensor(lengths, dtype=torch.long, device=token.device).view(-1, 1)
-        ext = [r.sequence for r in reqs]
-        tokens: list[list[torch.Tensor]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        live = list(range(len(reqs)))
-        step = 0
+        live = list(range(len(reqs)))  # positions in reqs (and in kv, mask) still drafting
         while live:
             index = torch.tensor(live, device=token.device)
             sub_kv = {kind: (k[index], v[index]) for kind, (k, v) in kv.items()} if len(live) < len(reqs) else kv
@@ -161,20 +157,13 @@ class MTPAssistantProposer:
                                attention_mask=mask[index], use_cache=False)
             hidden = o.last_hidden_state
             sub = [reqs[j] for j in live]
-            chosen, qs = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub, [ext[j] for j in live])
-            step += 1
+            chosen, qs = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub,
+                                      [drafting.prefix(rows[j]) for j in live])
             keep = []
             for pos, j in enumerate(live):
-                tok = chosen[pos : pos + 1]
-                tokens[j].append(tok)
-                if reqs[j].want_probs:
-                    probs[j].append(qs[pos])
-                ext[j] = torch.cat([ext[j], tok.view(1, 1)], dim=1)
-                if step < reqs[j].k:
+                drafting.append(rows[j], chosen[pos : pos + 1], qs[pos])
+                if drafting.count(rows[j]) < reqs[j].k:
                     keep.append(pos)
             live = [live[p] for p in keep]
             token, hidden = chosen[keep].view(-1, 1), hidden[keep]
-        for j, i in enumerate(rows):
-            r = reqs[j]
-            out[i] = Draft(tokens=torch.cat(tokens[j]), probs=torch.cat(probs[j], dim=0) if r.want_probs else None)
-        return out
+        return drafting.drafts()
