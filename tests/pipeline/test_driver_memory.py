@@ -44,11 +44,11 @@ class _EchoActor(GenerateActor):
         self.meta = {"method": "plain", "target_model": self.cfg.models.target, "draft_model": None}
         self.rows_done = 0
 
-    def generate_row(self, row):
-        self.rows_done += 1
-        return {"id": row["id"], "source_file": row["source_file"], "source_row": row["source_row"], **self.meta,
-                "prompt": self.fill(row["text"], self.cfg.task), "output_text": "x", "finish_reason": "length",
-                "new_tokens": 1, "error": None}
+    def generate_rows(self, rows):
+        self.rows_done += len(rows)
+        return [{"id": row["id"], "source_file": row["source_file"], "source_row": row["source_row"], **self.meta,
+                 "prompt": self.fill(row["text"], self.cfg.task), "output_text": "x", "finish_reason": "length",
+                 "new_tokens": 1, "error": None} for row in rows]
 
 
 def _rss_mb(field):

@@ -91,10 +91,10 @@ def test_the_command_line_refuses_more_actors_than_cpus(tiny_models, inputs, tmp
 class _StuckActor(GenerateActor):
     """Never returns from the row 'hang here' (a stuck model, a hung read, a lost node...)."""
 
-    def generate_row(self, row):
-        if row.get("text") == "hang here":
+    def generate_rows(self, rows):
+        if any(row.get("text") == "hang here" for row in rows):
             time.sleep(3600)
-        return super().generate_row(row)
+        return super().generate_rows(rows)
 
 
 def _alive_generate_actors():
