@@ -94,6 +94,8 @@ class EngineLoop:
         self._stop = False
         self.steps = 0
         self.failures = 0
+        self.peak_in_flight = 0  # most rows one step advanced together
+        self.cancelled = 0  # rows stopped by cancel() before their end
         self._thread = threading.Thread(target=self._run, name="specbatch-engine-loop", daemon=True)
         self._thread.start()
 
@@ -114,6 +116,7 @@ class EngineLoop:
             def done(result, row_id=row_id):
                 with self._lock:
                     entry = self._rows.pop(row_id, None)
+                    self.cancelled += result.finish_reason == "cancelled"
                 if entry is not None and on_done is not None:
                     on_done(result)
 
@@ -149,8 +152,9 @@ class EngineLoop:
             while not self._stop and self.scheduler.busy:
                 try:
                     with torch.inference_mode():
-                        self.scheduler.step()
+                        done = self.scheduler.step()
                     self.steps += 1
+                    self.peak_in_flight = max(self.peak_in_flight, self.scheduler.in_flight + len(done))
                 except Exception as e:  # noqa: BLE001 - the replica must outlive a failed step
                     log.exception("engine step failed; failing its rows and starting a fresh scheduler")
                     self._fail_all(f"EngineError: {type(e).__name__}: {e}")
@@ -346,7 +350,8 @@ class OpenAIServer:
         return {"status": "ok" if self.loop.alive else "engine loop stopped", "model": self.model_name,
                 "method": self.method, "replica": self.replica, "pid": os.getpid(), "started": self.started,
                 "requests": self.requests, "rows": self.loop.rows, "rows_in_flight": scheduler.in_flight,
-                "max_batch_size": scheduler.size, "steps": self.loop.steps, "failed_steps": self.loop.failures}
+                "max_batch_size": scheduler.size, "peak_rows_in_flight": self.loop.peak_in_flight,
+                "steps": self.loop.steps, "failed_steps": self.loop.failures, "cancelled_rows": self.loop.cancelled}
 
     def check_health(self) -> None:
         """Raise when the replica cannot serve (its stepping thread died): Serve restarts it."""
@@ -514,9 +519,10 @@ class OpenAIServer:
 
 
 def _replica_id() -> str | None:
+    serve = sys.modules.get("ray.serve")  # imported in a Serve replica; not imported here otherwise
+    if serve is None:
+        return None
     try:
-        from ray import serve
-
         ctx = serve.get_replica_context()
         rid = getattr(ctx, "replica_id", None)
         return getattr(rid, "unique_id", None) or str(rid or getattr(ctx, "replica_tag", ""))
