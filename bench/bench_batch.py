@@ -113,19 +113,13 @@ def ours(engine, prompts, max_new_tokens, batch):
 
 
 def near_tie_check(target, prompts, outputs, reference, threshold=1e-3):
-    """Rows that differ from the reference, and whether each first differs at a near-tie
+    """Rows that differ from the reference, and how many first differ at a near-tie
     (the target's top-2 logit gap there below ``threshold``)."""
-    differ, ties = 0, 0
-    for p, out, ref in zip(prompts, outputs, reference):
-        if out == ref:
-            continue
-        differ += 1
-        i = next(j for j in range(min(len(out), len(ref))) if out[j] != ref[j])
-        with torch.no_grad():
-            logits = target(torch.tensor([p + ref[:i]])).logits[0, -1].float()
-        top = logits.topk(2).values
-        ties += float(top[0] - top[1]) < threshold
-    return differ, ties
+    from near_tie import first_difference_is_near_tie
+
+    differ = [(p, out, ref) for p, out, ref in zip(prompts, outputs, reference) if out != ref]
+    ties = sum(first_difference_is_near_tie(target, p, out, ref, threshold) for p, out, ref in differ)
+    return len(differ), ties
 
 
 def main() -> None:

@@ -199,3 +199,17 @@ def test_a_client_that_disconnects_cancels_its_row(server):
         asyncio.run(asyncio.sleep(0.02))
     assert srv.loop.rows == 0 and srv.loop.scheduler.in_flight == 0
     assert srv.loop.cancelled == before + 1  # the row left without decoding its 200 tokens
+
+
+def test_jobs_serve_refuses_a_bad_config_before_ray_starts(tmp_path, capsys):
+    """``jobs/serve.py``'s command line: a bad model path or key exits 2 naming it, before
+    Ray starts; flags land in the ``serve:`` section."""
+    from pipeline.serve import main
+
+    assert main(["--target", str(tmp_path / "missing"), "--port", "8123"]) == 2
+    assert "models.target" in capsys.readouterr().err
+    assert main(["--set", "serve.num_replicas=0"]) == 2
+    assert "serve.num_replicas" in capsys.readouterr().err
+    assert main(["--port", "8123", "--num-replicas", "2", "--print-config"]) == 0
+    serve = json.loads(capsys.readouterr().out)["serve"]
+    assert serve["port"] == 8123 and serve["num_replicas"] == 2 and serve["host"] == "127.0.0.1"
