@@ -341,12 +341,13 @@ class ServeConfig(_Section):
             raise ValueError(f"serve.chat_template {v!r} is neither a Jinja template nor a file")
         return v
 
-    def chat_template_text(self) -> str | None:
-        """The template itself (read from its file when the key names one)."""
+    def chat_template_text(self, base: Path | None = None) -> str | None:
+        """The template itself (read from its file, relative to ``base`` or the working
+        directory, when the key names one)."""
         v = self.chat_template
         if v is None or "{{" in v or "{%" in v:
             return v
-        return Path(v).expanduser().read_text()
+        return ((base or Path.cwd()) / Path(v).expanduser()).read_text()
 
 
 class JobConfig(_Section):

@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -603,7 +604,7 @@ def absolute_paths(cfg: JobConfig, base: Path | None = None) -> JobConfig:
         value = getattr(cfg.models, key)
         if value and (base / Path(value).expanduser()).is_dir():
             setattr(cfg.models, key, str((base / Path(value).expanduser()).resolve()))
-    template = cfg.serve.chat_template_text()
+    template = cfg.serve.chat_template_text(base)
     if template is not None:
         cfg.serve.chat_template = template
     return cfg
@@ -629,14 +630,16 @@ def build_application(cfg: JobConfig):
     ``serve.gpus_per_replica`` GPUs and ``serve.cpus_per_replica`` CPUs (unset: the batch
     job's ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``)."""
     cfg = absolute_paths(cfg)
+    return _deployment().options(**deployment_options(cfg)).bind(cfg.model_dump())
+
+
+def deployment_options(cfg: JobConfig) -> dict[str, Any]:
+    """Ray Serve's deployment options from ``serve:`` (GPUs and CPUs per replica default to
+    the batch job's ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``)."""
     gpus = cfg.serve.gpus_per_replica if cfg.serve.gpus_per_replica is not None else cfg.compute.gpus_per_actor
     cpus = cfg.serve.cpus_per_replica or cfg.compute.cpus_per_actor
-    deployment = _deployment().options(
-        num_replicas=cfg.serve.num_replicas,
-        max_ongoing_requests=cfg.serve.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
-    )
-    return deployment.bind(cfg.model_dump())
+    return {"num_replicas": cfg.serve.num_replicas, "max_ongoing_requests": cfg.serve.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus}}
 
 
 def app_builder(args: dict[str, str]):
@@ -706,9 +709,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.run(build_application(cfg), name="specbatch", route_prefix="/")
     print(f"serving {cfg.serve.model_name or cfg.models.target} ({cfg.method.name}) on "
           f"http://{cfg.serve.host}:{cfg.serve.port}/v1 (Ctrl-C stops)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a plain kill shuts down as Ctrl-C does
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        pass
+    finally:
         serve.shutdown()
     return 0

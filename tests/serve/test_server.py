@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -213,3 +214,23 @@ def test_jobs_serve_refuses_a_bad_config_before_ray_starts(tmp_path, capsys):
     assert main(["--port", "8123", "--num-replicas", "2", "--print-config"]) == 0
     serve = json.loads(capsys.readouterr().out)["serve"]
     assert serve["port"] == 8123 and serve["num_replicas"] == 2 and serve["host"] == "127.0.0.1"
+
+
+def test_replicas_scale_with_the_config_as_the_batch_actors_do():
+    from conftest import REPO
+    from pipeline.config import load_config
+    from pipeline.serve import absolute_paths, deployment_options
+
+    path = REPO / "configs" / "summarize.yaml"
+    cfg = load_config(path, ["compute.gpus_per_actor=1", "compute.cpus_per_actor=4"])
+    assert deployment_options(cfg) == {"num_replicas": 1, "max_ongoing_requests": 64,
+                                       "ray_actor_options": {"num_cpus": 4, "num_gpus": 1}}
+    cfg = load_config(path, ["serve.num_replicas=3", "serve.gpus_per_replica=0.5", "serve.cpus_per_replica=2",
+                             "serve.max_ongoing_requests=16"])
+    assert deployment_options(cfg) == {"num_replicas": 3, "max_ongoing_requests": 16,
+                                       "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}}
+    # replicas may start in another directory: local paths made absolute, the name kept as written
+    resolved = absolute_paths(load_config(path), base=REPO)
+    assert Path(resolved.models.target).is_absolute() and Path(resolved.models.target).is_dir()
+    assert resolved.serve.model_name == "models/demo-target"
+    assert "{%" in resolved.serve.chat_template  # the template itself travels, not its path
