@@ -111,7 +111,7 @@ class GenerateActor:
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None):
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
         compute = self.cfg.compute
-        _limit_cpu_threads(compute.cpus_per_actor)
+        limit_cpu_threads(compute.cpus_per_actor)
         loaded = load_engine(self.cfg, device, compute.max_batch_size)
         self.models, self.engine, self.settings = loaded.models, loaded.engine, loaded.settings
         self.load_time_s = loaded.load_time_s
@@ -246,7 +246,7 @@ def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
-def _limit_cpu_threads(cpus: float) -> None:
+def limit_cpu_threads(cpus: float) -> None:
     """Use as many torch intra-op threads as CPUs Ray gave this actor: more threads than
     cores makes small-batch decoding many times slower on a shared machine."""
     import torch

@@ -4,8 +4,9 @@
 For each method it deploys the app of ``configs/summarize.yaml`` (demo model pair, one
 replica with every core of the machine) on an embedded Ray, then for each concurrency ``c``
 runs ``c`` clients that each send greedy ``/v1/completions`` requests one after another
-(the summarize job's prompts for the first XSum articles of ``../shared/data/xsum_helm_1000``,
-as token ids) until ``max(--min-requests, 2c)`` requests are answered.  It prints, per
+(the summarize job's prompts, as token ids: the demo articles of ``data/demo_prompts.jsonl``,
+or with ``--xsum`` the first XSum articles of ``../shared/data/xsum_helm_1000``) until
+``max(--min-requests, 2c)`` requests are answered.  It prints, per
 method and concurrency: p50 / p95 request latency (seconds, client side, HTTP included),
 total tokens/s (completion tokens of all requests / wall time of the level), the mean
 tokens per target pass and acceptance rate from the responses' ``speculation`` objects,
@@ -13,13 +14,14 @@ and each speculative method's ratio to plain at the same concurrency.  It also c
 every greedy output equals plain's (differences must be float32 near-ties).
 
     python bench/bench_serve.py                          # plain and draft_model, 32 new tokens
-    python bench/bench_serve.py --methods plain draft_model prompt_lookup --max-tokens 64
+    python bench/bench_serve.py --methods plain draft_model prompt_lookup --max-tokens 64 --xsum
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=32, help="serve.max_batch_size")
     ap.add_argument("--cpus", type=float, default=os.cpu_count(), help="serve.cpus_per_replica (torch threads)")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
+    ap.add_argument("--xsum", action="store_true", help="XSum articles (about 650 prompt tokens) instead of the demo ones")
     args = ap.parse_args()
 
     import socket
@@ -92,7 +95,14 @@ def main() -> None:
 
     cfg = load_config(args.config)
     tok = AutoTokenizer.from_pretrained(cfg.models.target)
-    prompts = load_prompts(tok, max(args.min_requests, 2 * max(args.concurrency)))
+    if args.xsum:
+        prompts = load_prompts(tok, max(args.min_requests, 2 * max(args.concurrency)))
+    else:
+        from pipeline.prompts import PromptBuilder
+
+        builder = PromptBuilder(tok, cfg.task)
+        texts = [json.loads(line)["text"] for line in (REPO / "data" / "demo_prompts.jsonl").read_text().splitlines()]
+        prompts = [builder.build(t)[1] for t in texts]
     port = args.port
     if not port:
         with socket.socket() as s:
@@ -102,7 +112,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    print(f"# bench_serve: {len(prompts)} XSum prompts (mean {statistics.mean(map(len, prompts)):.0f} tokens), "
+    print(f"# bench_serve: {len(prompts)} {'XSum' if args.xsum else 'demo'} prompts (mean {statistics.mean(map(len, prompts)):.0f} tokens), "
           f"{args.max_tokens} new tokens, greedy, one replica ({args.cpus:g} CPUs, max_batch_size "
           f"{args.max_batch_size}), target {Path(cfg.models.target).name}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start", flush=True)
@@ -113,6 +123,7 @@ def main() -> None:
         for method in args.methods:
             overrides = {"config": args.config, "method.name": method, "serve.cpus_per_replica": str(args.cpus),
                          "serve.max_batch_size": str(args.max_batch_size), "serve.max_ongoing_requests": "256"}
+            serve.delete("specbatch")  # free the cores of the last method's replica first
             serve.run(app_builder(overrides), name="specbatch", route_prefix="/")
             asyncio.run(run_level(url, prompts, 1, 2, args.max_tokens))  # warm-up
             for c in args.concurrency:

@@ -324,10 +324,10 @@ class OpenAIServer:
     @classmethod
     def from_config(cls, cfg: JobConfig, device: str | None = None) -> "OpenAIServer":
         """Load the config's model pair and method (as the batch job's actors do)."""
-        from actors.generate import _limit_cpu_threads, load_engine
+        from actors.generate import limit_cpu_threads, load_engine
 
         cpus = cfg.serve.cpus_per_replica or cfg.compute.cpus_per_actor
-        _limit_cpu_threads(cpus)
+        limit_cpu_threads(cpus)
         max_batch = cfg.serve.max_batch_size or cfg.compute.max_batch_size
         loaded = load_engine(cfg, device, max_batch)
         info = {"target_model": cfg.models.target, "draft_model": cfg.models.drafter if cfg.uses_drafter else None,
