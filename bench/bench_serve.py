@@ -139,7 +139,7 @@ def main() -> None:
                 print(f"{method:14s} {c:7d} {n:8d} {percentile(lat, .5):7.2f} {percentile(lat, .95):7.2f} "
                       f"{tokens / wall:9.1f} {tokens / steps:8.2f} {accept if accept is not None else float('nan'):6.2f} "
                       f"{ratio:>9s}", flush=True)
-        if "plain" in table and len(args.methods) > 1:
+        if "plain" in args.methods and len(args.methods) > 1:
             print()
             for method in args.methods:
                 if method == "plain":
