@@ -120,7 +120,7 @@ class GenerateActor:
         self.audit_seed = self.cfg.audit.seed
         self.plain_engine = None
         if self.audit_fraction > 0:
-            from pipeline.engine import SpeculationSettings
+            from pipeline.engine import SpeculationSettings, SpeculativeEngine
 
             self.plain_engine = SpeculativeEngine(
                 self.models.target, SpeculationSettings(method="plain"), tokenizer=self.models.tokenizer,
