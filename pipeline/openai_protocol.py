@@ -9,7 +9,9 @@ Requests are pydantic models that refuse unknown fields; every refusal becomes a
 Fields (OpenAI's names): ``model``, ``prompt`` (a string, a list of token ids, or a list of
 either for several prompts: sent as is, no task template) or ``messages`` (rendered with
 the chat template), ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``seed``,
-``stop``, ``n``, ``stream``, ``stream_options.include_usage``, ``user``.  Extensions, as
+``stop``, ``n``, ``stream``, ``stream_options.include_usage``, ``user`` (and for chat
+``max_completion_tokens``); OpenAI fields the server does not implement (``logprobs``,
+``echo``, ``presence_penalty``, ...) are accepted only at their no-op values.  Extensions, as
 vLLM accepts them: the other :class:`~pipeline.engine.GenerationSettings` fields under
 their own names (``top_k``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``,
 ``bad_words_ids``, ``min_new_tokens``, ``suppress_tokens``), ``include_stop_str_in_output``,
@@ -48,6 +50,13 @@ EXTRA_SAMPLING_FIELDS = tuple(
 )
 #: the request field of each method's draft length
 DRAFT_LENGTH_FIELDS = ("num_assistant_tokens", "prompt_lookup_num_tokens")
+#: OpenAI fields the server does not implement, accepted only at values that change nothing
+#: (some clients always send them); any other value is a 400 naming the field
+NOOP_FIELDS = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""),
+}
 
 
 class APIError(Exception):
@@ -93,6 +102,22 @@ class _SamplingBase(_Strict):
     return_token_ids: bool = False
     num_assistant_tokens: int | None = None
     prompt_lookup_num_tokens: int | None = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator(*NOOP_FIELDS, mode="before")
+    @classmethod
+    def _noop(cls, v, info):
+        if v not in NOOP_FIELDS[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by this server (only its no-op value "
+                             f"{NOOP_FIELDS[info.field_name][1]!r})")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -125,8 +150,9 @@ class _SamplingBase(_Strict):
         """``defaults`` (the job's resolved settings) with this request's fields set, not yet
         validated.  ``temperature`` 0 is greedy, > 0 samples at that temperature."""
         s = dataclasses.replace(defaults, seed=self.seed)
-        if self.max_tokens is not None:
-            s.max_new_tokens = self.max_tokens
+        budget = self.max_tokens if self.max_tokens is not None else getattr(self, "max_completion_tokens", None)
+        if budget is not None:
+            s.max_new_tokens = budget
         if self.temperature is not None:
             s.do_sample = self.temperature > 0
             s.temperature = self.temperature if self.temperature > 0 else defaults.temperature
@@ -190,6 +216,15 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
+    #: OpenAI's newer name of ``max_tokens`` for chat (``max_tokens`` wins when both are set)
+    max_completion_tokens: int | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError(f"max_completion_tokens must be a positive integer, got {v}")
+        return v
 
     @field_validator("messages")
     @classmethod

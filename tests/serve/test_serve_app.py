@@ -199,6 +199,10 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi", "mood": "glad"}]}, "messages[0].mood"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("completions", {"prompt": "Hello", "logprobs": 2}, "logprobs"),
+    ("completions", {"prompt": "Hello", "frequency_penalty": 0.5}, "frequency_penalty"),
 ]
 
 

@@ -234,3 +234,21 @@ def test_replicas_scale_with_the_config_as_the_batch_actors_do():
     assert Path(resolved.models.target).is_absolute() and Path(resolved.models.target).is_dir()
     assert resolved.serve.model_name == "models/demo-target"
     assert "{%" in resolved.serve.chat_template  # the template itself travels, not its path
+
+
+def test_openai_fields_without_an_effect_are_accepted_and_others_refused(server):
+    """Clients that always send ``presence_penalty: 0``, ``logprobs: null``, ``echo: false``
+    get the same answer; a value that would change the output is a 400 naming the field."""
+    srv, url = server
+    body = {"prompt": prompt_of(8, seed=4).view(-1).tolist(), "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    plain = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    noop = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None, "echo": False, "best_of": 1,
+            "logit_bias": {}, "user": "someone"}
+    out = httpx.post(f"{url}/v1/completions", json={**body, **noop})
+    assert out.status_code == 200 and out.json()["choices"][0]["token_ids"] == plain
+    for field, value in (("presence_penalty", 0.3), ("logprobs", 1), ("echo", True), ("best_of", 3),
+                         ("logit_bias", {"5": 10})):
+        r = httpx.post(f"{url}/v1/completions", json={**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+        assert "not supported" in r.json()["error"]["message"]
