@@ -245,12 +245,19 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
         put = self.queue.put_nowait
+
+        def post(event) -> None:  # on the stepping thread
+            try:
+                aio.call_soon_threadsafe(put, event)
+            except RuntimeError:  # the request's loop is closed: nobody is listening
+                pass
+
         try:
             for row in rows:
                 row.row_id = loop.submit(
                     row.prompt, row.settings,
-                    on_tokens=lambda ids, i=row.index: aio.call_soon_threadsafe(put, (i, "tokens", list(ids))),
-                    on_done=lambda r, i=row.index: aio.call_soon_threadsafe(put, (i, "done", r)),
+                    on_tokens=lambda ids, i=row.index: post((i, "tokens", list(ids))),
+                    on_done=lambda r, i=row.index: post((i, "done", r)),
                     draft_length=draft_length,
                 )
         except BaseException:
