@@ -21,7 +21,7 @@ import httpx
 import pyarrow as pa
 import pytest
 
-from conftest import REPO, free_port
+from serve_testkit import REPO, free_port
 
 sys.path.insert(0, str(REPO / "bench"))
 

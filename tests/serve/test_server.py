@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import serving
+from serve_testkit import serving
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.serve import OpenAIServer, build_app
 from tiny_models import bracket_tokenizer, build, perturbed_copy, prompt_of
@@ -217,7 +217,7 @@ def test_jobs_serve_refuses_a_bad_config_before_ray_starts(tmp_path, capsys):
 
 
 def test_replicas_scale_with_the_config_as_the_batch_actors_do():
-    from conftest import REPO
+    from serve_testkit import REPO
     from pipeline.config import load_config
     from pipeline.serve import absolute_paths, deployment_options
 
