@@ -46,11 +46,58 @@ from pipeline.models import load_models, model_ref
 from pipeline.prompts import PromptBuilder
 from pipeline.write import OUTPUT_SCHEMA
 
-_STAT_KEYS = (
+#: the per-row statistics of the output (OUTPUT_SCHEMA columns; RowStats.to_dict() keys)
+STAT_KEYS = (
     "prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
     "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
     "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s", "draft_steps", "tokens_per_step",
 )
+
+
+@dataclasses.dataclass
+class LoadedEngine:
+    """A job config's model pair and engine, as one process (an actor, a Serve replica) holds them.
+
+    Attributes:
+        models: the loaded :class:`pipeline.models.LoadedModels`.
+        engine: the :class:`pipeline.engine.SpeculativeEngine` of ``method:``.
+        settings: the job's ``generation:`` with the target checkpoint's defaults filled in,
+            as the engine resolves them.
+        load_time_s: seconds spent loading the weights.
+    """
+
+    models: Any
+    engine: Any
+    settings: Any
+    load_time_s: float
+
+
+def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int | None = None) -> LoadedEngine:
+    """Load ``cfg.models`` (on ``device``; default ``cuda`` when visible, else ``cpu``) and
+    build the engine of ``cfg.method`` with ``max_batch_size`` rows in flight (default
+    ``compute.max_batch_size``) and ``compute.adaptive_draft_length``.
+
+    Raises:
+        ValueError: the engine refuses the model pair or a setting (the message names it).
+    """
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.engine.settings import resolve_generation_settings
+
+    t0 = time.perf_counter()
+    models = load_models(cfg.models, cfg.uses_drafter, device)
+    load_time_s = time.perf_counter() - t0
+    engine = SpeculativeEngine(
+        models.target,
+        cfg.method.speculation_settings(),
+        drafter=models.drafter,
+        tokenizer=models.tokenizer,
+        drafter_tokenizer=models.drafter_tokenizer,
+        max_batch_size=max_batch_size or cfg.compute.max_batch_size,
+        adaptive_draft_length=cfg.compute.adaptive_draft_length,
+    )
+    settings = resolve_generation_settings(cfg.generation.generation_settings(), models.target.generation_config,
+                                           engine.target_vocab)
+    return LoadedEngine(models, engine, settings, load_time_s)
 
 
 class GenerateActor:
@@ -62,34 +109,18 @@ class GenerateActor:
     """
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None):
-        from pipeline.engine import SpeculativeEngine
-        from pipeline.engine.settings import resolve_generation_settings
-
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
-        _limit_cpu_threads(self.cfg.compute.cpus_per_actor)
-        t0 = time.perf_counter()
-        self.models = load_models(self.cfg.models, self.cfg.uses_drafter, device)
-        self.load_time_s = time.perf_counter() - t0
-        self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
         compute = self.cfg.compute
-        self.engine = SpeculativeEngine(
-            self.models.target,
-            self.cfg.method.speculation_settings(),
-            drafter=self.models.drafter,
-            tokenizer=self.models.tokenizer,
-            drafter_tokenizer=self.models.drafter_tokenizer,
-            max_batch_size=compute.max_batch_size,
-            adaptive_draft_length=compute.adaptive_draft_length,
-        )
-        # the job's settings with the checkpoint's defaults filled in, as the engine resolves them
-        self.settings = resolve_generation_settings(
-            self.cfg.generation.generation_settings(), self.models.target.generation_config, self.engine.target_vocab
-        )
+        limit_cpu_threads(compute.cpus_per_actor)
+        loaded = load_engine(self.cfg, device, compute.max_batch_size)
+        self.models, self.engine, self.settings = loaded.models, loaded.engine, loaded.settings
+        self.load_time_s = loaded.load_time_s
+        self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed
         self.plain_engine = None
         if self.audit_fraction > 0:
-            from pipeline.engine import SpeculationSettings
+            from pipeline.engine import SpeculationSettings, SpeculativeEngine
 
             self.plain_engine = SpeculativeEngine(
                 self.models.target, SpeculationSettings(method="plain"), tokenizer=self.models.tokenizer,
@@ -136,7 +167,7 @@ class GenerateActor:
                 out["error"] = res.error
                 continue
             stats = res.stats.to_dict()
-            out.update({k: stats.get(k) for k in _STAT_KEYS})
+            out.update({k: stats.get(k) for k in STAT_KEYS})
             out["finish_reason"] = res.finish_reason
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             out["error"] = None
@@ -216,7 +247,7 @@ def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
-def _limit_cpu_threads(cpus: float) -> None:
+def limit_cpu_threads(cpus: float) -> None:
     """Use as many torch intra-op threads as CPUs Ray gave this actor: more threads than
     cores makes small-batch decoding many times slower on a shared machine."""
     import torch

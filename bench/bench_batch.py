@@ -112,20 +112,13 @@ def ours(engine, prompts, max_new_tokens, batch):
     return results, time.perf_counter() - t0
 
 
-def near_tie_check(target, prompts, outputs, reference, threshold=1e-3):
-    """Rows that differ from the reference, and whether each first differs at a near-tie
-    (the target's top-2 logit gap there below ``threshold``)."""
-    differ, ties = 0, 0
-    for p, out, ref in zip(prompts, outputs, reference):
-        if out == ref:
-            continue
-        differ += 1
-        i = next(j for j in range(min(len(out), len(ref))) if out[j] != ref[j])
-        with torch.no_grad():
-            logits = target(torch.tensor([p + ref[:i]])).logits[0, -1].float()
-        top = logits.topk(2).values
-        ties += float(top[0] - top[1]) < threshold
-    return differ, ties
+def near_tie_check(target, prompts, outputs, reference):
+    """Rows that differ from the reference, and how many first differ at a near-tie
+    (pipeline/engine/exactness.py)."""
+    from pipeline.engine.exactness import compare_rows, summarize
+
+    s = summarize(compare_rows(target, prompts, outputs, reference))
+    return s["differ"], s["differ_at_near_tie"]
 
 
 def main() -> None:

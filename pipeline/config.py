@@ -1,6 +1,6 @@
 """Job configuration: YAML files validated on load, with command-line overrides.
 
-A job config has eight sections (see ``configs/summarize.yaml`` for a commented one)::
+A job config has eleven sections (see ``configs/summarize.yaml`` for a commented one)::
 
     input:      uri, format, id_column, text_column
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
@@ -20,6 +20,8 @@ A job config has eight sections (see ``configs/summarize.yaml`` for a commented 
                 connect_timeout_s, read_timeout_s, deadline_s
     audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
     ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
+    serve:      host, port, num_replicas, gpus_per_replica, cpus_per_replica, max_batch_size,
+                max_ongoing_requests, model_name, chat_template (the online server, jobs/serve.py)
 
 Every section refuses unknown keys and bad values; :class:`ConfigError` names the
 offending key as a dotted path (``generation.temperature``).  Method parameters are a
@@ -357,6 +359,50 @@ class RayConfig(_Section):
     address: str | None = None
 
 
+class ServeConfig(_Section):
+    """The online server (``jobs/serve.py``, ``serve run pipeline.serve:app_builder``): a Ray
+    Serve application with an OpenAI-style API on the job's model pair and method.
+
+    Each of ``num_replicas`` replicas loads the pair once, with ``gpus_per_replica`` GPUs
+    and ``cpus_per_replica`` CPUs (unset: ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``,
+    as the batch job's actors), and decodes up to ``max_batch_size`` requests in one batch
+    (unset: ``compute.max_batch_size``); more wait in its queue.  ``max_ongoing_requests``
+    is Ray Serve's limit of requests a replica holds (in flight plus queued) before Serve
+    queues them at the proxy.  ``host``/``port``: where Serve's HTTP proxy listens.
+    ``model_name``: the ``model`` clients send and ``/v1/models`` lists (unset: ``models.target``
+    as written).  ``chat_template``: a Jinja chat template, or the path of a file holding one,
+    for ``/v1/chat/completions`` when the target's tokenizer has none (unset: the tokenizer's).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    gpus_per_replica: float | None = Field(None, ge=0)
+    cpus_per_replica: float | None = Field(None, gt=0)
+    max_batch_size: int | None = Field(None, ge=1)
+    max_ongoing_requests: int = Field(64, ge=1)
+    model_name: str | None = None
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is None or "{{" in v or "{%" in v:
+            return v
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(f"serve.chat_template {v!r} is neither a Jinja template nor a file")
+        return v
+
+    def chat_template_text(self, base: Path | None = None) -> str | None:
+        """The template itself (read from its file, relative to ``base`` or the working
+        directory, when the key names one)."""
+        v = self.chat_template
+        if v is None or "{{" in v or "{%" in v:
+            return v
+        return ((base or Path.cwd()) / Path(v).expanduser()).read_text()
+
+
 class JobConfig(_Section):
     input: InputConfig = Field(default_factory=InputConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -368,6 +414,7 @@ class JobConfig(_Section):
     retry: RetryConfig = Field(default_factory=RetryConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _drafter(self) -> "JobConfig":

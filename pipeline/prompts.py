@@ -34,6 +34,25 @@ def fill_template(text: Any, task: TaskConfig) -> str:
     return task.template.format(text=text, source_lang=task.source_lang or "", target_lang=task.target_lang or "")
 
 
+def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None) -> str:
+    """Chat messages (``[{"role": ..., "content": ...}, ...]``) -> the prompt string, rendered
+    with ``chat_template`` (default: the tokenizer's) and ``add_generation_prompt=True``.
+    Its special tokens come from the template: tokenize it with ``add_special_tokens=False``.
+
+    Raises:
+        ValueError: no template (the tokenizer has none and none is given), or the template
+            refuses the messages (e.g. a role it does not know).
+    """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the target's tokenizer has no chat template")
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # jinja2 errors, raise_exception() in templates
+        raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+
+
 class PromptBuilder:
     """Turns texts into ``(prompt_string, token_ids)`` for one tokenizer.
 
@@ -58,7 +77,7 @@ class PromptBuilder:
         if self.task.system_prompt:
             messages.append({"role": "system", "content": self.task.system_prompt})
         messages.append({"role": "user", "content": content})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, messages)
 
     def build(self, text: Any) -> tuple[str, list[int]]:
         """``(prompt, ids)``: ids is a list of int token ids of the target tokenizer.

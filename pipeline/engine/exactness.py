@@ -61,3 +61,8 @@ def summarize(checks: list[RowCheck]) -> dict:
         "differ_at_near_tie": sum(c.near_tie for c in differ),
         "largest_gap": max((c.gap for c in differ), default=None),
     }
+
+
+def first_difference_is_near_tie(target, prompt: list[int], out: list[int], ref: list[int]) -> bool:
+    """Whether ``out`` equals ``ref`` or first differs from it at a near-tie."""
+    return compare_rows(target, [prompt], [out], [ref])[0].near_tie

@@ -8,7 +8,9 @@ committed block of tokens (streaming) and one that receives the final result.
 
 Rows whose settings differ beyond :data:`pipeline.engine.batch.PER_ROW_FIELDS` (another
 temperature, another set of logits processors) share the slots and caches but step in
-separate groups, one target pass per group.
+separate groups, one target pass per group.  A row may draft fewer tokens than the
+engine's draft length (``draft_length`` at submission), and a row may be cancelled (a
+client went away): it leaves at the next step with finish reason ``"cancelled"``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable
 
 from .batch import PER_ROW_FIELDS, RowState
 from .settings import GenerationSettings, resolve_generation_settings
-from .stats import GenerationResult
+from .stats import GenerationResult, RowStats
 
 #: receives each committed block of a row's tokens (ids), in order
 OnTokens = Callable[[list[int]], None]
@@ -37,6 +39,7 @@ class _Waiting:
     settings: GenerationSettings
     on_tokens: OnTokens | None
     on_done: OnDone | None
+    draft_length: int | None = None
 
 
 def group_key(settings: GenerationSettings) -> str:
@@ -67,23 +70,44 @@ class Scheduler:
         self._active: list[RowState] = []
         self._callbacks: dict[int, tuple[OnTokens | None, OnDone | None]] = {}
         self._tickets = itertools.count()
+        self._cancelled: set[int] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt, settings: GenerationSettings | None = None, on_tokens: OnTokens | None = None,
-               on_done: OnDone | None = None, resolved: bool = False) -> int:
+               on_done: OnDone | None = None, resolved: bool = False, draft_length: int | None = None) -> int:
         """Queue a row; returns its ticket (results of :meth:`step` carry it).
 
+        Args:
+            prompt: ``list[int]`` or an int64 tensor of token ids.
+            settings: the row's :class:`GenerationSettings` (resolved against the target's
+                ``generation_config`` unless ``resolved``).
+            on_tokens: called (on the stepping thread) with each committed block of ids.
+            on_done: called (on the stepping thread) with the row's final result.
+            draft_length: the row's draft length ``k``, 1 .. the engine's (default: the
+                engine's); with the ``heuristic`` schedule, its starting length.
+
         Raises:
-            ValueError: a bad setting (the row is not queued).
+            ValueError: a bad setting or draft length (the row is not queued).
         """
         if not resolved:
             settings = resolve_generation_settings(settings, self.engine.target.generation_config,
                                                    self.engine.target_vocab)
+        if draft_length is not None:
+            top = self.engine.spec.draft_length
+            if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 1 <= draft_length <= top:
+                raise ValueError(f"draft_length must be an integer in 1 .. {top} (the engine's), got {draft_length!r}")
         with self._lock:
             ticket = next(self._tickets)
-            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done))
+            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done, draft_length))
         return ticket
+
+    def cancel(self, ticket: int) -> None:
+        """Stop a row (thread-safe): a waiting row is dropped, a row in flight leaves at the
+        next step; either way ``on_done`` gets a result with finish reason ``"cancelled"``
+        and the tokens committed so far.  Unknown or finished tickets are ignored."""
+        with self._lock:
+            self._cancelled.add(ticket)
 
     @property
     def busy(self) -> bool:
@@ -99,6 +123,19 @@ class Scheduler:
         return the ``(ticket, result)`` of the rows that finished (or could not run)."""
         done: list[tuple[int, GenerationResult]] = []
         admitted: list[RowState] = []
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            kept = deque(w for w in self._waiting if w.ticket not in cancelled)
+            dropped = [w for w in self._waiting if w.ticket in cancelled]
+            self._waiting = kept
+        for w in dropped:
+            result = GenerationResult([], None, "cancelled", RowStats(prompt_tokens=0, finish_reason="cancelled"))
+            done.append((w.ticket, result))
+            if w.on_done is not None:
+                w.on_done(result)
+        for row in self._active:
+            if row.index in cancelled:
+                row.finish = "cancelled"
         while self._free:
             with self._lock:
                 if not self._waiting:
@@ -114,6 +151,8 @@ class Scheduler:
                 continue
             self._free.pop()
             row.on_tokens = w.on_tokens
+            if w.draft_length is not None:
+                row.k = w.draft_length
             self._callbacks[w.ticket] = (w.on_tokens, w.on_done)
             admitted.append(row)
         if admitted:
@@ -121,7 +160,8 @@ class Scheduler:
             self._active.extend(admitted)
         groups: dict[str, list[RowState]] = {}
         for row in self._active:
-            groups.setdefault(group_key(row.settings), []).append(row)
+            if row.finish is None:
+                groups.setdefault(group_key(row.settings), []).append(row)
         for rows in groups.values():
             self.engine._step(rows)
         still = []

@@ -94,8 +94,9 @@ class GenerationResult:
             the row, exactly what plain decoding emits.
         text: ``token_ids`` decoded with the target tokenizer (``None`` without one).
         finish_reason: ``"stop"`` (EOS or stop string), ``"length"`` (``max_new_tokens``)
-            or ``"context"`` (the target's context window is full); ``None`` when the
-            row failed.
+            or ``"context"`` (the target's context window is full); ``"cancelled"``
+            when :meth:`~pipeline.engine.scheduler.Scheduler.cancel` stopped it; ``None``
+            when the row failed.
         stats: the row's :class:`RowStats`.
         error: why the row could not run, as ``"ExceptionType: message"`` (``generate_batch``
             only; ``generate`` raises the ``ValueError``).

@@ -329,3 +329,40 @@ def test_scheduler_rows_join_mid_flight_stream_blocks_and_mix_settings():
         assert finals[i].token_ids == expected, i
         assert [t for b in blocks[i] for t in b] == expected  # streamed blocks add up to the output
         assert all(len(b) >= 1 for b in blocks[i]) and len(blocks[i]) == finals[i].stats.verify_steps
+
+
+def test_scheduler_row_draft_length_and_cancel():
+    """A row may draft fewer tokens than the engine (its output unchanged, its drafts no
+    longer than its own k); a cancelled row leaves at the next step with the tokens it
+    committed, and its slot takes the next row; bad draft lengths are refused."""
+    from pipeline.engine.scheduler import Scheduler
+
+    target = build("llama", seed=0)
+    drafter = perturbed_copy(target, 0.3)
+    spec = SpeculationSettings(method="draft_model", num_assistant_tokens=4)
+    engine = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=2, adaptive_draft_length=False)
+    settings = GenerationSettings(max_new_tokens=20)
+    prompts = [prompt_of(n, seed=n) for n in (6, 11, 4)]
+    expected = [engine.generate(p, settings).token_ids for p in prompts]
+
+    scheduler = Scheduler(engine)
+    finals: dict[int, object] = {}
+    tickets = [scheduler.submit(p, settings, draft_length=k, on_done=lambda r, i=i: finals.__setitem__(i, r))
+               for i, (p, k) in enumerate(zip(prompts, (1, None, 2)))]
+    scheduler.step()
+    scheduler.cancel(tickets[1])
+    while scheduler.busy:
+        scheduler.step()
+    assert finals[0].token_ids == expected[0] and finals[2].token_ids == expected[2]
+    assert len(finals[0].stats.drafted_per_position) == 1 and len(finals[2].stats.drafted_per_position) == 2
+    cancelled = finals[1]
+    assert cancelled.finish_reason == "cancelled" and 1 <= len(cancelled.token_ids) < len(expected[1])
+    assert cancelled.token_ids == expected[1][:len(cancelled.token_ids)]
+    # a waiting row cancelled before admission never runs
+    ticket = scheduler.submit(prompts[0], settings, on_done=lambda r: finals.__setitem__("w", r))
+    scheduler.cancel(ticket)
+    scheduler.step()
+    assert finals["w"].finish_reason == "cancelled" and finals["w"].token_ids == [] and not scheduler.busy
+    for bad in (0, 5, True, 2.0):
+        with pytest.raises(ValueError, match="draft_length"):
+            scheduler.submit(prompts[0], settings, draft_length=bad)

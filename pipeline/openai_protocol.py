@@ -1,0 +1,334 @@
+"""The OpenAI-style API of the online server: request models, their mapping to engine
+settings, and the response / stream-chunk shapes.
+
+Requests are pydantic models that refuse unknown fields; every refusal becomes an
+:class:`APIError` (HTTP 400) whose ``param`` names the field, in OpenAI's error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Fields (OpenAI's names): ``model``, ``prompt`` (a string, a list of token ids, or a list of
+either for several prompts: sent as is, no task template) or ``messages`` (rendered with
+the chat template), ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``seed``,
+``stop``, ``n``, ``stream``, ``stream_options.include_usage``, ``user`` (and for chat
+``max_completion_tokens``); OpenAI fields the server does not implement (``logprobs``,
+``echo``, ``presence_penalty``, ...) are accepted only at their no-op values.  Extensions, as
+vLLM accepts them: the other :class:`~pipeline.engine.GenerationSettings` fields under
+their own names (``top_k``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``,
+``bad_words_ids``, ``min_new_tokens``, ``suppress_tokens``), ``include_stop_str_in_output``,
+``add_special_tokens``, ``return_token_ids``, and the method's draft length
+(``num_assistant_tokens``, or ``prompt_lookup_num_tokens`` for ``prompt_lookup``: 1 ..
+the server's, a request may draft less, never more).
+
+A field a request leaves unset takes the job config's ``generation:`` value, then the
+target checkpoint's ``generation_config``, then the engine's default (as ``generate()``
+and vLLM's ``--generation-config auto``): with ``configs/summarize.yaml`` a request without
+``temperature`` is greedy and one without ``max_tokens`` gets 64 tokens.  ``seed`` is never
+taken from the job: a sampled request without one draws from a fresh generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import typing
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from pipeline.engine import GenerationSettings, RowStats
+
+#: GenerationSettings fields a request sets under an OpenAI name (or never)
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "do_sample": "temperature"}
+_NOT_PER_REQUEST = ("eos_token_id",)
+#: GenerationSettings fields a request may set under their own names (vLLM-style extensions)
+EXTRA_SAMPLING_FIELDS = tuple(
+    f.name for f in dataclasses.fields(GenerationSettings)
+    if f.name not in _OPENAI_NAMES and f.name not in _NOT_PER_REQUEST
+    and f.name not in ("temperature", "top_p", "seed")
+)
+#: the request field of each method's draft length
+DRAFT_LENGTH_FIELDS = ("num_assistant_tokens", "prompt_lookup_num_tokens")
+#: OpenAI fields the server does not implement, accepted only at values that change nothing
+#: (some clients always send them); any other value is a 400 naming the field
+NOOP_FIELDS = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP ``status`` with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _settings_fields() -> dict[str, Any]:
+    hints = typing.get_type_hints(GenerationSettings)
+    return {name: (hints[name], None) for name in EXTRA_SAMPLING_FIELDS}
+
+
+class _SamplingBase(_Strict):
+    """What both endpoints share: sampling, stopping, streaming, the draft length."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+    add_special_tokens: bool | None = None
+    return_token_ids: bool = False
+    num_assistant_tokens: int | None = None
+    prompt_lookup_num_tokens: int | None = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator(*NOOP_FIELDS, mode="before")
+    @classmethod
+    def _noop(cls, v, info):
+        if v not in NOOP_FIELDS[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by this server (only its no-op value "
+                             f"{NOOP_FIELDS[info.field_name][1]!r})")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if not 1 <= v <= 16:
+            raise ValueError(f"n must be in 1 .. 16, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and (math.isnan(v) or math.isinf(v) or v < 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if not stops or not all(stops):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        return stops
+
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])
+
+    def generation_settings(self, defaults: GenerationSettings) -> GenerationSettings:
+        """``defaults`` (the job's resolved settings) with this request's fields set, not yet
+        validated.  ``temperature`` 0 is greedy, > 0 samples at that temperature."""
+        s = dataclasses.replace(defaults, seed=self.seed)
+        budget = self.max_tokens if self.max_tokens is not None else getattr(self, "max_completion_tokens", None)
+        if budget is not None:
+            s.max_new_tokens = budget
+        if self.temperature is not None:
+            s.do_sample = self.temperature > 0
+            s.temperature = self.temperature if self.temperature > 0 else defaults.temperature
+        if self.top_p is not None:
+            s.top_p = self.top_p
+        if self.stop is not None:
+            s.stop_strings = self.stop_list()
+        for name in EXTRA_SAMPLING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(s, name, value)
+        return s
+
+
+_Sampling = create_model("_Sampling", __base__=_SamplingBase, __module__=__name__, **_settings_fields())
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: Any = Field(..., description="a string, a list of token ids, or a list of either (several prompts)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        def one(p):
+            if isinstance(p, str):
+                return p
+            if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                return p
+            return None
+
+        if one(v) is not None:
+            return [v]
+        if isinstance(v, list) and v and all(one(p) is not None for p in v):
+            return v
+        raise ValueError("prompt must be a string, a non-empty list of token ids, or a non-empty list of either")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        d = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    #: OpenAI's newer name of ``max_tokens`` for chat (``max_tokens`` wins when both are set)
+    max_completion_tokens: int | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError(f"max_completion_tokens must be a positive integer, got {v}")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v):
+        if not v:
+            raise ValueError("messages must hold at least one message")
+        return v
+
+
+_FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) \
+    | set(ChatMessage.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)
+
+
+def _param(loc: tuple, unknown: bool = False) -> str | None:
+    """A pydantic error location as OpenAI's ``param``: ``messages[0].role``; union tags
+    (``str``, ``list[TextPart]``) are left out.  ``unknown``: the last part is a field the
+    request should not have, named as sent."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELD_NAMES or (unknown and i == len(loc) - 1):
+            out += f".{part}" if out else str(part)
+        else:
+            break
+    return out or None
+
+
+def parse_request(model: type[BaseModel], body: bytes):
+    """Validate a JSON body; raises :class:`APIError` (400) naming the first bad field."""
+    try:
+        return model.model_validate_json(body or b"")
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid" or (first["type"] == "model_type" and not first["loc"]):
+            raise APIError(f"the request body is not a JSON object: {first['msg']}") from None
+        messages = []
+        for err in errors:
+            param = _param(err["loc"], err["type"] == "extra_forbidden")
+            if err["type"] == "extra_forbidden":
+                messages.append(f"unknown field {param!r}")
+            else:
+                msg = err["msg"].removeprefix("Value error, ")
+                messages.append(msg if param and msg.startswith(param.split("[")[0]) else f"{param}: {msg}")
+        unique = list(dict.fromkeys(messages))
+        raise APIError("; ".join(unique[:3]), param=_param(first["loc"], first["type"] == "extra_forbidden")) from None
+
+
+def settings_error(e: ValueError) -> APIError:
+    """A :class:`GenerationSettings` refusal as a 400 naming the request's field."""
+    message = str(e)
+    name = message.split(" ", 1)[0]
+    param = _OPENAI_NAMES.get(name, name)
+    if param != name:
+        message = param + message[len(name):]
+    return APIError(message, param=param if param in _FIELD_NAMES else None)
+
+
+# ---------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason in OpenAI's words: ``context`` (the window is full) is
+    ``length``; ``cancelled`` is vLLM's ``abort``."""
+    return {"context": "length", "cancelled": "abort"}.get(reason, reason)
+
+
+#: RowStats keys of the ``speculation`` object (the Parquet's statistics, counts in usage left out)
+SPECULATION_KEYS = (
+    "acceptance_rate", "mean_accepted_length", "tokens_per_step", "draft_tokens", "accepted_tokens",
+    "draft_steps", "verify_steps", "drafted_per_position", "accepted_per_position",
+    "prefill_time_s", "draft_time_s", "verify_time_s", "wall_time_s",
+)
+
+
+def speculation(stats: RowStats, method: str, draft_length: int | None) -> dict[str, Any]:
+    """The ``speculation`` object: the method, the draft length ``k`` the row started with
+    (null for ``plain``), and the row statistics (``shared/METRICS.md``; rates null when
+    nothing was drafted)."""
+    d = stats.to_dict()
+    return {"method": method, "draft_length": draft_length, **{k: d[k] for k in SPECULATION_KEYS}}
+
+
+def combine_stats(stats: list[RowStats]) -> RowStats:
+    """Several rows' statistics as one (counts and times summed; rates follow)."""
+    total = RowStats()
+    for s in stats:
+        for f in dataclasses.fields(RowStats):
+            a, b = getattr(total, f.name), getattr(s, f.name)
+            if isinstance(a, list):
+                width = max(len(a), len(b))
+                setattr(total, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)])
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                setattr(total, f.name, a + b)
+    return total
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    return int(time.time())
