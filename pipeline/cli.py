@@ -52,6 +52,7 @@ _FLAGS = {
     "num_actors": "compute.num_actors",
     "gpus_per_actor": "compute.gpus_per_actor",
     "rows_per_batch": "compute.rows_per_batch",
+    "max_batch_size": "compute.max_batch_size",
     "run_date": "output.run_date",
     "audit_fraction": "audit.fraction",
 }
@@ -73,7 +74,8 @@ def build_parser(task: str, default_config: str) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
     p.add_argument("--num-actors", type=int, help="compute.num_actors")
     p.add_argument("--gpus-per-actor", type=float, help="compute.gpus_per_actor")
-    p.add_argument("--rows-per-batch", type=int, help="compute.rows_per_batch")
+    p.add_argument("--rows-per-batch", type=int, help="compute.rows_per_batch (rows per actor call)")
+    p.add_argument("--max-batch-size", type=int, help="compute.max_batch_size (rows in flight per actor)")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh: delete the output's committed shards first (output.overwrite); "
                         "default: resume, skipping shards committed by an earlier run")
