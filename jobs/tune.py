@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pilot-batch-size", type=int, default=8, help="rows in flight in the pilot runs (default 8)")
     p.add_argument("--repeats", type=int, default=3, help="timings per profiled figure, median kept (default 3)")
     p.add_argument("--confirm", type=int, default=3, help="top candidates confirmed on the pilot rows (default 3)")
+    p.add_argument("--confirm-rows", type=int, default=32,
+                   help="pilot rows each confirmation run decodes (default 32)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time (default) or the process's CPU time (steadier on a shared CPU machine)")
     return p
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     options = TuneOptions(rows=args.rows, batch_sizes=tuple(args.batch_sizes),
                           methods=tuple(args.methods) if args.methods else None, max_draft=args.max_draft,
                           pilot_batch_size=args.pilot_batch_size, repeats=args.repeats, confirm=args.confirm,
-                          clock=args.clock)
+                          confirm_rows=args.confirm_rows, clock=args.clock)
     try:
         cfg = load_config(args.config, args.overrides)
         raw = read_raw_config(args.config, args.overrides)

@@ -89,12 +89,17 @@ def _sync(device) -> None:
 
 
 def _admit(engine, prompts: list[list[int]], rows: int, settings: GenerationSettings) -> tuple[list[RowState], float, float]:
-    """``rows`` rows (prompts reused in turn) admitted into slots ``0 .. rows-1``; returns
-    them with the proposer's admission and the target's prefill, seconds per prompt token."""
+    """``rows`` rows (prompts reused in turn) admitted; returns them with the proposer's
+    admission and the target's prefill, seconds per prompt token."""
     runner = engine._bind(rows)
     states = []
     for i in range(rows):
-        row = engine._new_row(i, prompts[i % len(prompts)], settings, i, runner.device)
+        # Row 0 in slot 0, the others in slots from the top down: one row reads its cache
+        # in place, as a lone row does, while the first B > 1 rows are never slots 0 .. B-1,
+        # so their keys and values are gathered as in a running batch, whose rows come and
+        # go in any order (see SlotLayer.update).
+        slot = 0 if i == 0 else rows - i
+        row = engine._new_row(i, prompts[i % len(prompts)], settings, slot, runner.device)
         if isinstance(row, str):
             raise ValueError(f"cannot profile with prompt {i % len(prompts)}: {row}")
         states.append(row)

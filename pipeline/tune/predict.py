@@ -146,8 +146,10 @@ class MethodModel:
 class Candidate:
     """One setting of the job: method, draft length ``k``, batch size, rows per batch.
 
-    ``predicted_*`` come from :func:`predict_seconds` over the pilot rows; ``measured_*``
-    from a confirmation run on them (``None`` until confirmed)."""
+    ``predicted_*`` come from :func:`predict_seconds` over the pilot rows, times the
+    calibration against the pilot runs (``model_tokens_per_s``: without it);
+    ``measured_*`` from a confirmation run on the first pilot rows (``None`` until
+    confirmed), whose own prediction is ``confirm_predicted_tokens_per_s``."""
 
     method: str
     k: int
@@ -155,6 +157,8 @@ class Candidate:
     rows_per_batch: int
     predicted_s: float = 0.0
     predicted_tokens_per_s: float = 0.0
+    model_tokens_per_s: float = 0.0
+    confirm_predicted_tokens_per_s: float | None = None
     measured_s: float | None = None
     measured_tokens_per_s: float | None = None
     same_output: int | None = None
@@ -210,7 +214,20 @@ def rank_candidates(models: list[MethodModel], rows: list[PilotRow], batch_sizes
             per_batch = default_rows_per_batch(b, configured_rows_per_batch)
             for k in (range(1, m.k_max + 1) if m.method != "plain" else [0]):
                 s = predict_seconds(m, rows, k, b, per_batch)
-                out.append(Candidate(m.method, k, b, per_batch, predicted_s=s,
-                                     predicted_tokens_per_s=total_tokens / s if s else 0.0, params=dict(m.params)))
+                rate = total_tokens / s if s else 0.0
+                out.append(Candidate(m.method, k, b, per_batch, predicted_s=s, predicted_tokens_per_s=rate,
+                                     model_tokens_per_s=rate, params=dict(m.params)))
     out.sort(key=lambda c: (-c.predicted_tokens_per_s, c.k, c.batch_size))
     return out
+
+
+def calibrate(candidates: list[Candidate], predicted_s: float, measured_s: float) -> float:
+    """Scale every candidate's prediction by ``measured_s / predicted_s`` (the pilot runs'
+    measured seconds over their predicted ones: what the model leaves out, such as the
+    skew of step times that medians hide, measured on the same rows at the same time).
+    The ranking does not change.  Returns the factor."""
+    factor = measured_s / predicted_s if predicted_s > 0 and measured_s > 0 else 1.0
+    for c in candidates:
+        c.predicted_s *= factor
+        c.predicted_tokens_per_s /= factor
+    return factor

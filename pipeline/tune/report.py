@@ -44,14 +44,15 @@ def plot_predicted_vs_measured(result: TuneResult, path: Path) -> None:
     xs = range(len(cands))
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(cands)), 4))
     w = 0.38
-    b1 = ax.bar([x - w / 2 for x in xs], [c.predicted_tokens_per_s for c in cands], w, label="predicted")
-    b2 = ax.bar([x + w / 2 for x in xs], [c.measured_tokens_per_s or 0.0 for c in cands], w, label="measured (pilot rows)")
+    b1 = ax.bar([x - w / 2 for x in xs], [c.confirm_predicted_tokens_per_s or c.predicted_tokens_per_s for c in cands],
+                w, label="predicted")
+    b2 = ax.bar([x + w / 2 for x in xs], [c.measured_tokens_per_s or 0.0 for c in cands], w, label="measured")
     ax.bar_label(b1, fmt="%.1f")
     ax.bar_label(b2, fmt="%.1f")
     ax.set_xticks(list(xs), labels, rotation=12)
     ax.set_ylabel(f"tokens / s ({result.options.clock} clock)")
-    ax.set_title("Confirmed candidates: predicted vs measured (* = chosen)")
-    ax.set_ylim(0, 1.25 * max([1.0] + [c.predicted_tokens_per_s for c in cands]
+    ax.set_title("Confirmation runs: predicted vs measured tokens/s (* = chosen)")
+    ax.set_ylim(0, 1.25 * max([1.0] + [c.confirm_predicted_tokens_per_s or c.predicted_tokens_per_s for c in cands]
                               + [c.measured_tokens_per_s or 0 for c in cands]))
     ax.legend(loc="upper right")
     fig.tight_layout()
@@ -133,11 +134,13 @@ PLOTS = {
 
 def _candidate_row(rank: int | str, c: Candidate, result: TuneResult) -> str:
     model = next(m for m in result.models if m.method == c.method)
-    ratio = c.measured_tokens_per_s / c.predicted_tokens_per_s if c.measured_tokens_per_s else None
+    ratio = (c.measured_tokens_per_s / c.confirm_predicted_tokens_per_s
+             if c.measured_tokens_per_s and c.confirm_predicted_tokens_per_s else None)
     same = f"{c.same_output}/{c.compared_rows}" if c.same_output is not None else "–"
     chosen = " **chosen**" if c is result.chosen else ""
     return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {model.expected_tokens(c.k):.2f} | "
-            f"{c.predicted_tokens_per_s:.1f} | {_fmt(c.measured_tokens_per_s)} | {_fmt(ratio, '.2f')} | {same} |")
+            f"{c.model_tokens_per_s:.1f} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
+            f"{_fmt(c.measured_tokens_per_s)} | {_fmt(ratio, '.2f')} | {same} |")
 
 
 def summary(result: TuneResult) -> dict[str, Any]:
@@ -153,6 +156,8 @@ def summary(result: TuneResult) -> dict[str, Any]:
         "compute": {k: result.tuned_config["compute"][k] for k in ("max_batch_size", "rows_per_batch",
                                                                    "adaptive_draft_length")},
         "predicted_tokens_per_s": c.predicted_tokens_per_s,
+        "model_tokens_per_s": c.model_tokens_per_s,
+        "calibration": result.calibration,
         "measured_tokens_per_s_pilot": c.measured_tokens_per_s,
         "plain_predicted_tokens_per_s": base.predicted_tokens_per_s if base else None,
         "plain_measured_tokens_per_s_pilot": base.measured_tokens_per_s if base else None,
@@ -208,9 +213,12 @@ def markdown(result: TuneResult) -> str:
               "Every (method, k, B) was predicted; the top ones (and the best plain one) were confirmed on the pilot "
               "rows as the actor runs them, and the fastest measured was chosen. E(k) = expected tokens per row per "
               "step.", "",
-              "| rank | candidate | rows/batch | E(k) | predicted tokens/s | measured tokens/s | measured / predicted "
-              "| same output as pilot |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              f"The model's figures are scaled by {result.calibration:.3f}, the pilot runs' measured time over the "
+              "model's prediction of them (same rows, same minutes); confirmation runs decode the first "
+              f"{result.options.confirm_rows} pilot rows, and their prediction is for those rows.", "",
+              "| rank | candidate | rows/batch | E(k) | model tokens/s | predicted tokens/s | predicted, confirmation "
+              "rows | measured, confirmation rows | measured / predicted | same output as pilot |",
+              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     shown = result.candidates[:10]
     for i, cand in enumerate(result.candidates):
         if cand in shown or cand in result.confirmed:
@@ -262,7 +270,10 @@ def markdown(result: TuneResult) -> str:
               "The pilot rows are replayed through the actor's schedule (batches of rows_per_batch rows, B in "
               "flight, ⌈N_r / E(k)⌉ steps per row, rows draining at the end of each batch), each row also paying "
               "its measured prefill, its drafter admission and the per-row work outside the steps; predicted "
-              "tokens/s = Σ new tokens / Σ seconds (`pipeline/tune/predict.py`).", ""]
+              "tokens/s = Σ new tokens / Σ seconds (`pipeline/tune/predict.py`). The same replay of each pilot run "
+              f"(its method at its longest draft, {result.options.pilot_batch_size} rows in flight) against the "
+              f"measured pilot time gives the calibration factor ({result.calibration:.3f}) applied to every "
+              "candidate.", ""]
     if result.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     return "\n".join(lines)
@@ -316,6 +327,7 @@ def write_outputs(result: TuneResult, out_dir: str | Path) -> dict[str, Path]:
 def _cand(c: Candidate) -> dict[str, Any]:
     return {"label": c.label, "method": c.method, "k": c.k, "batch_size": c.batch_size,
             "rows_per_batch": c.rows_per_batch, "predicted_s": c.predicted_s,
-            "predicted_tokens_per_s": c.predicted_tokens_per_s, "measured_s": c.measured_s,
+            "predicted_tokens_per_s": c.predicted_tokens_per_s, "model_tokens_per_s": c.model_tokens_per_s,
+            "confirm_predicted_tokens_per_s": c.confirm_predicted_tokens_per_s, "measured_s": c.measured_s,
             "measured_tokens_per_s": c.measured_tokens_per_s, "same_output": c.same_output,
             "compared_rows": c.compared_rows, "params": c.params}

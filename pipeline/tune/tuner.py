@@ -37,7 +37,15 @@ from pipeline.engine import SpeculationSettings, SpeculativeEngine
 from pipeline.engine.profile import EngineProfile, profile_engine
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.tune.measure import PilotInput, PilotRun, measure_candidate, read_pilot, row_settings, run_pilot
-from pipeline.tune.predict import Candidate, MethodModel, PilotRow, line_fit, rank_candidates
+from pipeline.tune.predict import (
+    Candidate,
+    MethodModel,
+    PilotRow,
+    calibrate,
+    line_fit,
+    predict_seconds,
+    rank_candidates,
+)
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -92,6 +100,7 @@ class TuneOptions:
         pilot_batch_size: rows in flight in the pilot runs (acceptance does not depend on it).
         repeats: timings per profiled figure (median kept).
         confirm: top candidates confirmed on the pilot rows (the best plain one is added).
+        confirm_rows: the first pilot rows a confirmation run decodes (short runs).
         clock: ``wall`` or ``cpu`` (module docstring).
     """
 
@@ -102,6 +111,7 @@ class TuneOptions:
     pilot_batch_size: int = 8
     repeats: int = 3
     confirm: int = 3
+    confirm_rows: int = 32
     clock: str = "wall"
 
 
@@ -126,6 +136,7 @@ class TuneResult:
     machine: dict[str, Any]
     notes: list[str]
     num_actors: int = 1
+    calibration: float = 1.0
     mismatches: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -244,8 +255,8 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     options = options or TuneOptions()
     if options.clock not in CLOCKS:
         raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {options.clock!r}")
-    if options.rows < 1 or options.repeats < 1 or options.pilot_batch_size < 1 or options.confirm < 0:
-        raise ConfigError("--rows, --repeats and --pilot-batch-size must be >= 1 and --confirm >= 0")
+    if min(options.rows, options.repeats, options.pilot_batch_size, options.confirm_rows) < 1 or options.confirm < 0:
+        raise ConfigError("--rows, --repeats, --pilot-batch-size and --confirm-rows must be >= 1 and --confirm >= 0")
     if not options.batch_sizes or any(b < 1 for b in options.batch_sizes):
         raise ConfigError(f"batch sizes must be positive integers, got {list(options.batch_sizes)}")
     clock = CLOCKS[options.clock]
@@ -332,6 +343,13 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     stage("profile")
 
     candidates = rank_candidates(models, rows, list(options.batch_sizes), cfg.compute.rows_per_batch)
+    by_model = {m.method: m for m in models}
+    build_s = sum(pilot.build_s[i] for i in ok)
+    pilot_predicted = sum(predict_seconds(by_model[r.method], rows, r.k, r.batch_size, len(rows))
+                          for r in runs if r.method in by_model)
+    pilot_measured = sum(r.seconds + build_s for r in runs if r.method in by_model)
+    factor = calibrate(candidates, pilot_predicted, pilot_measured)
+    log(f"calibration: the pilot runs took {factor:.2f}x the model's prediction")
     stage("predict")
 
     confirmed = candidates[: options.confirm]
@@ -339,16 +357,19 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     if plain is not None and plain not in confirmed:
         confirmed.append(plain)
     by_name = {c.method: c for c in choices}
-    build_s = sum(pilot.build_s[i] for i in ok)
+    subset = ok[: options.confirm_rows]
     for cand in confirmed:
         engine = _engine(by_name[cand.method], cand.k, cand.batch_size, loaded, clock)
-        seconds, results = measure_candidate(engine, [pilot.prompts[i] for i in ok], [settings[i] for i in ok],
-                                             cand.batch_size, cand.rows_per_batch, clock)
-        cand.measured_s = seconds + build_s
+        seconds, results = measure_candidate(engine, [pilot.prompts[i] for i in subset],
+                                             [settings[i] for i in subset], cand.batch_size, cand.rows_per_batch, clock)
+        cand.measured_s = seconds + sum(pilot.build_s[i] for i in subset)
         cand.measured_tokens_per_s = sum(r.stats.new_tokens for r in results if r.error is None) / cand.measured_s
+        part = rows[: len(subset)]
+        cand.confirm_predicted_tokens_per_s = sum(r.new_tokens for r in part) / (
+            factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
         if not generation.do_sample:
-            cand.compared_rows = len(ok)
-            cand.same_output = sum(r.token_ids == reference[i].token_ids for r, i in zip(results, ok))
+            cand.compared_rows = len(subset)
+            cand.same_output = sum(r.token_ids == reference[i].token_ids for r, i in zip(results, subset))
         log(f"confirm {cand.label}: predicted {cand.predicted_tokens_per_s:.1f}, measured "
             f"{cand.measured_tokens_per_s:.1f} tokens/s")
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
@@ -362,7 +383,8 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     return TuneResult(config_path=config_path, options=options, chosen=chosen, candidates=candidates,
                       confirmed=confirmed, models=models, choices=choices, pilots=pilots, profiles=profiles,
                       pilot=pilot, pilot_rows=rows, tuned_config=tuned, timings=timings, wall_timings=wall_timings,
-                      machine=machine, notes=notes, num_actors=cfg.compute.num_actors, mismatches=mismatches)
+                      machine=machine, notes=notes, num_actors=cfg.compute.num_actors, calibration=factor,
+                      mismatches=mismatches)
 
 
 def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -> dict[str, Any]:
