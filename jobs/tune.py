@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", type=int, default=3, help="top candidates confirmed on the pilot rows (default 3)")
     p.add_argument("--confirm-rows", type=int, default=32,
                    help="pilot rows each confirmation run decodes (default 32)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="do not try per-row adaptive draft lengths (heuristic schedule, confidence threshold)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time (default) or the process's CPU time (steadier on a shared CPU machine)")
     return p
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
     options = TuneOptions(rows=args.rows, batch_sizes=tuple(args.batch_sizes),
                           methods=tuple(args.methods) if args.methods else None, max_draft=args.max_draft,
                           pilot_batch_size=args.pilot_batch_size, repeats=args.repeats, confirm=args.confirm,
-                          confirm_rows=args.confirm_rows, clock=args.clock)
+                          confirm_rows=args.confirm_rows, adaptive=not args.no_adaptive,
+                          clock=args.clock)
     try:
         cfg = load_config(args.config, args.overrides)
         raw = read_raw_config(args.config, args.overrides)

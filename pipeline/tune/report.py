@@ -138,7 +138,10 @@ def _candidate_row(rank: int | str, c: Candidate, result: TuneResult) -> str:
              if c.measured_tokens_per_s and c.confirm_predicted_tokens_per_s else None)
     same = f"{c.same_output}/{c.compared_rows}" if c.same_output is not None else "–"
     chosen = " **chosen**" if c is result.chosen else ""
-    return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {model.expected_tokens(c.k):.2f} | "
+    adaptive = c.params.get("num_assistant_tokens_schedule", "constant") != "constant" or \
+        c.params.get("assistant_confidence_threshold")
+    e = "–" if adaptive else f"{model.expected_tokens(c.k):.2f}"
+    return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {e} | "
             f"{c.model_tokens_per_s:.1f} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
             f"{_fmt(c.measured_tokens_per_s)} | {_fmt(ratio, '.2f')} | {same} |")
 
@@ -223,6 +226,9 @@ def markdown(result: TuneResult) -> str:
     for i, cand in enumerate(result.candidates):
         if cand in shown or cand in result.confirmed:
             lines.append(_candidate_row(i + 1, cand, result))
+    for cand in result.confirmed:
+        if cand not in result.candidates:  # per-row adaptive variants: measured, not modelled
+            lines.append(_candidate_row("adaptive", cand, result))
     lines += ["", f"{len(result.candidates)} candidates in all.", "",
               "![predicted vs measured](tune_predicted_vs_measured.png)", "",
               "![predicted by draft length](tune_predicted_by_k.png)", ""]

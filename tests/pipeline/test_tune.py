@@ -163,11 +163,17 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     assert len(data["candidates"]) == 2 + 2 * 2 * 2
     assert {c["method"] for c in data["candidates"]} == {"plain", "draft_model", "prompt_lookup"}
     confirmed = data["confirmed"]
-    assert 2 <= len(confirmed) <= 3 and any(c["method"] == "plain" for c in confirmed)
+    fixed = [c for c in confirmed if not c["params"].get("assistant_confidence_threshold")
+             and c["params"].get("num_assistant_tokens_schedule", "constant") == "constant"]
+    assert 2 <= len(fixed) <= 3 and any(c["method"] == "plain" for c in fixed)
+    # per-row adaptive variants are measured only for a chosen model drafter
+    assert len(confirmed) - len(fixed) in (0, 2)
     for c in confirmed:  # confirmation runs are lossless and measured
         assert c["same_output"] == c["compared_rows"] == 10 and c["measured_tokens_per_s"] > 0
-    chosen = max(confirmed, key=lambda c: c["measured_tokens_per_s"])
-    assert headline["chosen"] == chosen["label"]
+    chosen = next(c for c in confirmed if c["label"] == headline["chosen"])
+    best = max(fixed, key=lambda c: c["measured_tokens_per_s"])
+    assert chosen is best or (chosen not in fixed and chosen["measured_tokens_per_s"] > 1.05 * best["measured_tokens_per_s"])
+    assert data["summary"]["calibration"] > 0
     # the target's verification cost for n = 1 .. K+1 at each batch size
     assert {int(b): sorted(int(n) for n in row) for b, row in data["profiles"]["plain"]["verify_s"].items()} == \
         {1: [1, 2, 3], 2: [1, 2, 3]}
@@ -183,6 +189,7 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     if chosen["method"] != "plain":
         key = "prompt_lookup_num_tokens" if chosen["method"] == "prompt_lookup" else "num_assistant_tokens"
         assert tuned["method"][key] == chosen["k"]
+        assert {k: tuned["method"][k] for k in chosen["params"]} == chosen["params"]
     assert job_main("summarize", ["--config", str(out / "tuned.yaml"), "--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["method"]["name"] == chosen["method"]
@@ -211,3 +218,30 @@ def test_tune_job_refuses_bad_input_before_measuring(tmp_path, tiny_models, caps
     assert tune_job.main(["--config", str(cfg), "--set", "models.target=/nope", "--out", str(tmp_path / "t")]) == 2
     assert "models.target" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
+
+
+def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_path, tiny_models):
+    """With only the drafter to choose from, its heuristic schedule and confidence threshold
+    are measured on the confirmation rows and kept only if 5 % faster than the fixed k."""
+    from pipeline.config import load_config
+    from pipeline.tune.tuner import CONFIDENCE_THRESHOLD, TuneOptions, read_raw_config, tune
+
+    path = _job(tmp_path, tiny_models, rows=6)
+    result = tune(load_config(path), TuneOptions(rows=6, batch_sizes=(1, 2), methods=("draft_model",), max_draft=3,
+                                                 repeats=1, confirm=1), raw_config=read_raw_config(str(path), None),
+                  log=lambda line: None)
+    fixed, heuristic, threshold = result.confirmed
+    assert (fixed.method, heuristic.method, threshold.method) == ("draft_model",) * 3
+    assert heuristic.params["num_assistant_tokens_schedule"] == "heuristic" and heuristic.k == fixed.k
+    assert threshold.params["assistant_confidence_threshold"] == CONFIDENCE_THRESHOLD and threshold.k == 3
+    for c in result.confirmed:  # lossless, measured on the same rows
+        assert c.same_output == c.compared_rows == 6 and c.measured_tokens_per_s > 0
+    best = max((heuristic, threshold), key=lambda c: c.measured_tokens_per_s)
+    if best.measured_tokens_per_s > 1.05 * fixed.measured_tokens_per_s:
+        assert result.chosen is best
+    else:
+        assert result.chosen is fixed and any("left out" in n for n in result.notes)
+    method = result.tuned_config["method"]
+    assert method["num_assistant_tokens"] == result.chosen.k
+    assert method["num_assistant_tokens_schedule"] == result.chosen.params["num_assistant_tokens_schedule"]
+    assert method["assistant_confidence_threshold"] == result.chosen.params["assistant_confidence_threshold"]
