@@ -52,6 +52,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 #: the longest draft tried when the config asks for less: model drafters, prompt lookup
 DEFAULT_K_MAX = {"prompt_lookup": 10}
 DEFAULT_K_MAX_DRAFTER = 8
+#: the batch-size sweep stops where a plain pass costs this much more per row than at a smaller batch
+BATCH_STOP_RATIO = 1.25
 #: methods whose drafts can stop early per row (transformers' heuristic schedule, confidence threshold)
 ADAPTIVE_METHODS = ("draft_model", "early_exit")
 #: transformers' default ``assistant_confidence_threshold``
@@ -335,8 +337,16 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     prompts = prompts[: max(options.batch_sizes)]  # mid-generation contexts
     log(f"profile: target t(n, B) for n = 1..{k_top + 1}, B in {list(options.batch_sizes)}")
     profiles = {"plain": profile_engine(plain_engine, prompts, list(options.batch_sizes),
-                                        widths=list(range(1, k_top + 2)), repeats=options.repeats, settings=generation)}
+                                        widths=list(range(1, k_top + 2)), repeats=options.repeats, settings=generation,
+                                        stop_ratio=BATCH_STOP_RATIO)}
     grid = profiles["plain"].verify_s
+    sizes = sorted(grid)
+    if len(sizes) < len(set(options.batch_sizes)):
+        skipped = sorted(set(options.batch_sizes) - set(sizes))
+        b, prev = sizes[-1], min(sizes[:-1], key=lambda x: grid[x][1] / x)
+        notes.append(f"batch sizes {skipped} not profiled: at B = {b} a plain pass costs "
+                     f"{1e3 * grid[b][1] / b:.2f} ms per row, over {BATCH_STOP_RATIO}x the "
+                     f"{1e3 * grid[prev][1] / prev:.2f} ms at B = {prev} (batching stops paying)")
     models = [_method_model(MethodChoice("plain"), None, profiles["plain"], grid, False, None)]
     for choice in choices:
         if choice.method == "plain":
@@ -344,7 +354,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         engine = engines[choice.method]
         ks = sorted({1, math.ceil(choice.k_max / 2), choice.k_max})
         log(f"profile: {choice.method}, k in {ks}")
-        profiles[choice.method] = profile_engine(engine, prompts, list(options.batch_sizes), draft_lengths=ks,
+        profiles[choice.method] = profile_engine(engine, prompts, sizes, draft_lengths=ks,
                                                  repeats=options.repeats, settings=generation)
         models.append(_method_model(choice, pilots[choice.method], profiles[choice.method], grid,
                                     engine._hook is not None, getattr(engine.proposer, "max_rows", None)))
@@ -352,7 +362,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         models = models[1:]
     stage("profile")
 
-    candidates = rank_candidates(models, rows, list(options.batch_sizes), cfg.compute.rows_per_batch)
+    candidates = rank_candidates(models, rows, sizes, cfg.compute.rows_per_batch)
     by_model = {m.method: m for m in models}
     build_s = sum(pilot.build_s[i] for i in ok)
     pilot_predicted = sum(predict_seconds(by_model[r.method], rows, r.k, r.batch_size, len(rows))

@@ -137,6 +137,18 @@ def test_profile_measures_every_batch_size_width_and_draft_length(pair):
     assert [r.token_ids for r in engine.generate_batch(prompts, settings, max_batch_size=2)] == want
 
 
+def test_profile_stops_the_batch_sweep_where_batching_stops_paying(pair):
+    """With a stop ratio the sizes are measured in increasing order and the sweep ends after
+    the first B whose per-row cost exceeds ratio × the cheapest so far: ratio 0 stops after
+    the second size, a huge ratio never stops."""
+    target, _ = pair
+    prompts = [prompt_of(n, seed=n).tolist()[0] for n in (5, 9)]
+    stopped = profile_engine(SpeculativeEngine(target), prompts, [4, 1, 2], widths=[1, 2], repeats=1, stop_ratio=0.0)
+    assert sorted(stopped.verify_s) == [1, 2] and [s.rows for s in stopped.steps] == [1, 2]
+    full = profile_engine(SpeculativeEngine(target), prompts, [4, 1, 2], widths=[1, 2], repeats=1, stop_ratio=1e9)
+    assert sorted(full.verify_s) == [1, 2, 4] and [s.rows for s in full.steps] == [1, 2, 4]
+
+
 def test_profile_cuts_prompts_to_the_context_and_refuses_a_context_too_small(pair):
     target, _ = pair
     engine = SpeculativeEngine(target)
