@@ -17,6 +17,7 @@ import yaml
 
 from pipeline.config import load_config
 from pipeline.engine.cost_model import per_token_acceptance
+from pipeline.report import _plt
 from pipeline.tune.predict import Candidate
 from pipeline.tune.tuner import REFERENCE_ROWS, TuneResult
 
@@ -24,13 +25,12 @@ TUNED_NAME = "tuned.yaml"
 REPORT_NAME = "tune_report.md"
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    return plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _fmt(v, spec=".1f") -> str:
@@ -55,9 +55,7 @@ def plot_predicted_vs_measured(result: TuneResult, path: Path) -> None:
     ax.set_ylim(0, 1.25 * max([1.0] + [c.confirm_predicted_tokens_per_s or c.predicted_tokens_per_s for c in cands]
                               + [c.measured_tokens_per_s or 0 for c in cands]))
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_acceptance(result: TuneResult, path: Path) -> None:
@@ -81,9 +79,7 @@ def plot_acceptance(result: TuneResult, path: Path) -> None:
         ax.set_ylim(0, 1.02)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_predicted_by_k(result: TuneResult, path: Path) -> None:
@@ -103,9 +99,7 @@ def plot_predicted_by_k(result: TuneResult, path: Path) -> None:
     ax.set_ylabel(f"predicted tokens / s ({result.options.clock} clock)")
     ax.set_title("Predicted tokens/s by draft length (each method at its best B)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_verify_cost(result: TuneResult, path: Path) -> None:
@@ -119,9 +113,7 @@ def plot_verify_cost(result: TuneResult, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title("Target verification cost t(n, B)")
     ax.legend(ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 PLOTS = {
