@@ -339,6 +339,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     profiles = {"plain": profile_engine(plain_engine, prompts, list(options.batch_sizes),
                                         widths=list(range(1, k_top + 2)), repeats=options.repeats, settings=generation,
                                         stop_ratio=BATCH_STOP_RATIO)}
+    plain_engine = None  # its caches (max(B) rows) are not needed any more
     grid = profiles["plain"].verify_s
     sizes = sorted(grid)
     if len(sizes) < len(set(options.batch_sizes)):
@@ -351,7 +352,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     for choice in choices:
         if choice.method == "plain":
             continue
-        engine = engines[choice.method]
+        engine = engines.pop(choice.method)  # dropped after its profile, with its caches
         ks = sorted({1, math.ceil(choice.k_max / 2), choice.k_max})
         log(f"profile: {choice.method}, k in {ks}")
         profiles[choice.method] = profile_engine(engine, prompts, sizes, draft_lengths=ks,
