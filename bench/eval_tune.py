@@ -200,7 +200,7 @@ def main() -> None:
     print(f"predicted {pred:.1f} vs measured {tuned_rate:.1f} tokens/s: {100 * err:+.1f} % "
           f"(criterion within 15 %: {'met' if abs(err) <= 0.15 else 'NOT met'})")
     print("outputs identical to plain: " + ", ".join(f"{n} {same[n]}/{len(ref)}" for n in names))
-    print(f"load average per pass: " + ", ".join(f"{p['load_start']} -> {p['load_end']}" for p in passes))
+    print("load average per pass: " + ", ".join(f"{p['load_start']} -> {p['load_end']}" for p in passes))
     (out / "eval.json").write_text(json.dumps({
         "corpus": args.corpus, "pilot": args.pilot, "rows": args.rows, "repeats": args.repeats, "tune": tune_info,
         "totals": totals, "passes": passes, "best_default": best_default, "tuned_vs_best_default": ratio,

@@ -34,6 +34,7 @@ import yaml
 
 from pipeline.config import METHODS_NEEDING_DRAFTER, ConfigError, JobConfig, apply_overrides
 from pipeline.engine import SpeculationSettings, SpeculativeEngine
+from pipeline.engine.cost_model import reach_from_counts
 from pipeline.engine.profile import EngineProfile, profile_engine
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.tune.measure import PilotInput, PilotRun, measure_candidate, read_pilot, row_settings, run_pilot
@@ -229,8 +230,6 @@ def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineP
     m.verify = target_grid
     if choice.method != "plain" and pilot is not None:
         steps = pilot.verify_steps
-        from pipeline.engine.cost_model import reach_from_counts
-
         m.reach = reach_from_counts(pilot.accepted_per_position, steps)[: choice.k_max]
         m.draft_rate = pilot.draft_steps / steps if steps else 0.0
         m.propose = {b: line_fit([(s.k, s.propose_s) for s in ss]) for b, ss in by_rows.items()}
@@ -306,30 +305,20 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         except ValueError as e:
             notes.append(f"{choice.method} left out: {e}")
             continue
-        pilots[choice.method] = run_pilot(engines[choice.method], pilot.prompts, settings, options.pilot_batch_size, clock)
-        p = pilots[choice.method]
+        p = pilots[choice.method] = run_pilot(engines[choice.method], pilot.prompts, settings,
+                                              options.pilot_batch_size, clock)
         log(f"pilot {choice.method} k={choice.k_max}: {p.new_tokens} tokens in {p.seconds:.1f} s, "
             f"acceptance {p.accepted_tokens}/{p.draft_tokens}")
     choices = [c for c in choices if c.method == "plain" or c.method in pilots]
+    if not choices:
+        raise ConfigError("no method to tune: " + "; ".join(notes))
     if not pilots:
         pilots["plain"] = run_pilot(plain_engine, pilot.prompts, settings, options.pilot_batch_size, clock)
     runs = list(pilots.values())
     reference = runs[0].results
-    mismatches = {}
-    if not generation.do_sample:
-        for name, run in pilots.items():
-            mismatches[name] = sum(a.token_ids != b.token_ids for a, b in zip(run.results, reference))
-            if mismatches[name]:
-                notes.append(f"pilot {name}: {mismatches[name]} rows differ from {runs[0].method}'s greedy output "
-                             "(float near-ties, or a bug)")
+    mismatches = {} if generation.do_sample else _mismatches(pilots, notes)
     ok = [i for i in range(len(pilot.prompts)) if all(r.results[i].error is None for r in runs)]
-    rows = [PilotRow(prompt_tokens=len(pilot.prompts[i]),
-                     new_tokens=sum(r.results[i].stats.new_tokens for r in runs) / len(runs),
-                     prefill_s=sum(r.results[i].stats.prefill_time_s for r in runs) / len(runs),
-                     outside_s=pilot.build_s[i] + sum(r.outside_s_per_row for r in runs) / len(runs))
-            for i in ok]
-    if not rows:
-        raise ValueError("every pilot row failed in the engine: " + str(reference[0].error))
+    rows = _pilot_rows(pilot, runs, ok)
     stage("pilot")
 
     k_top = max([c.k_max for c in choices] + [1])
@@ -342,12 +331,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     plain_engine = None  # its caches (max(B) rows) are not needed any more
     grid = profiles["plain"].verify_s
     sizes = sorted(grid)
-    if len(sizes) < len(set(options.batch_sizes)):
-        skipped = sorted(set(options.batch_sizes) - set(sizes))
-        b, prev = sizes[-1], min(sizes[:-1], key=lambda x: grid[x][1] / x)
-        notes.append(f"batch sizes {skipped} not profiled: at B = {b} a plain pass costs "
-                     f"{1e3 * grid[b][1] / b:.2f} ms per row, over {BATCH_STOP_RATIO}x the "
-                     f"{1e3 * grid[prev][1] / prev:.2f} ms at B = {prev} (batching stops paying)")
+    notes += _pruned_note(grid, options.batch_sizes)
     models = [_method_model(MethodChoice("plain"), None, profiles["plain"], grid, False, None)]
     for choice in choices:
         if choice.method == "plain":
@@ -366,67 +350,36 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     candidates = rank_candidates(models, rows, sizes, cfg.compute.rows_per_batch)
     by_model = {m.method: m for m in models}
     build_s = sum(pilot.build_s[i] for i in ok)
-    pilot_predicted = sum(predict_seconds(by_model[r.method], rows, r.k, r.batch_size, len(rows))
-                          for r in runs if r.method in by_model)
-    pilot_measured = sum(r.seconds + build_s for r in runs if r.method in by_model)
-    factor = calibrate(candidates, pilot_predicted, pilot_measured)
+    factor = calibrate(candidates,
+                       sum(predict_seconds(by_model[r.method], rows, r.k, r.batch_size, len(rows)) for r in runs),
+                       sum(r.seconds + build_s for r in runs))
     log(f"calibration: the pilot runs took {factor:.2f}x the model's prediction")
     stage("predict")
 
+    subset = ok[: options.confirm_rows]
+    bench = _Confirmation(loaded, clock, {c.method: c for c in choices}, [pilot.prompts[i] for i in subset],
+                          [settings[i] for i in subset], sum(pilot.build_s[i] for i in subset),
+                          None if generation.do_sample else [reference[i].token_ids for i in subset], log)
     confirmed = candidates[: options.confirm]
     plain = next((c for c in candidates if c.method == "plain"), None)
     if plain is not None and plain not in confirmed:
         confirmed.append(plain)
-    by_name = {c.method: c for c in choices}
-    subset = ok[: options.confirm_rows]
-
-    def confirm_run(cand: Candidate) -> None:
-        """Decode the confirmation rows with ``cand`` as the actor would; fill its measured figures."""
-        choice = dataclasses.replace(by_name[cand.method], params=dict(cand.params))
-        engine = _engine(choice, cand.k, cand.batch_size, loaded, clock)
-        seconds, results = measure_candidate(engine, [pilot.prompts[i] for i in subset],
-                                             [settings[i] for i in subset], cand.batch_size, cand.rows_per_batch, clock)
-        cand.measured_s = seconds + sum(pilot.build_s[i] for i in subset)
-        cand.measured_tokens_per_s = sum(r.stats.new_tokens for r in results if r.error is None) / cand.measured_s
-        if not generation.do_sample:
-            cand.compared_rows = len(subset)
-            cand.same_output = sum(r.token_ids == reference[i].token_ids for r, i in zip(results, subset))
-        log(f"confirm {cand.label}: predicted {cand.confirm_predicted_tokens_per_s or cand.predicted_tokens_per_s:.1f}"
-            f", measured {cand.measured_tokens_per_s:.1f} tokens/s")
-
     part = rows[: len(subset)]
     for cand in confirmed:
         cand.confirm_predicted_tokens_per_s = sum(r.new_tokens for r in part) / (
             factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
-        confirm_run(cand)
+        bench.run(cand)
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
     if options.adaptive and chosen.method in ADAPTIVE_METHODS and chosen.measured_tokens_per_s:
-        # per-row adaptive draft lengths, not modelled: measured, and kept only where they help
-        k_max = by_name[chosen.method].k_max
-        variants = [Candidate(chosen.method, k, chosen.batch_size, chosen.rows_per_batch,
-                              params={**chosen.params, **extra})
-                    for k, extra in ((chosen.k, {"num_assistant_tokens_schedule": "heuristic"}),
-                                     (k_max, {"assistant_confidence_threshold": CONFIDENCE_THRESHOLD}))]
+        variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max)
         for v in variants:
-            confirm_run(v)
-            scale = v.measured_tokens_per_s / chosen.measured_tokens_per_s  # prediction: the chosen one's, scaled
-            v.predicted_tokens_per_s = chosen.predicted_tokens_per_s * scale
-            v.predicted_s = chosen.predicted_s / scale
-            v.confirm_predicted_tokens_per_s = (chosen.confirm_predicted_tokens_per_s or 0.0) * scale or None
-            confirmed.append(v)
-        best = max(variants, key=lambda v: v.measured_tokens_per_s or 0.0)
-        if best.measured_tokens_per_s > (1 + ADAPTIVE_MARGIN) * chosen.measured_tokens_per_s:
-            notes.append(f"{best.label} measured {best.measured_tokens_per_s / chosen.measured_tokens_per_s:.2f}x "
-                         f"{chosen.label}: chosen (its prediction is {chosen.label}'s scaled by that ratio)")
-            chosen = best
-        else:
-            notes.append("per-row adaptive draft lengths (heuristic schedule; confidence threshold "
-                         f"{CONFIDENCE_THRESHOLD}) measured no gain of {100 * ADAPTIVE_MARGIN:.0f} % over "
-                         f"{chosen.label}: left out")
+            bench.run(v)
+        confirmed += variants
+        chosen = _keep_adaptive(chosen, variants, notes)
     stage("confirm")
 
     raw = copy.deepcopy(raw_config) if raw_config is not None else cfg.model_dump(mode="json")
-    tuned = tuned_config(raw, dataclasses.replace(by_name[chosen.method], params=dict(chosen.params)), chosen)
+    tuned = tuned_config(raw, dataclasses.replace(bench.choices[chosen.method], params=dict(chosen.params)), chosen)
     timings["total"] = clock() - start
     wall_timings["total"] = time.perf_counter() - wall_start
     machine["load_average_end"] = _load()
@@ -435,6 +388,97 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
                       pilot=pilot, pilot_rows=rows, tuned_config=tuned, timings=timings, wall_timings=wall_timings,
                       machine=machine, notes=notes, num_actors=cfg.compute.num_actors, calibration=factor,
                       mismatches=mismatches)
+
+
+def _mismatches(pilots: dict[str, PilotRun], notes: list[str]) -> dict[str, int]:
+    """Rows of each pilot run whose greedy output differs from the first run's."""
+    first = next(iter(pilots.values()))
+    out = {}
+    for name, run in pilots.items():
+        out[name] = sum(a.token_ids != b.token_ids for a, b in zip(run.results, first.results))
+        if out[name]:
+            notes.append(f"pilot {name}: {out[name]} rows differ from {first.method}'s greedy output "
+                         "(float near-ties, or a bug)")
+    return out
+
+
+def _pilot_rows(pilot: PilotInput, runs: list[PilotRun], ok: list[int]) -> list[PilotRow]:
+    """The pilot rows every run decoded, as the prediction sees them (means over the runs)."""
+    rows = [PilotRow(prompt_tokens=len(pilot.prompts[i]),
+                     new_tokens=sum(r.results[i].stats.new_tokens for r in runs) / len(runs),
+                     prefill_s=sum(r.results[i].stats.prefill_time_s for r in runs) / len(runs),
+                     outside_s=pilot.build_s[i] + sum(r.outside_s_per_row for r in runs) / len(runs))
+            for i in ok]
+    if not rows:
+        raise ValueError("every pilot row failed in the engine: " + str(runs[0].results[0].error))
+    return rows
+
+
+def _pruned_note(grid: dict[int, dict[int, float]], asked) -> list[str]:
+    sizes = sorted(grid)
+    skipped = sorted(set(asked) - set(sizes))
+    if not skipped:
+        return []
+    b, prev = sizes[-1], min(sizes[:-1], key=lambda x: grid[x][1] / x)
+    return [f"batch sizes {skipped} not profiled: at B = {b} a plain pass costs {1e3 * grid[b][1] / b:.2f} ms per "
+            f"row, over {BATCH_STOP_RATIO}x the {1e3 * grid[prev][1] / prev:.2f} ms at B = {prev} (batching stops "
+            "paying)"]
+
+
+@dataclass
+class _Confirmation:
+    """Confirmation runs: candidates decode the same first pilot rows as the actor would."""
+
+    loaded: Any
+    clock: Callable[[], float]
+    choices: dict[str, MethodChoice]
+    prompts: list[list[int]]
+    settings: list
+    build_s: float
+    reference: list[list[int]] | None  # greedy outputs to compare with (None when sampling)
+    log: Callable[[str], None]
+
+    def run(self, cand: Candidate) -> None:
+        """Fill ``cand``'s measured figures (and its same-output count when greedy)."""
+        choice = dataclasses.replace(self.choices[cand.method], params=dict(cand.params))
+        engine = _engine(choice, cand.k, cand.batch_size, self.loaded, self.clock)
+        seconds, results = measure_candidate(engine, self.prompts, self.settings, cand.batch_size,
+                                             cand.rows_per_batch, self.clock)
+        cand.measured_s = seconds + self.build_s
+        cand.measured_tokens_per_s = sum(r.stats.new_tokens for r in results if r.error is None) / cand.measured_s
+        if self.reference is not None:
+            cand.compared_rows = len(self.reference)
+            cand.same_output = sum(r.token_ids == ref for r, ref in zip(results, self.reference))
+        self.log(f"confirm {cand.label}: predicted "
+                 f"{cand.confirm_predicted_tokens_per_s or cand.predicted_tokens_per_s:.1f}, measured "
+                 f"{cand.measured_tokens_per_s:.1f} tokens/s")
+
+
+def _adaptive_variants(chosen: Candidate, k_max: int) -> list[Candidate]:
+    """Per-row adaptive draft lengths of the chosen drafter: transformers' heuristic schedule
+    from its k, and a confidence threshold at ``K``.  Not modelled: their prediction is the
+    chosen one's scaled by the measured ratio (filled in by :func:`_keep_adaptive`)."""
+    return [Candidate(chosen.method, k, chosen.batch_size, chosen.rows_per_batch, params={**chosen.params, **extra})
+            for k, extra in ((chosen.k, {"num_assistant_tokens_schedule": "heuristic"}),
+                             (k_max, {"assistant_confidence_threshold": CONFIDENCE_THRESHOLD}))]
+
+
+def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str]) -> Candidate:
+    """The measured variant when it is ``ADAPTIVE_MARGIN`` faster than ``chosen``, else ``chosen``."""
+    for v in variants:
+        scale = v.measured_tokens_per_s / chosen.measured_tokens_per_s
+        v.predicted_tokens_per_s = chosen.predicted_tokens_per_s * scale
+        v.predicted_s = chosen.predicted_s / scale
+        if chosen.confirm_predicted_tokens_per_s:
+            v.confirm_predicted_tokens_per_s = chosen.confirm_predicted_tokens_per_s * scale
+    best = max(variants, key=lambda v: v.measured_tokens_per_s)
+    if best.measured_tokens_per_s > (1 + ADAPTIVE_MARGIN) * chosen.measured_tokens_per_s:
+        notes.append(f"{best.label} measured {best.measured_tokens_per_s / chosen.measured_tokens_per_s:.2f}x "
+                     f"{chosen.label}: chosen (its prediction is {chosen.label}'s scaled by that ratio)")
+        return best
+    notes.append(f"per-row adaptive draft lengths (heuristic schedule; confidence threshold {CONFIDENCE_THRESHOLD}) "
+                 f"measured no gain of {100 * ADAPTIVE_MARGIN:.0f} % over {chosen.label}: left out")
+    return chosen
 
 
 def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -> dict[str, Any]:
