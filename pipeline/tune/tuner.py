@@ -449,9 +449,9 @@ class _Confirmation:
         if self.reference is not None:
             cand.compared_rows = len(self.reference)
             cand.same_output = sum(r.token_ids == ref for r, ref in zip(results, self.reference))
-        self.log(f"confirm {cand.label}: predicted "
-                 f"{cand.confirm_predicted_tokens_per_s or cand.predicted_tokens_per_s:.1f}, measured "
-                 f"{cand.measured_tokens_per_s:.1f} tokens/s")
+        predicted = cand.confirm_predicted_tokens_per_s
+        self.log(f"confirm {cand.label}: predicted {f'{predicted:.1f}' if predicted else '(not modelled)'}, "
+                 f"measured {cand.measured_tokens_per_s:.1f} tokens/s")
 
 
 def _adaptive_variants(chosen: Candidate, k_max: int) -> list[Candidate]:
