@@ -134,7 +134,7 @@ def _candidate_row(rank: int | str, c: Candidate, result: TuneResult) -> str:
         c.params.get("assistant_confidence_threshold")
     e = "–" if adaptive else f"{model.expected_tokens(c.k):.2f}"
     return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {e} | "
-            f"{c.model_tokens_per_s:.1f} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
+            f"{'–' if adaptive else f'{c.model_tokens_per_s:.1f}'} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
             f"{_fmt(c.measured_tokens_per_s)} | {_fmt(ratio, '.2f')} | {same} |")
 
 
