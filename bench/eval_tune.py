@@ -146,6 +146,7 @@ def main() -> None:
     totals = {name: {"tokens": 0, "wall_s": 0.0, "cpu_s": 0.0, "rows": 0, "errors": 0} for name in configs}
     outputs: dict[str, dict] = {name: {} for name in configs}
     passes = []
+    blocks = []  # (pass, block, config, wall_s, cpu_s, tokens)
     names = list(configs)
     for rep in range(args.repeats):
         load0 = _load()
@@ -155,11 +156,13 @@ def main() -> None:
             shift = (rep * 7 + bi) % len(names)
             for name in names[shift:] + names[:shift]:
                 per = configs[name].compute.rows_per_batch
+                wall = cpu = 0.0
+                tokens_before = totals[name]["tokens"]
                 for s in range(0, len(block), per):
                     w0, c0 = time.perf_counter(), time.process_time()
                     res = actors[name].generate_rows(block[s:s + per])
-                    totals[name]["wall_s"] += time.perf_counter() - w0
-                    totals[name]["cpu_s"] += time.process_time() - c0
+                    wall += time.perf_counter() - w0
+                    cpu += time.process_time() - c0
                     for r in res:
                         totals[name]["rows"] += 1
                         if r.get("error"):
@@ -167,6 +170,10 @@ def main() -> None:
                             continue
                         totals[name]["tokens"] += r["new_tokens"]
                         outputs[name][r["id"]] = r["output_text"]
+                totals[name]["wall_s"] += wall
+                totals[name]["cpu_s"] += cpu
+                blocks.append({"pass": rep + 1, "block": bi, "config": name, "wall_s": wall, "cpu_s": cpu,
+                               "tokens": totals[name]["tokens"] - tokens_before, "load": _load()})
         passes.append({"pass": rep + 1, "load_start": load0, "load_end": _load(),
                        "wall_s": time.perf_counter() - t_pass})
         print(f"# pass {rep + 1}: {passes[-1]['wall_s']:.0f} s, load average {load0} -> {passes[-1]['load_end']}",
@@ -205,6 +212,7 @@ def main() -> None:
         "corpus": args.corpus, "pilot": args.pilot, "rows": args.rows, "repeats": args.repeats, "tune": tune_info,
         "totals": totals, "passes": passes, "best_default": best_default, "tuned_vs_best_default": ratio,
         "tuned_vs_best_default_other_clock": other_ratio, "prediction_error": err, "same_output_as_plain": same,
+        "blocks": blocks,
     }, indent=2, default=str), encoding="utf-8")
 
 
