@@ -6,13 +6,14 @@ becomes compute-bound and its cost grows with the tokens: speculation then costs
 than it saves.  vLLM switches speculation off above a fixed batch size
 (``speculative_disable_by_batch_size``); here the engine measures instead and picks, at
 every step, the draft length ``k`` in ``0 .. K`` that maximises the expected tokens per
-second of the batch (Leviathan et al. 2023, §3, with the measured costs)::
+second of the batch (Leviathan et al. 2023, §3, with the measured costs; the formula is
+:func:`pipeline.engine.cost_model.tokens_per_second`, which the tuner shares)::
 
     tokens/s(k) = B * E(k) / (t_verify(B * (k + 1)) + k * t_draft(B))
-    E(k)        = 1 + sum_{i < k} A_i
+    E(k)        = 1 + A_1 + ... + A_k
 
-where ``A_i`` is the measured chance that a draft's first ``i + 1`` tokens are all
-accepted (accepted / drafted at draft position ``i + 1``), ``t_verify(n)`` the time of a
+where ``A_i`` is the measured chance that a draft's first ``i`` tokens are all
+accepted (accepted / drafted at draft position ``i``), ``t_verify(n)`` the time of a
 target pass over ``n`` tokens (a least-squares line through recent passes) and
 ``t_draft(B)`` the time of one drafting position for ``B`` rows (a running mean).  Until
 both are measured the full ``K`` is used.  Greedy outputs never depend on ``k``; sampled
@@ -20,6 +21,8 @@ outputs keep the target's distribution whatever ``k`` is.
 """
 
 from __future__ import annotations
+
+from .cost_model import expected_tokens, reach_from_counts, tokens_per_second
 
 #: weight of a new observation in the running estimates
 DECAY = 0.05
@@ -94,14 +97,15 @@ class DraftLengthPolicy:
 
     def expected_tokens(self, k: int) -> float:
         """``E(k)``: expected tokens a row emits in a step that drafts ``k``."""
-        return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(k) if self.drafted[i] > 0)
+        return expected_tokens(reach_from_counts(self.accepted, self.drafted), k)
 
     def throughput(self, rows: int, k: int) -> float | None:
+        """Predicted tokens/s of ``rows`` rows drafting ``k`` (``None``: costs not known yet)."""
         t_v = self.verify_time(rows * (k + 1))
         t_d = self.draft_time(rows) if k else 0.0
         if t_v is None or t_d is None:
             return None
-        return rows * self.expected_tokens(k) / (t_v + k * t_d)
+        return tokens_per_second(rows, k, reach_from_counts(self.accepted, self.drafted), t_v, t_d)
 
     # ------------------------------------------------------------------ decision
     def limit(self, rows: int) -> int:

@@ -23,6 +23,7 @@ decoding step and the accepted prefix is never recomputed.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,10 @@ class SpeculativeEngine:
             unless ``True``: their law never depends on it, but the draws a seed gives do, and
             the choice follows measured times, so a seed would not reproduce its output.  Off
             with static ensemble verification, whose (lossy) output depends on it.
+        clock: the clock of every time in the rows' statistics and of the load policy
+            (seconds): ``time.perf_counter`` (default, wall time) or e.g.
+            ``time.process_time`` (CPU time of the process: steadier on a shared CPU
+            machine, but blind to GPU work and summed over threads).
 
     Raises:
         ValueError: a bad setting (naming it), a method without the model it needs, a
@@ -81,6 +86,7 @@ class SpeculativeEngine:
         drafter_tokenizer=None,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         adaptive_draft_length: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.spec = (speculation or SpeculationSettings()).validate()
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
@@ -107,6 +113,7 @@ class SpeculativeEngine:
                                  "ensemble verification is lossy, so its output depends on the draft length")
             adaptive_draft_length = False
         self.adaptive = adaptive_draft_length
+        self.clock = clock
         self.policy = DraftLengthPolicy(self.spec.draft_length) if adaptive_draft_length is not False and self.proposer else None
         self._runner: ModelRunner | None = None
 
@@ -214,7 +221,7 @@ class SpeculativeEngine:
         """Let the proposer take the new rows in (a drafter prefills them), then prefill their
         prompts (all but the last token) on the target; the time is shared by the rows'
         prompt tokens."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         slots = [r.slot for r in rows]
         prompts = [r.sequence for r in rows]
         longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length + 1
@@ -224,9 +231,9 @@ class SpeculativeEngine:
             reserve.reserve(longest)
         if self.proposer is not None:
             self.proposer.admit(slots, prompts)  # before the prefill, which hooks may record
-        t1 = time.perf_counter()
+        t1 = self.clock()
         prefill(self._target_pass, slots, prompts)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         total = sum(r.prompt_len for r in rows)
         for r in rows:
             share = r.prompt_len / total
@@ -248,7 +255,7 @@ class SpeculativeEngine:
 
     def _step(self, rows: list[RowState]) -> None:
         """One propose -> verify -> commit step for every row in flight."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         ks = [self._draft_length(r) for r in rows]
         if self.policy is not None and (self.adaptive or (len(rows) > 1 and not rows[0].settings.do_sample)):
             limit = self.policy.limit(len(rows))
@@ -261,7 +268,7 @@ class SpeculativeEngine:
                         for i in asks]
             for i, d in zip(asks, self.proposer.propose(requests)):
                 drafts[i] = d
-        t1 = time.perf_counter()
+        t1 = self.clock()
         if self.policy is not None and asks:
             self.policy.observe_propose(len(asks), max(ks), t1 - t0)
 
@@ -281,8 +288,8 @@ class SpeculativeEngine:
         keep = max(len(d) for d in drafts) + 1
         logits = self._target_pass([r.slot for r in rows], tokens, starts, keep)
         if self.policy is not None:
-            self.policy.observe_verify(len(rows), sum(len(d) + 1 for d in drafts), time.perf_counter() - t1)
-        t2 = time.perf_counter()
+            self.policy.observe_verify(len(rows), sum(len(d) + 1 for d in drafts), self.clock() - t1)
+        t2 = self.clock()
 
         ensemble = self.spec.assistant_ensemble_weight
         fast = ensemble is None and not any(r.shaper.active or r.shaper.do_sample for r in rows)
@@ -298,7 +305,7 @@ class SpeculativeEngine:
             self._commit(r, d, accepted, token)
             if self.policy is not None and n:
                 self.policy.observe_draft(n, min(accepted, n))
-        t3 = time.perf_counter()
+        t3 = self.clock()
         share = 1.0 / len(rows)
         for r in rows:
             r.stats.verify_steps += 1

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-import time
 from collections import deque
 from typing import Callable
 
@@ -141,10 +140,10 @@ class Scheduler:
                 if not self._waiting:
                     break
                 w = self._waiting.popleft()
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             row = self.engine._new_row(w.ticket, w.prompt, w.settings, self._free[-1], self.runner.device)
             if isinstance(row, str):
-                result = GenerationResult.failed(f"ValueError: {row}", time.perf_counter() - t0)
+                result = GenerationResult.failed(f"ValueError: {row}", self.engine.clock() - t0)
                 done.append((w.ticket, result))
                 if w.on_done is not None:
                     w.on_done(result)

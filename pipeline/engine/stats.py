@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RowStats:
-    """Exact statistics of one row.  Times are seconds (``time.perf_counter``).
+    """Exact statistics of one row.  Times are seconds of the engine's clock
+    (``time.perf_counter``, wall time, unless the engine was given another).
 
     ``prefill_time_s`` is the target's prompt forward (the time to first token, less
     drafting); ``verify_time_s`` the target passes after it; ``draft_time_s`` all
