@@ -201,7 +201,12 @@ _RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabl
 
 
 class _QuietRayData(logging.Filter):
+    """Drops Ray Data's info records and known noise; passes every other logger's records
+    (a handler of ``ray.data`` may be shared with the root logger, e.g. under pytest)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "ray.data" and not record.name.startswith("ray.data."):
+            return True
         return record.levelno >= logging.WARNING and not str(record.msg).startswith(_RAY_DATA_NOISE)
 
 

@@ -115,3 +115,19 @@ def test_driver_resolves_and_logs_the_defaults(opinionated_target, tmp_path, cap
     cfg = job_config(opinionated_target, "unused", str(tmp_path / "o3"), overrides=["generation.suppress_tokens=[100000]"])
     with pytest.raises(ConfigError, match="suppress_tokens"):
         resolve_job_generation(cfg, check_models(cfg.models, cfg.uses_drafter)["target_config"])
+
+
+def test_quieting_ray_data_keeps_other_loggers_records():
+    """The console filter of Ray Data's handlers may sit on a handler the root logger
+    shares: it must drop only Ray Data's info records, never the job's own."""
+    from pipeline.run import _QuietRayData
+
+    def record(name, level, msg="m"):
+        return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+    f = _QuietRayData()
+    assert f.filter(record(settings_module.__name__, logging.INFO))
+    assert f.filter(record("pipeline.run", logging.DEBUG))
+    assert not f.filter(record("ray.data", logging.INFO))
+    assert not f.filter(record("ray.data._internal.execution", logging.INFO))
+    assert f.filter(record("ray.data._internal.execution", logging.WARNING))
