@@ -145,7 +145,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.engine import SpeculationSettings, SpeculativeEngine
+    from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.target)
@@ -183,7 +183,7 @@ def main() -> None:
     print(f"  best plain: {best_plain:.1f} tokens/s ({best_plain_name})", flush=True)
 
     single = SpeculativeEngine(target, tokenizer=tok, max_batch_size=1)
-    reference = [r.token_ids for r in single.generate_batch(prompts, None)]
+    reference = [r.token_ids for r in single.generate_batch(prompts, GenerationSettings(max_new_tokens=args.max_new_tokens))]
 
     specs = {"draft_model": (SpeculationSettings(method="draft_model", num_assistant_tokens=args.k), drafter),
              "prompt_lookup": (SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=args.lookup_k), None)}
