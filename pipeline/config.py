@@ -245,8 +245,10 @@ class ComputeConfig(_Section):
     cpus_per_actor: float = Field(1, gt=0)
     #: rows per ``map_batches`` call; the actor decodes them ``max_batch_size`` at a time
     rows_per_batch: int = Field(32, ge=1)
-    #: rows in flight per actor (continuous batching within each batch of rows)
-    max_batch_size: int = Field(16, ge=1)
+    #: rows in flight per actor (continuous batching within each batch of rows); 8 was the
+    #: fastest of 1, 4, 8, 16 and 32 in bench/bench_batch.py on the 2-core CPU, for plain and
+    #: speculative decoding alike (README, Benchmarks); on a GPU more rows pay: jobs/tune.py
+    max_batch_size: int = Field(8, ge=1)
     #: let the measured verification cost shorten the draft (down to plain steps) as rows
     #: in flight grow: ``None`` = with two or more rows in flight, ``true`` always, ``false`` never
     adaptive_draft_length: bool | None = None
