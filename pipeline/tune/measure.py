@@ -120,12 +120,11 @@ class PilotRun:
         return sum(getattr(r.stats, name) for r in self._ok())
 
     def _per_position(self, name: str) -> list[int]:
+        from pipeline.summary import _add_lists
+
         out: list[int] = []
         for r in self._ok():
-            values = getattr(r.stats, name)
-            out.extend([0] * (len(values) - len(out)))
-            for i, v in enumerate(values):
-                out[i] += v
+            _add_lists(out, getattr(r.stats, name))
         return out
 
     @property
