@@ -16,6 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.imports import require_packages  # noqa: E402
+
+require_packages("jobs/report.py")  # one line, exit 2, under a Python that lacks torch & co.
+
 from pipeline.report import ReportError, markdown_table, write_report  # noqa: E402
 
 

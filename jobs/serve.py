@@ -15,6 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: pipeline/, actors/
 
+from pipeline.imports import require_packages  # noqa: E402
+
+require_packages("jobs/serve.py")  # one line, exit 2, under a Python that lacks torch & co.
+
 from pipeline.serve import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
+from pipeline.paths import resolve_config_paths
 
 #: Methods that need ``models.drafter``.  Methods listed in DRAFTER_FREE_METHODS never
 #: load it even when one is configured; any other method gets the drafter when set.
@@ -371,8 +372,8 @@ class ServeConfig(_Section):
     (unset: ``compute.max_batch_size``); more wait in its queue.  ``max_ongoing_requests``
     is Ray Serve's limit of requests a replica holds (in flight plus queued) before Serve
     queues them at the proxy.  ``host``/``port``: where Serve's HTTP proxy listens.
-    ``model_name``: the ``model`` clients send and ``/v1/models`` lists (unset: ``models.target``
-    as written).  ``chat_template``: a Jinja chat template, or the path of a file holding one,
+    ``model_name``: the ``model`` clients send and ``/v1/models`` lists (unset: the target's
+    folder name for a local model, e.g. ``SmolLM2-135M-Instruct``; the hub id for a hub model).  ``chat_template``: a Jinja chat template, or the path of a file holding one,
     for ``/v1/chat/completions`` when the target's tokenizer has none (unset: the tokenizer's).
     """
 
@@ -498,6 +499,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[s
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML job config, apply ``section.key=value`` overrides, validate.
 
+    Relative local paths in the file (input and output URIs, model folders, the serve chat
+    template file) resolve against the file's folder; paths in ``overrides`` and the
+    defaults resolve against the working directory (:mod:`pipeline.paths`).
+
     Args:
         path: a YAML file; ``None`` starts from the defaults.
         overrides: dotted ``key=value`` strings applied after the file.
@@ -522,7 +527,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = resolve_config_paths(loaded, p.parent)
     data = apply_overrides(data, overrides)
     try:
         return JobConfig.model_validate(data)

@@ -8,7 +8,8 @@ committed shard and compared when a run resumes (see pipeline.write).
   prompt template filled in and its chat template / system prompt settings); keys whose
   value is None (unset) are left out, so a field added later with a None default does
   not change the fingerprint of older outputs; the drafter is left out when the method
-  does not use it;
+  does not use it, and so is a local model's path (its files identify it: the same
+  checkpoint moved, or named by another relative path, is the same model);
 - the identity of each model's files (:func:`model_files`): a SHA-256 of every small file
   (config, generation config, tokenizer and chat-template files, remote code) and, for
   large files (weights), their size and a SHA-256 of three 1 MiB samples (start, middle,
@@ -47,6 +48,9 @@ def config_identity(cfg: Any) -> dict[str, Any]:
     ident["model_files"] = {"target": model_files(cfg.models.target)}
     if cfg.uses_drafter and cfg.models.drafter:
         ident["model_files"]["drafter"] = model_files(cfg.models.drafter)
+    for key, files in ident["model_files"].items():
+        if "hub_id" not in files:  # a local model is its files, wherever they lie
+            ident["models"].pop(key, None)
     return ident
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import JobRefused, ModelsConfig
+from pipeline.paths import looks_local
 
 
 class ModelError(JobRefused):
@@ -20,13 +21,6 @@ class ModelError(JobRefused):
 
 
 GGUF_MAGIC = b"GGUF"
-
-
-def _looks_local(path: str) -> bool:
-    """A path that can only mean a local directory (absolute, ./, ~, or not ``org/name``)."""
-    if path.startswith((".", "/", "~")) or path.count("/") != 1:
-        return True
-    return os.path.isdir(path.split("/", 1)[0])  # "models/demo-target" with a local models/
 
 
 def model_ref(path: str, gguf_file: str | None = None) -> str:
@@ -89,7 +83,7 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_
             if gguf_file:
                 raise _gguf_error(e, gguf_file, gguf_key) from None
             raise ModelError(f"{key}: {path!r} holds no loadable model config: {type(e).__name__}: {e}") from None
-    if _looks_local(path):
+    if looks_local(path):
         hint = ""
         if "models/cache/" in path.replace(os.sep, "/"):
             hint = "; the real models are fetched and converted by: python scripts/fetch_models.py"

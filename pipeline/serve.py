@@ -53,6 +53,7 @@ from pipeline.config import ConfigError, JobConfig, load_config
 from pipeline.engine import GenerationResult, GenerationSettings
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.settings import resolve_generation_settings
+from pipeline.paths import looks_local
 from pipeline.openai_protocol import (
     DRAFT_LENGTH_FIELDS,
     APIError,
@@ -339,7 +340,7 @@ class OpenAIServer:
         loaded = load_engine(cfg, device, max_batch)
         info = {"target_model": cfg.models.target, "draft_model": cfg.models.drafter if cfg.uses_drafter else None,
                 "device": loaded.models.device, "load_time_s": round(loaded.load_time_s, 3)}
-        return cls(loaded.engine, cfg.serve.model_name or cfg.models.target, loaded.settings,
+        return cls(loaded.engine, served_model_name(cfg), loaded.settings,
                    cfg.serve.chat_template_text(), max_batch, info)
 
     def close(self) -> None:
@@ -600,13 +601,25 @@ def _deployment():
     return OpenAIDeployment
 
 
+def served_model_name(cfg: JobConfig) -> str:
+    """The ``model`` the server answers to: ``serve.model_name``, else the target's folder name
+    for a local model (``SmolLM2-135M-Instruct``: config paths are absolute once loaded), else
+    its hub id."""
+    if cfg.serve.model_name:
+        return cfg.serve.model_name
+    target = cfg.models.target
+    if looks_local(target):
+        return os.path.basename(os.path.normpath(os.path.expanduser(target)))
+    return target
+
+
 def absolute_paths(cfg: JobConfig, base: Path | None = None) -> JobConfig:
     """``cfg`` with local model and template paths made absolute (replicas may start in
     another directory); hub ids are left as they are."""
     base = base or Path.cwd()
     cfg = cfg.model_copy(deep=True)
     if cfg.serve.model_name is None:
-        cfg.serve.model_name = cfg.models.target
+        cfg.serve.model_name = served_model_name(cfg)
     for key in ("target", "drafter"):
         value = getattr(cfg.models, key)
         if value and (base / Path(value).expanduser()).is_dir():

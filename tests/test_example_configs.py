@@ -60,7 +60,8 @@ def test_real_model_configs_cover_the_methods():
 @pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
 def test_real_model_config_validates(path):
     cfg = load_config(path)
-    assert cfg.models.target.startswith("models/cache/")  # where scripts/fetch_models.py converts them
-    assert cfg.generation.do_sample is False and cfg.output.uri.startswith("out/real/")
+    repo = Path(__file__).resolve().parents[1]  # relative paths in a config resolve against its folder
+    assert cfg.models.target.startswith(str(repo / "models" / "cache") + "/")  # where scripts/fetch_models.py converts them
+    assert cfg.generation.do_sample is False and cfg.output.uri.startswith(str(repo / "out" / "real") + "/")
     # the instruct model is prompted through its chat template, the base model without one
     assert cfg.task.chat_template is ("SmolLM2" in cfg.models.target)

@@ -37,6 +37,7 @@ from pipeline.engine import SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import reach_from_counts
 from pipeline.engine.profile import EngineProfile, profile_engine
 from pipeline.engine.settings import resolve_generation_settings
+from pipeline.paths import resolve_config_paths
 from pipeline.tune.measure import PilotInput, PilotRun, measure_candidate, read_pilot, row_settings, run_pilot
 from pipeline.tune.predict import (
     Candidate,
@@ -504,11 +505,13 @@ def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -
 
 
 def read_raw_config(path: str | None, overrides: list[str] | None) -> dict[str, Any]:
-    """The config file's YAML data with ``--set`` overrides applied (what the tuned config keeps)."""
+    """The config file's YAML data with ``--set`` overrides applied (what the tuned config keeps),
+    its relative paths made absolute against the file's folder (the tuned config is written
+    elsewhere)."""
     data: dict[str, Any] = {}
     if path is not None:
         loaded = yaml.safe_load(Path(path).read_text())
-        data = loaded if isinstance(loaded, dict) else {}
+        data = resolve_config_paths(loaded, Path(path).parent) if isinstance(loaded, dict) else {}
     return apply_overrides(data, overrides)
 
 

@@ -16,13 +16,14 @@ def test_shipped_configs_load(name):
     assert cfg.task.name == name.removeprefix("demo-")
     # the default summarize job runs SmolLM2-135M-Instruct with the drafter distilled from it;
     # the demo config and the translate job run the tiny demo pair
-    assert (cfg.models.target, cfg.models.drafter) == {
+    # (relative paths in a config file resolve against its folder: configs/)
+    assert (cfg.models.target, cfg.models.drafter) == tuple(str(REPO / p) for p in {
         "summarize": ("models/cache/SmolLM2-135M-Instruct", "models/smollm2-135m-drafter"),
         "demo-summarize": ("models/demo-target", "models/demo-drafter"),
-        "translate": ("models/demo-target", "models/demo-drafter")}[name]
+        "translate": ("models/demo-target", "models/demo-drafter")}[name])
     assert cfg.models.gguf_file is None and cfg.models.drafter_gguf_file is None
-    assert cfg.input.uri == {"summarize": "data/demo_prompts.jsonl", "demo-summarize": "data/demo_prompts.jsonl",
-                             "translate": "data/demo_translate.jsonl"}[name]
+    assert cfg.input.uri == str(REPO / {"summarize": "data/demo_prompts.jsonl", "demo-summarize": "data/demo_prompts.jsonl",
+                                        "translate": "data/demo_translate.jsonl"}[name])
     assert cfg.method.name in METHODS
     assert cfg.models.trust_remote_code is False
     if name == "translate":

@@ -74,8 +74,8 @@ def test_default_job_writes_readable_summaries(smollm2, tmp_path):
     assert len(rows) == 2
     for row in rows:
         assert row["error"] is None and row["method"] == "draft_model"
-        assert row["target_model"] == "models/cache/SmolLM2-135M-Instruct"
-        assert row["draft_model"] == "models/smollm2-135m-drafter"
+        assert row["target_model"] == str(REPO / "models" / "cache" / "SmolLM2-135M-Instruct")  # config paths resolve against configs/
+        assert row["draft_model"] == str(REPO / "models" / "smollm2-135m-drafter")
         assert row["prompt"].endswith("<|im_start|>assistant\n")
         words = row["output_text"].split()
         assert len(words) >= 5 and sum(w.isalpha() for w in words) >= 3, row["output_text"]

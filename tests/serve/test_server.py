@@ -232,7 +232,11 @@ def test_replicas_scale_with_the_config_as_the_batch_actors_do():
     # replicas may start in another directory: local paths made absolute, the name kept as written
     resolved = absolute_paths(load_config(path), base=REPO)
     assert Path(resolved.models.target).is_absolute() and Path(resolved.models.target).is_dir()
-    assert resolved.serve.model_name == "models/demo-target"
+    assert resolved.serve.model_name == "demo-target"  # the folder's name, not the absolute path
+    named = absolute_paths(load_config(path, ["serve.model_name=tiny"]), base=REPO)
+    assert named.serve.model_name == "tiny"
+    hub = absolute_paths(load_config(path, ["models.target=org/some-model"]), base=REPO)
+    assert hub.serve.model_name == "org/some-model"
     assert "{%" in resolved.serve.chat_template  # the template itself travels, not its path
 
 
