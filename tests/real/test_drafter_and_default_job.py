@@ -62,13 +62,14 @@ def test_drafter_is_lossless_and_accepted(smollm2):
 @pytest.mark.slow
 def test_default_job_writes_readable_summaries(smollm2, tmp_path):
     """``python jobs/summarize.py`` as in the quick start (configs/summarize.yaml: SmolLM2 + drafter,
-    chat template), on two demo articles."""
+    chat template), on two demo articles, started in another directory (the config's relative model
+    paths resolve against configs/)."""
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DEMO[:2]))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     r = subprocess.run([sys.executable, str(REPO / "jobs" / "summarize.py"), "--input", str(tmp_path / "in.jsonl"),
                         "--output", str(tmp_path / "out"), "--max-new-tokens", "24", "--no-progress"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # from another directory
     assert r.returncode == 0, r.stderr[-3000:]
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert len(rows) == 2
