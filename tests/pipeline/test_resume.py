@@ -146,6 +146,6 @@ def test_run_date_flag_partitions_the_output(tmp_path):
     from pipeline.config import load_config
 
     cfg = load_config(REPO / "configs" / "translate.yaml", ["output.run_date=2026-05-06"])
-    assert cfg.output.location() == "out/translate/date=2026-05-06"
+    assert cfg.output.location() == str(REPO / "out" / "translate") + "/date=2026-05-06"  # resolved against configs/
     assert load_config(None, ["output.uri=s3://b/x/", "output.partition_by_date=true",
                               "output.run_date=2026-05-06"]).output.location() == "s3://b/x/date=2026-05-06"
