@@ -58,7 +58,7 @@ def resolve_path(value: Any, kind: str, base: Path) -> Any:
         return value
     expanded = os.path.expanduser(value)
     if os.path.isabs(expanded):
-        return expanded if expanded != value else value
+        return expanded
     if kind == "model" and not looks_local(value, base):
         return value  # a hub id
     if kind == "file" and ("{{" in value or "{%" in value):
