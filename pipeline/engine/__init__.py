@@ -1,5 +1,6 @@
 """The speculative decoding engine: propose -> verify in one target pass -> accept ->
-roll back caches -> repeat, for one sequence at a time, with exact per-row statistics.
+roll back caches -> repeat, for many rows in flight (continuous batching), with exact
+per-row statistics.
 
 Typical use::
 
@@ -13,7 +14,7 @@ Typical use::
 
 from .settings import METHODS, GenerationSettings, SpeculationSettings
 from .stats import GenerationResult, RowStats
-from .loop import SpeculativeEngine
+from .api import SpeculativeEngine
 
 __all__ = [
     "METHODS",

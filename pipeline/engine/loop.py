@@ -28,7 +28,6 @@ from typing import Callable
 import torch
 
 from .batch import RowState, per_row_settings
-from .scheduler import Scheduler
 from .draft_length import DraftLengthPolicy
 from .proposers import ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
@@ -43,8 +42,17 @@ from .verify import greedy_accept, verify_greedy, verify_sampling
 DEFAULT_MAX_BATCH_SIZE = 16
 
 
-class SpeculativeEngine:
-    """Speculative decoding of many rows at once with a target model.
+class StepEngine:
+    """The step API of speculative decoding: rows enter slots, every step advances every row
+    in flight by propose -> verify -> accept -> commit.  :class:`~pipeline.engine.scheduler.Scheduler`
+    is its only driver; :class:`~pipeline.engine.api.SpeculativeEngine` adds ``generate`` and
+    ``generate_batch`` on top (what most callers use).
+
+    The verbs, in the order a driver calls them: :meth:`bind` (slots for ``rows`` rows),
+    :meth:`new_row` (a row's state, or why it cannot run), :meth:`admit` (prefill new rows),
+    :meth:`step` (one step of every row in flight), :meth:`finish` (a finished row's
+    :class:`GenerationResult`).  :attr:`uses_target_hook` says whether the proposer runs the
+    target's passes itself (MTP, early exit); :meth:`target_pass` is one target pass.
 
     Args:
         target: a causal LM (``transformers.PreTrainedModel``), in eval mode, on any
@@ -118,7 +126,18 @@ class SpeculativeEngine:
         self._runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ plumbing
-    def _bind(self, rows: int) -> ModelRunner:
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The target's :class:`ModelRunner` (``None`` until :meth:`bind`)."""
+        return self._runner
+
+    @property
+    def uses_target_hook(self) -> bool:
+        """Whether the proposer runs every target pass itself (``target_forward``: MTP layers,
+        early exit), so the target's passes carry its extra work."""
+        return self._hook is not None
+
+    def bind(self, rows: int) -> ModelRunner:
         """The target's runner (and the proposer's state) for ``rows`` slots, built once."""
         if self._runner is None or self._runner.cache.max_rows < rows:
             self._runner = ModelRunner(self.target, rows, self.layout)
@@ -126,64 +145,16 @@ class SpeculativeEngine:
                 self.proposer.bind(rows, self._runner)
         return self._runner
 
-    def _target_pass(self, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
+    def target_pass(self, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
+        """One target pass over the rows in ``slots`` (through the proposer's hook when it has
+        one): ``tokens[i]`` ``(q_i,)`` int64 from position ``starts[i]``; returns ``(b,
+        logits_to_keep, V)`` logits of the last positions of every row."""
         if self._hook is not None:
             return self._hook(self._runner, slots, tokens, starts, logits_to_keep)
         return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
 
-    # ------------------------------------------------------------------ generation
-    def generate(self, input_ids, settings: GenerationSettings | None = None) -> GenerationResult:
-        """Generate one row (a batch of one).
-
-        Args:
-            input_ids: the prompt, ``list[int]`` or int64 tensor ``(1, seq_len)`` / ``(seq_len,)``.
-            settings: :class:`GenerationSettings`; unset fields take the target's
-                ``generation_config`` values, else greedy with 128 new tokens
-                (:func:`~pipeline.engine.settings.resolve_generation_settings`).
-
-        Returns:
-            :class:`GenerationResult`: the generated ids (prompt excluded), the text, the
-            finish reason (``"stop"`` | ``"length"`` | ``"context"``) and exact :class:`RowStats`.
-
-        Raises:
-            ValueError: a bad setting, an empty prompt, a token id outside the target's
-                vocabulary, or a prompt that leaves no room in the target's context.
-        """
-        result = self.generate_batch([input_ids], settings)[0]
-        if result.error is not None:
-            raise ValueError(result.error.removeprefix("ValueError: "))
-        return result
-
-    @torch.inference_mode()
-    def generate_batch(self, prompts, settings=None, max_batch_size: int | None = None) -> list[GenerationResult]:
-        """Generate many rows, up to ``max_batch_size`` in flight, in input order.
-
-        Args:
-            prompts: a list of prompts, each ``list[int]`` or an int64 tensor.
-            settings: one :class:`GenerationSettings` for every row, or a list with one per
-                prompt; rows may differ only in ``max_new_tokens``, ``eos_token_id``,
-                ``stop_strings`` and ``seed``.
-            max_batch_size: rows in flight (default: the engine's).
-
-        Returns:
-            One :class:`GenerationResult` per prompt, in order, each what :meth:`generate`
-            gives for that row alone (greedy: the same tokens; sampling: the same law,
-            drawn from the row's own generator).  A row that cannot run (empty prompt,
-            prompt longer than the context, bad token ids) has ``error`` set and the
-            others go on.
-
-        Raises:
-            ValueError: bad or mixed settings (before any decoding).
-        """
-        prompts = list(prompts)
-        rows_settings = per_row_settings(settings, len(prompts), self.target.generation_config, self.target_vocab)
-        scheduler = Scheduler(self, min(max_batch_size or self.max_batch_size, max(1, len(prompts))))
-        tickets = [scheduler.submit(p, s, resolved=True) for p, s in zip(prompts, rows_settings)]
-        results = scheduler.run()
-        return [results[t] for t in tickets]
-
     # ------------------------------------------------------------------ rows
-    def _new_row(self, index: int, prompt, settings: GenerationSettings, slot: int, device) -> RowState | str:
+    def new_row(self, index: int, prompt, settings: GenerationSettings, slot: int, device) -> RowState | str:
         """A row ready to prefill, or why it cannot run."""
         try:
             ids = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).to(device)
@@ -217,7 +188,7 @@ class SpeculativeEngine:
             rope_regime=self.layout.regime(n - 1),
         )
 
-    def _admit(self, rows: list[RowState]) -> None:
+    def admit(self, rows: list[RowState]) -> None:
         """Let the proposer take the new rows in (a drafter prefills them), then prefill their
         prompts (all but the last token) on the target; the time is shared by the rows'
         prompt tokens."""
@@ -232,7 +203,7 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.admit(slots, prompts)  # before the prefill, which hooks may record
         t1 = self.clock()
-        prefill(self._target_pass, slots, prompts)
+        prefill(self.target_pass, slots, prompts)
         t2 = self.clock()
         total = sum(r.prompt_len for r in rows)
         for r in rows:
@@ -253,7 +224,7 @@ class SpeculativeEngine:
             k = min(k, switch - row.length)
         return max(0, k)
 
-    def _step(self, rows: list[RowState]) -> None:
+    def step(self, rows: list[RowState]) -> None:
         """One propose -> verify -> commit step for every row in flight."""
         t0 = self.clock()
         ks = [self._draft_length(r) for r in rows]
@@ -286,7 +257,7 @@ class SpeculativeEngine:
                 tokens.append(torch.cat([r.sequence[0, -1:], d_tokens]))
                 starts.append(r.length - 1)
         keep = max(len(d) for d in drafts) + 1
-        logits = self._target_pass([r.slot for r in rows], tokens, starts, keep)
+        logits = self.target_pass([r.slot for r in rows], tokens, starts, keep)
         if self.policy is not None:
             self.policy.observe_verify(len(rows), sum(len(d) + 1 for d in drafts), self.clock() - t1)
         t2 = self.clock()
@@ -348,7 +319,7 @@ class SpeculativeEngine:
             if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and n:
                 row.k = row.k + 2 if accepted == row.k else max(1, row.k - 1)
 
-    def _result(self, row: RowState) -> GenerationResult:
+    def finish(self, row: RowState) -> GenerationResult:
         stats = row.stats
         stats.new_tokens = len(row.generated)
         stats.finish_reason = row.finish

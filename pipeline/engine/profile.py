@@ -95,7 +95,7 @@ class _Rows:
 
     def __init__(self, engine, prompts: list[list[int]], capacity: int, settings: GenerationSettings):
         self.engine, self.prompts, self.capacity, self.settings = engine, prompts, capacity, settings
-        self.runner = engine._bind(capacity)
+        self.runner = engine.bind(capacity)
         self.rows: list[RowState] = []
         self.tokens = 0
         self.admit_s = self.prefill_s = 0.0
@@ -108,12 +108,12 @@ class _Rows:
             # keys and values are gathered as in a running batch, whose rows come and go in
             # any order (see SlotLayer.update).
             slot = 0 if i == 0 else self.capacity - i
-            row = self.engine._new_row(i, self.prompts[i % len(self.prompts)], self.settings, slot, self.runner.device)
+            row = self.engine.new_row(i, self.prompts[i % len(self.prompts)], self.settings, slot, self.runner.device)
             if isinstance(row, str):
                 raise ValueError(f"cannot profile with prompt {i % len(self.prompts)}: {row}")
             new.append(row)
         if new:
-            self.engine._admit(new)
+            self.engine.admit(new)
             self.tokens += sum(r.prompt_len for r in new)
             if self.engine.proposer is not None:
                 self.admit_s += sum(r.stats.draft_time_s for r in new)
@@ -134,7 +134,7 @@ def verification_costs(engine, rows: list[RowState], widths: list[int], repeats:
     in each row (its last committed token repeated ``n`` times, at its own positions), the
     logits' argmax read back as the loop does.  The rows' committed state is unchanged (the
     positions written are written again by the next pass)."""
-    device = engine._runner.device
+    device = engine.runner.device
     slots = [r.slot for r in rows]
     starts = [r.length - 1 for r in rows]
     out: dict[int, float] = {}
@@ -144,7 +144,7 @@ def verification_costs(engine, rows: list[RowState], widths: list[int], repeats:
         for rep in range(repeats + 1):
             _sync(device)
             t0 = engine.clock()
-            logits = engine._target_pass(slots, tokens, starts, n)
+            logits = engine.target_pass(slots, tokens, starts, n)
             logits.argmax(-1).tolist()
             _sync(device)
             if rep:  # the first is a warm-up
@@ -165,7 +165,7 @@ def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: 
                       for r in rows]
             for r in rows:
                 r.k = k  # a heuristic schedule moves it; every step asks for k
-            engine._step(rows)
+            engine.step(rows)
             if not rep:
                 continue
             d = [(r.stats.draft_time_s - x[0], r.stats.verify_time_s - x[1], r.stats.wall_time_s - x[2],

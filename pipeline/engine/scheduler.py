@@ -63,7 +63,7 @@ class Scheduler:
         if getattr(engine.proposer, "max_rows", None) is not None:
             size = min(size, engine.proposer.max_rows)
         self.size = size
-        self.runner = engine._bind(size)
+        self.runner = engine.bind(size)
         self._free = list(range(size))[::-1]
         self._waiting: deque[_Waiting] = deque()
         self._active: list[RowState] = []
@@ -141,7 +141,7 @@ class Scheduler:
                     break
                 w = self._waiting.popleft()
             t0 = self.engine.clock()
-            row = self.engine._new_row(w.ticket, w.prompt, w.settings, self._free[-1], self.runner.device)
+            row = self.engine.new_row(w.ticket, w.prompt, w.settings, self._free[-1], self.runner.device)
             if isinstance(row, str):
                 result = GenerationResult.failed(f"ValueError: {row}", self.engine.clock() - t0)
                 done.append((w.ticket, result))
@@ -155,20 +155,20 @@ class Scheduler:
             self._callbacks[w.ticket] = (w.on_tokens, w.on_done)
             admitted.append(row)
         if admitted:
-            self.engine._admit(admitted)
+            self.engine.admit(admitted)
             self._active.extend(admitted)
         groups: dict[str, list[RowState]] = {}
         for row in self._active:
             if row.finish is None:
                 groups.setdefault(group_key(row.settings), []).append(row)
         for rows in groups.values():
-            self.engine._step(rows)
+            self.engine.step(rows)
         still = []
         for row in self._active:
             if row.finish is None:
                 still.append(row)
                 continue
-            result = self.engine._result(row)
+            result = self.engine.finish(row)
             self._free.append(row.slot)
             _, on_done = self._callbacks.pop(row.index, (None, None))
             done.append((row.index, result))

@@ -343,7 +343,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         profiles[choice.method] = profile_engine(engine, prompts, sizes, draft_lengths=ks,
                                                  repeats=options.repeats, settings=generation)
         models.append(_method_model(choice, pilots[choice.method], profiles[choice.method], grid,
-                                    engine._hook is not None, getattr(engine.proposer, "max_rows", None)))
+                                    engine.uses_target_hook, getattr(engine.proposer, "max_rows", None)))
     if not any(c.method == "plain" for c in choices):
         models = models[1:]
     stage("profile")

@@ -189,9 +189,9 @@ def test_more_rows_than_slots_reuse_slots_and_memory_stays_flat():
     prompts = [prompt_of(10 + (i * 7) % 40, seed=i) for i in range(40)]
     plain = SpeculativeEngine(target)
     first = engine.generate_batch(prompts, GenerationSettings(max_new_tokens=20))
-    sizes = (engine._runner.cache.nbytes(), engine.proposer.runner.cache.nbytes())
+    sizes = (engine.runner.cache.nbytes(), engine.proposer.runner.cache.nbytes())
     again = engine.generate_batch(prompts[::-1] * 2, GenerationSettings(max_new_tokens=20))  # 80 more rows
-    assert (engine._runner.cache.nbytes(), engine.proposer.runner.cache.nbytes()) == sizes
+    assert (engine.runner.cache.nbytes(), engine.proposer.runner.cache.nbytes()) == sizes
     assert [r.token_ids for r in again] == [r.token_ids for r in first[::-1]] * 2
     for p, r in zip(prompts[::7], first[::7]):
         assert r.token_ids == plain.generate(p, GenerationSettings(max_new_tokens=20)).token_ids

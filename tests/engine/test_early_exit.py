@@ -112,7 +112,7 @@ def test_verifier_reuses_the_draft_layers(layerskip):
     reference = DynamicCache(config=layerskip.config)
     with torch.no_grad():
         layerskip(input_ids=seq, cache=reference, use_cache=True)
-    shared = eng._runner.cache
+    shared = eng.runner.cache
     for i in range(LAYERS):
         torch.testing.assert_close(shared.layers[i].keys[0, :, : seq.shape[1]], reference.layers[i].keys[0])
         torch.testing.assert_close(shared.layers[i].values[0, :, : seq.shape[1]], reference.layers[i].values[0])

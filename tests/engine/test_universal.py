@@ -169,7 +169,7 @@ def test_batch_runs_one_row_at_a_time(pair):
     eng = engine(pair)
     rows = prompts(tok_t)
     results = eng.generate_batch(rows, GenerationSettings(max_new_tokens=20), max_batch_size=8)
-    assert eng._runner.cache.max_rows == 1
+    assert eng.runner.cache.max_rows == 1
     plain = SpeculativeEngine(target)
     for prompt, result in zip(rows, results):
         assert result.token_ids == plain.generate(prompt, GenerationSettings(max_new_tokens=20)).token_ids

@@ -161,7 +161,7 @@ def test_an_engine_step_that_raises_fails_its_rows_with_500_and_the_server_goes_
             "return_token_ids": True}
     good = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
     engine = srv.engine
-    real_step = engine._step
+    real_step = engine.step
     calls = {"n": 0}
 
     def flaky(rows):
@@ -170,7 +170,7 @@ def test_an_engine_step_that_raises_fails_its_rows_with_500_and_the_server_goes_
             raise RuntimeError("simulated CUDA error")
         return real_step(rows)
 
-    monkeypatch.setattr(engine, "_step", flaky)
+    monkeypatch.setattr(engine, "step", flaky)
     r = httpx.post(f"{url}/v1/completions", json=body)
     assert r.status_code == 500 and "simulated CUDA error" in r.json()["error"]["message"]
     again = httpx.post(f"{url}/v1/completions", json=body)
