@@ -1,5 +1,5 @@
 """Online serving benchmark (not a test): latency and throughput of the Ray Serve app
-(``pipeline/serve.py``) under 1, 8 and 32 concurrent clients, speculative vs plain.
+(``pipeline/serve/``) under 1, 8 and 32 concurrent clients, speculative vs plain.
 
 For each method it deploys the app of ``configs/summarize.yaml`` (demo model pair, one
 replica with every core of the machine) on an embedded Ray, then for each concurrency ``c``

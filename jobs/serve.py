@@ -1,5 +1,5 @@
 """Entry point of the online server: the job config's model pair and method behind an
-OpenAI-style API on Ray Serve (see pipeline/serve.py).
+OpenAI-style API on Ray Serve (see pipeline/serve/).
 
     python jobs/serve.py --config configs/summarize.yaml [--host 127.0.0.1] [--port 8000]
 

@@ -1,5 +1,5 @@
 """The config fingerprint: everything that changes a run's outputs, recorded with every
-committed shard and compared when a run resumes (see pipeline.write).
+committed shard and compared when a run resumes (see pipeline.output).
 
 :func:`config_identity` is plain data:
 
@@ -18,7 +18,7 @@ committed shard and compared when a run resumes (see pipeline.write).
   gigabytes.  A hub id is identified by its cached snapshot (revision and files), or by
   the id alone when it is not in the local cache.
 
-:func:`fingerprint` is a short SHA-256 of that data; :func:`describe_changes` names the
+:func:`config_fingerprint` is a short SHA-256 of that data; :func:`describe_changes` names the
 keys that differ between two identities, for the refusal message.
 """
 
@@ -54,7 +54,7 @@ def config_identity(cfg: Any) -> dict[str, Any]:
     return ident
 
 
-def fingerprint(identity: dict[str, Any]) -> str:
+def config_fingerprint(identity: dict[str, Any]) -> str:
     """A 16-hex-digit SHA-256 of :func:`config_identity` (canonical JSON)."""
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

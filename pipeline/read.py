@@ -69,7 +69,7 @@ class Shard:
     format: str  # "parquet" | "jsonl"
     num_rows: int
     #: what identifies this version of the file: ``size=...;etag=...`` (S3) or
-    #: ``size=...;mtime=...`` (local); compared on resume (see pipeline.write)
+    #: ``size=...;mtime=...`` (local); compared on resume (see pipeline.output)
     fingerprint: str | None = None
     #: the file's path relative to the input location (``a/b.jsonl``); derived ids use it
     name: str | None = None
@@ -99,7 +99,7 @@ def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if ("file" in protos or "local" in protos) else fs.unstrip_protocol(path)
 
 
-def fingerprint(info: dict[str, Any]) -> str:
+def shard_fingerprint(info: dict[str, Any]) -> str:
     """``size=N;etag=...`` or ``size=N;mtime=...`` from an fsspec ``info()`` record."""
     size = info.get("size")
     for key in ("ETag", "etag", "md5Hash", "crc32c"):
@@ -169,7 +169,7 @@ def resolve_shards(cfg: InputConfig, retry: Any = None) -> list[Shard]:
             raise InputError(f"input shard {p!r}: unknown format; name it *.parquet or *.jsonl, or set input.format")
         url = _unstrip(fs, p)
         try:
-            n, fp = io(lambda: (_check_shard(fs, p, fmt, cfg), fingerprint(fs.info(p))), f"read input shard {url!r}")
+            n, fp = io(lambda: (_check_shard(fs, p, fmt, cfg), shard_fingerprint(fs.info(p))), f"read input shard {url!r}")
         except StorageError as e:
             cause = e.__cause__
             if isinstance(cause, InputError):

@@ -13,7 +13,7 @@ and streams the result back to the driver, which shows a progress bar of rows do
 writes each shard's rows to staging as they come (at most ``output.max_rows_per_file``
 rows of a shard held at a time), commits each shard (its files, then its manifest entry)
 as soon as it is complete, and finally writes ``_summary.json`` and ``_SUCCESS`` (see
-pipeline.write).
+pipeline.write; the output's layout and the resume check: pipeline.output).
 
 Resource plan.  The read and repartition stages ask Ray for no CPU (they are I/O and
 slicing, at most two read tasks at a time), so they never wait behind an actor pool that
@@ -62,7 +62,8 @@ from pipeline.prompts import check_prompt
 from pipeline.read import INPUT_SCHEMA, Shard, read_shards_batch, resolve_shards
 from pipeline.retry import StorageError
 from pipeline.summary import RunTotals
-from pipeline.write import OutputWriter, part_name
+from pipeline.output import part_name
+from pipeline.write import OutputWriter
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -348,15 +349,15 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     shards, writer, generation = preflight(cfg)
     skip: set[int] = writer.skip
     todo = [s for s in shards if s.index not in skip]
-    if writer.nothing_to_do:
-        log.info("%s is complete: all %d shards committed; nothing to do", writer.url(), len(shards))
-        summary = writer.read_summary()
+    if writer.location.nothing_to_do:
+        log.info("%s is complete: all %d shards committed; nothing to do", writer.location.url(), len(shards))
+        summary = writer.location.read_summary()
         summary["this_run"] = {"run_id": writer.run_id, "nothing_to_do": True, "shards_run": [],
                                "shards_skipped": [part_name(s.index) for s in shards]}
         return summary
     total_rows = sum(s.num_rows for s in todo)
     log.info("%d shards (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
-             len(shards), len(skip), total_rows, writer.url(), writer.run_id)
+             len(shards), len(skip), total_rows, writer.location.url(), writer.run_id)
     try:
         totals = RunTotals()  # this run's rows
         shard_totals: dict[str, RunTotals] = {}  # shards in flight
@@ -406,7 +407,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
         summary = {
             "run_id": writer.run_id,
             "status": "succeeded",
-            "output": writer.url(),
+            "output": writer.location.url(),
             "run_date": cfg.output.effective_run_date() if cfg.output.partition_by_date else None,
             "started_at": started.isoformat(),
             "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
@@ -440,7 +441,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
             raise RunError(f"committed rows {overall.rows} != input rows {expected}")
         writer.commit(summary)
         log.info("run %s committed: %d rows (%d errors) in %s; this run: %d shards, %d skipped",
-                 writer.run_id, overall.rows, overall.errors, writer.url(), len(todo), len(skip))
+                 writer.run_id, overall.rows, overall.errors, writer.location.url(), len(todo), len(skip))
         if overall.audit_rows:
             log.info("audit: %d rows re-decoded with plain decoding, %d mismatches",
                      overall.audit_rows, overall.audit_mismatches)

@@ -10,6 +10,7 @@ Typical use::
                                drafter=drafter, tokenizer=tokenizer)
     result = engine.generate(prompt_ids, GenerationSettings(max_new_tokens=64))
     result.token_ids, result.text, result.finish_reason, result.stats.to_dict()
+    results = engine.generate_batch([ids_a, ids_b, ...], GenerationSettings(max_new_tokens=64))
 """
 
 from .settings import METHODS, GenerationSettings, SpeculationSettings

@@ -2,7 +2,7 @@
 in flight, and a finished row's slot takes the next waiting row at once.
 
 :meth:`SpeculativeEngine.generate_batch` submits a list of rows and steps until all are
-done; an online server (``pipeline/serve.py``) keeps one :class:`Scheduler` per replica
+done; an online server (``pipeline/serve/``) keeps one :class:`Scheduler` per replica
 and submits requests as they arrive, from any thread, with a callback that receives each
 committed block of tokens (streaming) and one that receives the final result.
 

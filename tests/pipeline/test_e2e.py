@@ -17,7 +17,8 @@ from pipeline.prompts import PromptBuilder
 from pipeline.read import InputError
 from pipeline.run import run_job
 from pipeline.config import OutputConfig
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter, is_complete
+from pipeline.output import is_complete
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter
 
 STAT_COLUMNS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
                 "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",

@@ -14,7 +14,8 @@ import pytest
 
 import pipeline.write
 from pipeline.config import OutputConfig
-from pipeline.write import OUTPUT_SCHEMA, OutputError, OutputWriter, is_complete
+from pipeline.output import OutputError, is_complete
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter
 
 
 def _parquet_bytes(n=2):
@@ -177,7 +178,7 @@ def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(
     assert "_manifest/part-00000.json" not in files
 
     w2 = OutputWriter(s.cfg(allow_foreign_files=True))  # not refused: those files are ours
-    assert w2.prepare([]) == set() and w2.foreign == ["notes.txt"]
+    assert w2.prepare([]) == set() and w2.location.foreign == ["notes.txt"]
     w2.write_part(0, _rows(5))
     w2.commit({"rows": 5})
     assert sorted(s.files()) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json", "notes.txt",

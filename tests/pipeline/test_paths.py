@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
-from pipeline.fingerprint import config_identity, fingerprint
+from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.paths import PATH_KEYS, looks_local, resolve_config_paths, resolve_path
 from pipeline_testkit import REPO, TEXTS, write_jsonl
 
@@ -112,9 +112,9 @@ def test_fingerprint_ignores_where_a_local_model_lies(tiny_models, tmp_path):
     shutil.copytree(tiny_models["target"], copy)
     a = load_config(None, [f"models.target={tiny_models['target']}", "method.name=plain"])
     b = load_config(None, [f"models.target={copy}", "method.name=plain"])
-    assert fingerprint(config_identity(a)) == fingerprint(config_identity(b))
+    assert config_fingerprint(config_identity(a)) == config_fingerprint(config_identity(b))
     (copy / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
-    assert fingerprint(config_identity(a)) != fingerprint(config_identity(b))
+    assert config_fingerprint(config_identity(a)) != config_fingerprint(config_identity(b))
     hub = load_config(None, ["models.target=org/not-cached", "method.name=plain"])
     assert config_identity(hub)["models"]["target"] == "org/not-cached"  # a hub id is named by its id
 

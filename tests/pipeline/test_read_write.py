@@ -9,7 +9,8 @@ import pytest
 from pipeline_testkit import write_jsonl
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.read import InputError, read_shard, resolve_shards
-from pipeline.write import OUTPUT_SCHEMA, OutputError, OutputWriter, is_complete
+from pipeline.output import OutputError, is_complete
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter
 
 
 def test_resolve_dir_glob_and_file(tmp_path):

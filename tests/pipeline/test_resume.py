@@ -13,7 +13,7 @@ import pytest
 import pipeline.write
 from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
 from pipeline.run import run_job
-from pipeline.write import OutputError, is_complete
+from pipeline.output import OutputError, is_complete
 
 DATE = "2026-01-02"
 

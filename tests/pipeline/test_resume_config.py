@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
-from pipeline.fingerprint import config_identity, describe_changes, file_identity, fingerprint, model_files
+from pipeline.fingerprint import config_fingerprint, config_identity, describe_changes, file_identity, model_files
 from pipeline.read import resolve_shards
-from pipeline.write import OUTPUT_SCHEMA, OutputError, OutputWriter
+from pipeline.output import OutputError
+from pipeline.write import OUTPUT_SCHEMA, OutputWriter
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def test_the_drafter_counts_only_for_methods_that_use_it(tiny_models, inputs, tm
     other = tmp_path / "other-drafter"
     shutil.copytree(tiny_models["drafter"], other)
     plain = job_config(tiny_models, str(inputs), str(tmp_path / "o1"), method="plain")
-    assert fingerprint(config_identity(plain)) == fingerprint(config_identity(
+    assert config_fingerprint(config_identity(plain)) == config_fingerprint(config_identity(
         job_config(dict(tiny_models, drafter=str(other)), str(inputs), str(tmp_path / "o1"), method="plain")))
     out = str(tmp_path / "o2")
     _commit_shard0(job_config(tiny_models, str(inputs), out))
@@ -204,7 +205,7 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
     w.prepare(shards, config_identity(cfg()))
     w.write_part(shards[0], pa.Table.from_pylist([{"id": "1", "source_row": 0}], schema=OUTPUT_SCHEMA))
     entry = json.loads(client.get_object(Bucket="fingerprints", Key="out/_manifest/part-00000.json")["Body"].read())
-    assert entry["config_fingerprint"] == fingerprint(config_identity(cfg()))
+    assert entry["config_fingerprint"] == config_fingerprint(config_identity(cfg()))
     assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())) == {0}
     with pytest.raises(OutputError, match="generation.max_new_tokens: 12 -> 5"):
         OutputWriter(cfg().output).prepare(resolve_shards(cfg().input),

@@ -83,7 +83,8 @@ def test_s3_credentials_and_endpoint_from_the_standard_chain(s3_server, bucket, 
 
     from pipeline.config import InputConfig, OutputConfig
     from pipeline.read import read_shard, resolve_shards
-    from pipeline.write import OUTPUT_SCHEMA, OutputWriter, is_complete
+    from pipeline.output import is_complete
+    from pipeline.write import OUTPUT_SCHEMA, OutputWriter
 
     for k, v in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server,
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():

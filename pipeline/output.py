@@ -1,0 +1,374 @@
+"""The output location: an output directory's layout, the files this job owns there, and
+the resume check.  (Writing a run's shards into it: :mod:`pipeline.write`.)
+
+Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD`` with
+``output.partition_by_date``; any fsspec URL: local path, ``s3://bucket/prefix``...)::
+
+    <dir>/part-00000.parquet          the rows of input shard 0 (OUTPUT_SCHEMA, in the shard's order)
+    <dir>/part-00001-00000.parquet    a shard of more than output.max_rows_per_file rows is
+    <dir>/part-00001-00001.parquet    written as several files, in row order
+    <dir>/_manifest/part-00000.json   the shard's commit record (pipeline.write)
+    <dir>/_manifest/pending/...       publish intents (pipeline.write)
+    <dir>/_summary.json               the run summary over all committed shards (pipeline.summary)
+    <dir>/_SUCCESS                    written last: every shard of the input is committed
+    <dir>/_staging/<run_id>/          files of a run in progress, before they are published
+
+Files this job owns, and the only ones it ever deletes or overwrites: the data files named
+by a manifest entry or a publish intent, everything under ``_manifest/`` and
+``_staging/``, and ``_summary.json`` / ``_SUCCESS`` of a directory that has a manifest.
+Anything else in the directory is *foreign*: the job refuses such a directory
+(:class:`OutputError`) unless ``output.allow_foreign_files: true``, and even then, and with
+``overwrite``, never touches those files (a foreign file with a name the job would write,
+``part-*.parquet``, ``_SUCCESS``, ``_summary.json``, is always refused).
+
+Resume (``overwrite: false``, the default): :meth:`OutputLocation.prepare` reads the
+manifest and returns the shards already committed *from the same source under the same
+config fingerprint*; the run skips them, so committed rows are never duplicated or
+rewritten.  A manifest entry that disagrees with today's input (another file at that
+index, or the file changed) or with today's config (another method, generation setting,
+prompt template, model file...) is refused with :class:`OutputError`, naming what
+changed: rerun with ``overwrite: true``.  When every shard is already committed and
+``_SUCCESS`` exists, the run writes nothing (:attr:`OutputLocation.nothing_to_do`).
+
+Overwrite (``overwrite: true``): ``_SUCCESS``, ``_summary.json``, the files the manifest
+and intents name, ``_manifest/`` and ``_staging/`` are deleted first and the run starts
+afresh.
+
+Every storage call goes through :func:`pipeline.retry.with_retries` (transient errors
+retried with backoff, bounded by timeouts and a deadline; see ``retry:`` in the job config).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import re
+import shutil
+from typing import Any
+
+from pipeline.config import JobRefused, OutputConfig
+from pipeline.fingerprint import config_fingerprint, describe_changes
+from pipeline.retry import endpoint_of, open_fs, retrying
+
+log = logging.getLogger("specbatch")
+
+SUCCESS = "_SUCCESS"
+SUMMARY = "_summary.json"
+STAGING = "_staging"
+MANIFEST = "_manifest"
+PENDING = "pending"  # under _manifest/
+#: names of data files the job writes; a foreign file with such a name is always refused
+DATA_FILE = re.compile(r"^part-\d{5,}(-\d{5,})?\.parquet$")
+
+
+class OutputError(JobRefused):
+    """The output location cannot be used: it holds files this job did not write, a run of
+    another config or input (and ``overwrite`` is off), or it is not writable."""
+
+
+def part_name(shard_index: int) -> str:
+    """The name of input shard ``shard_index`` in the output: ``part-00003.parquet`` (also
+    its only data file's name when its rows fit in one file)."""
+    return f"part-{shard_index:05d}.parquet"
+
+
+def data_file_names(shard_index: int, n_files: int) -> list[str]:
+    """Final names of a shard's data files: ``[part-00003.parquet]`` for one file, else
+    ``part-00003-00000.parquet``, ``part-00003-00001.parquet``, ... (row order)."""
+    if n_files <= 1:
+        return [part_name(shard_index)]
+    return [f"part-{shard_index:05d}-{c:05d}.parquet" for c in range(n_files)]
+
+
+class OutputLocation:
+    """One output directory (``cfg.location()``) on its filesystem: listing, the manifest,
+    the foreign-file and resume checks of :meth:`prepare`, and the storage helpers the
+    shard commit (:class:`pipeline.write.OutputWriter`) writes through.
+
+    After :meth:`prepare`: ``entries`` (part name -> manifest entry of every shard committed
+    by earlier runs), ``intents`` (publish intents earlier runs left), ``foreign`` (files
+    this job did not write, relative paths), ``skipped`` (part names to skip) and
+    ``nothing_to_do`` (every shard committed and ``_SUCCESS`` there).
+
+    Args:
+        cfg: the output section.
+        retry: a RetryConfig (or its dict) for storage calls; None = defaults.
+    """
+
+    def __init__(self, cfg: OutputConfig, retry: Any = None):
+        self.cfg = cfg
+        self.uri = cfg.location()
+        self.fs, root = open_fs(self.uri, cfg.storage_options, retry)
+        self.root = root.rstrip("/") or "/"
+        self.io = retrying(retry, endpoint_of(self.fs))
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.intents: dict[str, dict[str, Any]] = {}
+        self.foreign: list[str] = []
+        self.skipped: list[str] = []
+        self.nothing_to_do = False
+        protos = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protos or "local" in protos
+        self.object_store = any(p in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss") for p in protos)
+
+    # ------------------------------------------------------------------ paths and storage
+    def path(self, *names: str) -> str:
+        """A path under the output directory (filesystem path, no protocol)."""
+        return posixpath.join(self.root, *names)
+
+    def staging_dir(self, run_id: str) -> str:
+        """Where run ``run_id`` stages its files: ``_staging/<run_id>``."""
+        return self.path(STAGING, run_id)
+
+    def exists(self, path: str) -> bool:
+        return self.io(lambda: self.fs.exists(path), f"check {path}")
+
+    def makedirs(self, path: str) -> None:
+        """Create a folder.  On an object store there is nothing to create, and s3fs's
+        makedirs may try to create the *bucket* when a listing fails during an outage
+        (CreateBucket then fails for good): skipped there.  Not retried (callers wrap it)."""
+        if not self.object_store:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def remove(self, path: str, what: str) -> None:
+        """Delete one file if it exists (retried)."""
+        def rm() -> None:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass
+
+        self.io(rm, what)
+
+    def remove_tree(self, path: str) -> None:
+        """Delete a folder and everything in it, if it exists.  Not retried (callers wrap it)."""
+        if self.local:  # fsspec's local rm(recursive) calls os.getcwd(), which fails when the
+            # working directory is gone (seen under ray job submit on a worker node)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+        elif self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def url(self, name: str = "") -> str:
+        """The output directory (or a file in it) as a full URL; local paths made absolute
+        (under ``ray job submit`` a relative path lands in the job's working directory)."""
+        from pipeline.read import _unstrip
+
+        base = _unstrip(self.fs, self.root)
+        return base + ("/" + name if name else "")
+
+    def listing(self) -> list[str]:
+        """Every file under the output directory, as paths relative to it."""
+        def find() -> list[str]:
+            try:
+                return self.fs.find(self.root, withdirs=False)
+            except FileNotFoundError:
+                return []
+
+        prefix = self.root.rstrip("/") + "/"
+        return sorted(p[len(prefix):] for p in self.io(find, f"list {self.url()}")
+                      if p.startswith(prefix) and not p.endswith("/"))
+
+    # ------------------------------------------------------------------ the manifest
+    def read_manifest(self) -> dict[str, dict[str, Any]]:
+        """Part name -> manifest entry, for every committed shard of this output."""
+        return {e["part"]: e for e in self._read_json_files(self.path(MANIFEST, "part-*.json"), "the manifest")}
+
+    def read_intents(self) -> dict[str, dict[str, Any]]:
+        """Intent path -> publish intent, for every intent an unfinished shard left."""
+        return {e["_path"]: e for e in self._read_json_files(self.path(MANIFEST, PENDING, "part-*.json"),
+                                                              "publish intents", keep_path=True)}
+
+    def _read_json_files(self, pattern: str, what: str, keep_path: bool = False) -> list[dict[str, Any]]:
+        def load() -> list[dict[str, Any]]:
+            try:
+                paths = sorted(self.fs.glob(pattern))
+            except FileNotFoundError:
+                return []
+            out = []
+            for p in paths:
+                with self.fs.open(p, "r") as f:
+                    entry = json.load(f)
+                if keep_path:
+                    entry["_path"] = p
+                out.append(entry)
+            return out
+
+        return self.io(load, f"read {what} of {self.url()}")
+
+    def read_summary(self) -> dict[str, Any]:
+        """The ``_summary.json`` of the last finished run."""
+        def load() -> dict[str, Any]:
+            with self.fs.open(self.path(SUMMARY), "r") as f:
+                return json.load(f)
+
+        return self.io(load, f"read {SUMMARY}")
+
+    # ------------------------------------------------------------------ the checks
+    def prepare(self, shards: list | None, identity: dict[str, Any] | None, staging: str) -> set[int]:
+        """Check the output against the input and config; on overwrite, clear this job's
+        files; unless there is nothing to do, remove the markers of the last run and check
+        that ``staging`` is writable.
+
+        Args:
+            shards: the input shards (:class:`pipeline.read.Shard`); None = no resume check.
+            identity: :func:`pipeline.fingerprint.config_identity` of this run's config
+                (compared with the one each committed shard recorded); None = not checked.
+            staging: the folder this run stages its files in (:meth:`staging_dir`).
+
+        Returns:
+            Indices of the shards already committed from the same source and config (to skip).
+
+        Raises:
+            OutputError: the directory holds files this job did not write (see the module
+                docstring); or its manifest disagrees with the input or the config (and
+                ``overwrite`` is off); or the location is not writable (bad bucket,
+                credentials, permissions).
+            StorageError: the storage kept failing with transient errors.
+        """
+        from pipeline.retry import StorageError
+
+        self.fs.invalidate_cache()
+        try:
+            files = self.listing()
+            entries = self.read_manifest()
+            self.intents = self.read_intents()
+            self.foreign = self._foreign(files, entries)
+            self._check_foreign(entries)
+            if self.cfg.overwrite:
+                self._clear(entries)
+                skip: set[int] = set()
+            else:
+                skip = self._resume_check(shards, entries, identity)
+        except OutputError:
+            raise
+        except StorageError as e:
+            if e.transient:
+                raise
+            raise OutputError(f"output {self.url()!r} is not usable: {e}") from None
+        except Exception as e:
+            raise OutputError(f"output {self.url()!r} is not usable: {type(e).__name__}: {e}") from None
+        if shards is not None and len(skip) == len(shards) and self.exists(self.path(SUCCESS)):
+            self.nothing_to_do = True
+            return skip
+        try:
+            for name in (SUCCESS, SUMMARY):
+                if self.exists(self.path(name)):
+                    self.io(lambda n=name: self.fs.rm(self.path(n)), f"remove {name}")
+            probe = posixpath.join(staging, ".probe")
+
+            def write_probe() -> None:
+                self.makedirs(staging)
+                with self.fs.open(probe, "wb") as f:
+                    f.write(b"ok")
+                self.fs.rm(probe)
+
+            self.io(write_probe, f"write to {self.url()}")
+        except StorageError as e:
+            if e.transient:
+                raise
+            raise OutputError(f"output {self.url()!r} is not writable: {e}") from None
+        except Exception as e:
+            raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
+        return skip
+
+    def _owned_data_files(self, entries: dict[str, dict[str, Any]]) -> set[str]:
+        named = set()
+        for e in list(entries.values()) + list(self.intents.values()):
+            named.update(e.get("files") or [e["part"]])
+        return named
+
+    def _foreign(self, files: list[str], entries: dict[str, dict[str, Any]]) -> list[str]:
+        """The files (relative paths) this job did not write."""
+        named = self._owned_data_files(entries)
+        ours_markers = bool(entries or self.intents)
+        foreign = []
+        for rel in files:
+            top = rel.split("/", 1)[0]
+            if top in (MANIFEST, STAGING) and "/" in rel:
+                continue
+            if rel in named or (rel in (SUCCESS, SUMMARY) and ours_markers):
+                continue
+            foreign.append(rel)
+        return foreign
+
+    def _check_foreign(self, entries: dict[str, dict[str, Any]]) -> None:
+        if not self.foreign:
+            return
+        clashing = [f for f in self.foreign if DATA_FILE.match(f) or f in (SUCCESS, SUMMARY)]
+        shown = ", ".join(self.foreign[:5]) + (f" and {len(self.foreign) - 5} more" if len(self.foreign) > 5 else "")
+        if clashing and not entries and SUCCESS in self.foreign:
+            raise OutputError(
+                f"output {self.url()!r} already holds a run without a manifest (written before resumable runs, "
+                f"or by another tool): {shown}; the job never deletes files it did not write, so move them away "
+                "or choose another output.uri"
+            )
+        if clashing:
+            raise OutputError(
+                f"output {self.url()!r} holds files this job did not write with names it writes: "
+                f"{', '.join(clashing[:5])}; the job never deletes or overwrites files it did not write "
+                "(even with --overwrite or output.allow_foreign_files): move them away or choose another output.uri"
+            )
+        if not self.cfg.allow_foreign_files:
+            raise OutputError(
+                f"output {self.url()!r} holds {len(self.foreign)} file(s) this job did not write: {shown}; "
+                "the job never deletes files it did not write: move them away, choose another output.uri, or set "
+                "output.allow_foreign_files: true to write beside them (they are left alone)"
+            )
+        log.warning("output %s holds %d file(s) this job did not write (left alone): %s",
+                    self.url(), len(self.foreign), shown)
+
+    def _clear(self, entries: dict[str, dict[str, Any]]) -> None:
+        """Overwrite: delete this job's files (markers first, so the output never looks complete)."""
+        for name in (SUCCESS, SUMMARY):
+            if self.exists(self.path(name)):
+                self.io(lambda n=name: self.fs.rm(self.path(n)), f"remove {name}")
+        for name in sorted(self._owned_data_files(entries)):
+            self.remove(self.path(name), f"remove {name}")
+        for d in (MANIFEST, STAGING):
+            self.io(lambda d=d: self.remove_tree(self.path(d)), f"remove {d}")
+        self.intents = {}
+
+    def _resume_check(self, shards: list | None, entries: dict[str, dict[str, Any]],
+                      identity: dict[str, Any] | None) -> set[int]:
+        if not entries:
+            return set()
+        if shards is None:
+            raise OutputError(f"output {self.url()!r} already holds committed shards; set output.overwrite: true")
+        if identity is not None:
+            expected = config_fingerprint(identity)
+            for part, entry in sorted(entries.items()):
+                if entry.get("config_fingerprint") != expected:
+                    raise OutputError(
+                        f"output {self.url()!r}: {part} was committed under another config "
+                        f"({describe_changes(entry.get('config_identity'), identity)}); resuming would mix "
+                        "outputs of two configs: rerun with --overwrite (output.overwrite: true) to redo the "
+                        "output from scratch, or choose another output.uri"
+                    )
+        by_part = {part_name(s.index): s for s in shards}
+        skip = set()
+        for part, entry in sorted(entries.items()):
+            shard = by_part.get(part)
+            if shard is None:
+                raise OutputError(
+                    f"output {self.url()!r}: {part} was committed from {entry.get('source_file')!r}, but the input "
+                    f"has only {len(shards)} shards now; set output.overwrite: true (--overwrite) to start afresh"
+                )
+            if entry.get("source_file") != shard.url or entry.get("fingerprint") != shard.fingerprint:
+                raise OutputError(
+                    f"output {self.url()!r}: {part} was committed from {entry.get('source_file')!r} "
+                    f"({entry.get('fingerprint')}), but input shard {shard.index} is now {shard.url!r} "
+                    f"({shard.fingerprint}): the input changed since; set output.overwrite: true (--overwrite) "
+                    "to start afresh, or choose another output.uri"
+                )
+            skip.add(shard.index)
+        self.entries = dict(entries)
+        self.skipped = sorted(entries)
+        return skip
+
+
+def is_complete(uri: str, storage_options: dict | None = None) -> bool:
+    """Whether ``uri`` holds a finished run (its ``_SUCCESS`` marker exists)."""
+    fs, root = open_fs(uri, storage_options)
+    return fs.exists(posixpath.join(root.rstrip("/"), SUCCESS))

@@ -1,0 +1,215 @@
+"""The app of the online server: the FastAPI routes of an :class:`OpenAIServer`, the Ray
+Serve deployment and application of a job config, and ``jobs/serve.py``'s command line.
+
+    python jobs/serve.py --config configs/summarize.yaml [--host 127.0.0.1] [--port 8000]
+    serve run pipeline.serve:app_builder config=configs/summarize.yaml [section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pipeline.config import ConfigError, JobConfig, load_config
+from pipeline.serve.protocol import APIError
+from pipeline.serve.server import OpenAIServer, served_model_name
+
+log = logging.getLogger("specbatch.serve")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_app(server: OpenAIServer):
+    """The FastAPI app of ``server``: the four endpoints, OpenAI-shaped errors."""
+    app = FastAPI(title="specbatch", description="OpenAI-style completions on a speculative-decoding engine")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        log.exception("request failed")
+        body = APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").body()
+        return JSONResponse(body, status_code=500)
+
+    async def respond(handler, request: Request):
+        out = await handler(await request.body())
+        if isinstance(out, dict):
+            return JSONResponse(out)
+        return StreamingResponse(out, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await respond(server.completions, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await respond(server.chat_completions, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        info = server.health()
+        return JSONResponse(info, status_code=200 if info["status"] == "ok" else 503)
+
+    return app
+
+
+# ---------------------------------------------------------------------------- Ray Serve
+def _deployment():
+    from ray import serve
+
+    @serve.deployment(name="specbatch")
+    @serve.ingress()
+    class OpenAIDeployment:
+        """One replica: the job config's model pair and method, one engine loop."""
+
+        def __init__(self, config: dict[str, Any]):
+            self.server = OpenAIServer.from_config(JobConfig.model_validate(config))
+
+        def __serve_build_asgi_app__(self):
+            return build_app(self.server)
+
+        def check_health(self) -> None:
+            self.server.check_health()
+
+    return OpenAIDeployment
+
+
+def absolute_paths(cfg: JobConfig, base: Path | None = None) -> JobConfig:
+    """``cfg`` with local model and template paths made absolute (replicas may start in
+    another directory); hub ids are left as they are."""
+    base = base or Path.cwd()
+    cfg = cfg.model_copy(deep=True)
+    if cfg.serve.model_name is None:
+        cfg.serve.model_name = served_model_name(cfg)
+    for key in ("target", "drafter"):
+        value = getattr(cfg.models, key)
+        if value and (base / Path(value).expanduser()).is_dir():
+            setattr(cfg.models, key, str((base / Path(value).expanduser()).resolve()))
+    template = cfg.serve.chat_template_text(base)
+    if template is not None:
+        cfg.serve.chat_template = template
+    return cfg
+
+
+def preflight(cfg: JobConfig) -> None:
+    """The checks that need no weights: model paths, tokenizer, chat template.
+
+    Raises:
+        ModelError, ConfigError (``ValueError``): naming the key.
+    """
+    from pipeline.models import check_models
+
+    checked = check_models(cfg.models, cfg.uses_drafter)
+    tok = checked["tokenizer"]
+    if cfg.serve.chat_template is None and not getattr(tok, "chat_template", None):
+        log.warning("the target's tokenizer has no chat template and serve.chat_template is unset: "
+                    "/v1/chat/completions will refuse requests")
+
+
+def build_application(cfg: JobConfig):
+    """The Serve application of a job config: ``serve.num_replicas`` replicas, each with
+    ``serve.gpus_per_replica`` GPUs and ``serve.cpus_per_replica`` CPUs (unset: the batch
+    job's ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``)."""
+    cfg = absolute_paths(cfg)
+    return _deployment().options(**deployment_options(cfg)).bind(cfg.model_dump())
+
+
+def deployment_options(cfg: JobConfig) -> dict[str, Any]:
+    """Ray Serve's deployment options from ``serve:`` (GPUs and CPUs per replica default to
+    the batch job's ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``)."""
+    gpus = cfg.serve.gpus_per_replica if cfg.serve.gpus_per_replica is not None else cfg.compute.gpus_per_actor
+    cpus = cfg.serve.cpus_per_replica or cfg.compute.cpus_per_actor
+    return {"num_replicas": cfg.serve.num_replicas, "max_ongoing_requests": cfg.serve.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus}}
+
+
+def app_builder(args: dict[str, str]):
+    """``serve run pipeline.serve:app_builder config=configs/summarize.yaml [section.key=value ...]``:
+    the job config plus dotted overrides.  (Serve's own config chooses host and port there.)"""
+    args = dict(args)
+    path = args.pop("config", None)
+    cfg = load_config(path, [f"{k}={v}" for k, v in args.items()])
+    preflight(cfg)
+    return build_application(cfg)
+
+
+# ---------------------------------------------------------------------------- command line
+_FLAGS = {
+    "host": "serve.host", "port": "serve.port", "method": "method.name", "target": "models.target",
+    "drafter": "models.drafter", "num_replicas": "serve.num_replicas", "gpus_per_replica": "serve.gpus_per_replica",
+    "max_batch_size": "serve.max_batch_size", "model_name": "serve.model_name",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jobs/serve.py``: load and check the config, start Serve (embedded Ray unless
+    ``ray.address`` / ``RAY_ADDRESS``), deploy, and serve until interrupted.
+
+    Exit status: 0 after Ctrl-C, 2 for a bad config or model path (before Ray starts).
+    """
+    p = argparse.ArgumentParser(prog="jobs/serve.py", description="OpenAI-style server on the job's engine (Ray Serve).")
+    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "summarize.yaml"), help="YAML job config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set method.name=plain (repeatable)")
+    p.add_argument("--host", help="serve.host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="serve.port (default 8000)")
+    p.add_argument("--method", help="method.name")
+    p.add_argument("--target", help="models.target")
+    p.add_argument("--drafter", help="models.drafter")
+    p.add_argument("--num-replicas", type=int, help="serve.num_replicas")
+    p.add_argument("--gpus-per-replica", type=float, help="serve.gpus_per_replica")
+    p.add_argument("--max-batch-size", type=int, help="serve.max_batch_size")
+    p.add_argument("--model-name", help="serve.model_name")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = list(args.overrides)
+    for flag, key in _FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")
+
+    from pipeline.models import ModelError
+
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.print_config:
+            print(json.dumps(cfg.resolved(), indent=2))
+            return 0
+        preflight(cfg)
+    except (ConfigError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from ray import serve
+
+    from pipeline.run import init_ray
+
+    init_ray(cfg)
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    serve.run(build_application(cfg), name="specbatch", route_prefix="/")
+    print(f"serving {cfg.serve.model_name or cfg.models.target} ({cfg.method.name}) on "
+          f"http://{cfg.serve.host}:{cfg.serve.port}/v1 (Ctrl-C stops)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a plain kill shuts down as Ctrl-C does
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0

@@ -1,0 +1,297 @@
+"""The OpenAI-style server on one engine, independent of Ray: requests checked and mapped
+to engine rows, responses and server-sent-event streams in OpenAI's shapes with the
+``speculation`` object (:mod:`pipeline.serve.protocol`).  A Serve replica holds one
+(:mod:`pipeline.serve.app`); tests run it under uvicorn too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, AsyncIterator
+
+from pipeline.config import JobConfig
+from pipeline.engine import GenerationResult, GenerationSettings
+from pipeline.engine.settings import resolve_generation_settings
+from pipeline.paths import looks_local
+from pipeline.prompts import render_chat
+from pipeline.serve.engine_loop import EngineLoop, RequestRow, RequestRun
+from pipeline.serve.protocol import (
+    DRAFT_LENGTH_FIELDS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    combine_stats,
+    new_id,
+    now,
+    openai_finish_reason,
+    parse_request,
+    settings_error,
+    speculation,
+    usage,
+)
+from pipeline.serve.streaming import TextStream
+
+
+def _row_error(result: GenerationResult, param: str) -> APIError:
+    """A failed row: the engine refused the prompt (400) or a step failed (500)."""
+    if result.error.startswith("ValueError: "):
+        return APIError(result.error.removeprefix("ValueError: "), param=param)
+    return APIError(f"the engine failed on this request: {result.error}", status=500, type="internal_error")
+
+
+# ---------------------------------------------------------------------------- the server
+class OpenAIServer:
+    """The API on one engine, independent of Ray (a Serve replica holds one; tests run it
+    under uvicorn too).
+
+    Args:
+        engine: a :class:`pipeline.engine.SpeculativeEngine` (with its tokenizer).
+        model_name: the ``model`` the server answers to.
+        defaults: generation settings a request's unset fields take (the job's ``generation:``,
+            resolved against the target's ``generation_config``).
+        chat_template: a Jinja template for chat requests when the tokenizer has none.
+        max_batch_size: rows in flight (default: the engine's).
+        info: extra fields for ``/v1/models`` (paths of the models, ...).
+    """
+
+    def __init__(self, engine, model_name: str, defaults: GenerationSettings | None = None,
+                 chat_template: str | None = None, max_batch_size: int | None = None,
+                 info: dict[str, Any] | None = None):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs the engine's tokenizer")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.defaults = resolve_generation_settings(defaults, engine.target.generation_config, engine.target_vocab)
+        self.chat_template = chat_template
+        self.method = engine.spec.method
+        self.draft_length = engine.spec.draft_length if engine.proposer is not None else None
+        self.loop = EngineLoop(engine, max_batch_size)
+        self.info = dict(info or {})
+        self.started = now()
+        self.requests = 0
+        self.replica = _replica_id()
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, device: str | None = None) -> "OpenAIServer":
+        """Load the config's model pair and method (as the batch job's actors do)."""
+        from actors.generate import limit_cpu_threads, load_engine
+
+        cpus = cfg.serve.cpus_per_replica or cfg.compute.cpus_per_actor
+        limit_cpu_threads(cpus)
+        max_batch = cfg.serve.max_batch_size or cfg.compute.max_batch_size
+        loaded = load_engine(cfg, device, max_batch)
+        info = {"target_model": cfg.models.target, "draft_model": cfg.models.drafter if cfg.uses_drafter else None,
+                "device": loaded.models.device, "load_time_s": round(loaded.load_time_s, 3)}
+        return cls(loaded.engine, served_model_name(cfg), loaded.settings,
+                   cfg.serve.chat_template_text(), max_batch, info)
+
+    def close(self) -> None:
+        self.loop.close()
+
+    # ------------------------------------------------------------------ plain endpoints
+    def models(self) -> dict[str, Any]:
+        spec = {f.name: getattr(self.engine.spec, f.name) for f in dataclasses.fields(self.engine.spec)}
+        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specbatch",
+                "root": self.info.get("target_model", self.model_name), "max_model_len": self.engine.context,
+                "speculation": spec, **self.info}
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> dict[str, Any]:
+        scheduler = self.loop.scheduler
+        return {"status": "ok" if self.loop.alive else "engine loop stopped", "model": self.model_name,
+                "method": self.method, "replica": self.replica, "pid": os.getpid(), "started": self.started,
+                "requests": self.requests, "rows": self.loop.rows, "rows_in_flight": scheduler.in_flight,
+                "max_batch_size": scheduler.size, "peak_rows_in_flight": self.loop.peak_in_flight,
+                "steps": self.loop.steps, "failed_steps": self.loop.failures, "cancelled_rows": self.loop.cancelled}
+
+    def check_health(self) -> None:
+        """Raise when the replica cannot serve (its stepping thread died): Serve restarts it."""
+        if not self.loop.alive:
+            raise RuntimeError("the engine loop thread stopped")
+
+    # ------------------------------------------------------------------ requests
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", status=404, code="model_not_found")
+
+    def _draft_length(self, req) -> int | None:
+        """The request's draft length ``k`` (``None``: the server's)."""
+        given = {f: getattr(req, f) for f in DRAFT_LENGTH_FIELDS if getattr(req, f) is not None}
+        if not given:
+            return None
+        own = "prompt_lookup_num_tokens" if self.method == "prompt_lookup" else "num_assistant_tokens"
+        for field, value in given.items():
+            if self.draft_length is None:
+                raise APIError(f"{field}: this server runs method {self.method!r}, which drafts nothing", param=field)
+            if field != own:
+                raise APIError(f"{field} is not a parameter of method {self.method!r} (this server's); "
+                               f"its draft length is {own}", param=field)
+            if not 1 <= value <= self.draft_length:
+                raise APIError(f"{field} must be in 1 .. {self.draft_length} (the server's method.{own}), "
+                               f"got {value}", param=field)
+        return given[own]
+
+    def _settings(self, req) -> GenerationSettings:
+        try:
+            return resolve_generation_settings(req.generation_settings(self.defaults),
+                                               self.engine.target.generation_config, self.engine.target_vocab)
+        except ValueError as e:
+            raise settings_error(e) from None
+
+    def _check_prompt(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise APIError(f"{param} is empty (no tokens)", param=param)
+        vocab = self.engine.target_vocab
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"{param} has token ids outside the vocabulary (0 .. {vocab - 1}): {bad[:5]}", param=param)
+        context = self.engine.context
+        if context is not None and len(ids) >= context:
+            raise APIError(f"{param} has {len(ids)} tokens; the model's context is {context} tokens "
+                           "(the prompt must leave room for at least one new token)", param=param)
+        return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _rows(self, prompts: list[list[int]], req, settings: GenerationSettings) -> list[RequestRow]:
+        """``n`` rows per prompt (choice ``i * n + j``); with sampling and a seed, choice j > 0
+        of a prompt draws from a seed derived from the request's seed and j."""
+        from actors.generate import row_seed
+
+        rows = []
+        for p in prompts:
+            for j in range(req.n):
+                s = settings
+                if j and settings.do_sample and settings.seed is not None:
+                    s = dataclasses.replace(settings, seed=row_seed(settings.seed, j))
+                rows.append(RequestRow(len(rows), p, s, TextStream(self.tokenizer, req.stop_list(), req.include_stop_str_in_output)))
+        return rows
+
+    async def completions(self, body: bytes):
+        req = parse_request(CompletionRequest, body)
+        self._check_model(req.model)
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        prompts = [self._check_prompt(p if isinstance(p, list) else self._encode(p, add_special), "prompt")
+                   for p in req.prompt]
+        return await self._respond(req, prompts, "prompt", chat=False)
+
+    async def chat_completions(self, body: bytes):
+        req = parse_request(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        try:
+            text = render_chat(self.tokenizer, [m.plain() for m in req.messages], self.chat_template)
+        except ValueError as e:
+            hint = "" if self.chat_template else " (set serve.chat_template in the job config)"
+            raise APIError(f"messages: {e}{hint}", param="messages") from None
+        add_special = False if req.add_special_tokens is None else req.add_special_tokens
+        prompts = [self._check_prompt(self._encode(text, add_special), "messages")]
+        return await self._respond(req, prompts, "messages", chat=True)
+
+    async def _respond(self, req, prompts: list[list[int]], param: str, chat: bool):
+        settings = self._settings(req)
+        k = self._draft_length(req)
+        rows = self._rows(prompts, req, settings)
+        self.requests += 1
+        run = RequestRun(self.loop, rows, k)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            return self._stream(run, req, rid, param, chat, k)
+        results = await run.results()
+        for r in results:
+            if r.error is not None:
+                raise _row_error(r, param)
+        choices = []
+        for row, r in zip(rows, results):
+            text = row.stream.final_text(r.text or "", r.finish_reason)
+            choice: dict[str, Any] = {"index": row.index}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice.update(text=text, logprobs=None)
+            choice["finish_reason"] = openai_finish_reason(r.finish_reason)
+            if req.return_token_ids:
+                choice["token_ids"] = r.token_ids
+            choice["speculation"] = speculation(r.stats, self.method, k or self.draft_length)
+            choices.append(choice)
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+            "model": self.model_name, "choices": choices,
+            "usage": usage(sum(len(row.prompt) for row in rows), sum(len(r.token_ids) for r in results)),
+            "speculation": speculation(combine_stats([r.stats for r in results]), self.method, k or self.draft_length),
+        }
+
+    async def _stream(self, run: RequestRun, req, rid: str, param: str, chat: bool, k: int | None) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = now()
+
+        def chunk(choices, **extra) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices, **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        def choice(index, text, finish=None, ids=None, first=False, **extra):
+            c: dict[str, Any] = {"index": index}
+            if chat:
+                c["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or not first else {})
+            else:
+                c.update(text=text, logprobs=None)
+            c["finish_reason"] = finish
+            if ids is not None and req.return_token_ids:
+                c["token_ids"] = ids
+            c.update(extra)
+            return c
+
+        if chat:
+            yield chunk([choice(row.index, "", first=True) for row in run.rows])
+        try:
+            async for index, kind, payload in run.events():
+                row = run.rows[index]
+                if kind == "tokens":
+                    delta = row.stream.push(payload)
+                    yield chunk([choice(index, delta, ids=payload)])
+                    continue
+                result: GenerationResult = payload
+                if result.error is not None:
+                    err = _row_error(result, param)
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    continue
+                rest = row.stream.finish(result.text or "", result.finish_reason)
+                yield chunk([choice(index, rest, openai_finish_reason(result.finish_reason), ids=[],
+                                    speculation=speculation(result.stats, self.method, k or self.draft_length))])
+            if req.stream_options is not None and req.stream_options.include_usage:
+                done = [row.result for row in run.rows if row.result is not None and row.result.error is None]
+                yield chunk([], usage=usage(sum(len(row.prompt) for row in run.rows), sum(len(r.token_ids) for r in done)),
+                            speculation=speculation(combine_stats([r.stats for r in done]), self.method,
+                                                    k or self.draft_length))
+            yield "data: [DONE]\n\n"
+        finally:
+            run.cancel()
+
+
+def _replica_id() -> str | None:
+    serve = sys.modules.get("ray.serve")  # imported in a Serve replica; not imported here otherwise
+    if serve is None:
+        return None
+    try:
+        ctx = serve.get_replica_context()
+        rid = getattr(ctx, "replica_id", None)
+        return getattr(rid, "unique_id", None) or str(rid or getattr(ctx, "replica_tag", ""))
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return None
+
+
+def served_model_name(cfg: JobConfig) -> str:
+    """The ``model`` the server answers to: ``serve.model_name``, else the target's folder name
+    for a local model (``SmolLM2-135M-Instruct``: config paths are absolute once loaded), else
+    its hub id."""
+    if cfg.serve.model_name:
+        return cfg.serve.model_name
+    target = cfg.models.target
+    if looks_local(target):
+        return os.path.basename(os.path.normpath(os.path.expanduser(target)))
+    return target
