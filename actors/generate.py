@@ -1,12 +1,13 @@
 """Stage 3, generate: the Ray actor that ``map_batches`` runs as an actor pool.
 
-Each actor loads the model pair once (on its GPU when Ray gave it one, else on the CPU),
-builds one :class:`pipeline.engine.SpeculativeEngine`, and then feeds each whole batch to
+Each actor loads the model pair once (on its GPU when Ray gave it one, else on the CPU) and
+builds one :class:`pipeline.engine.SpeculativeEngine` (:func:`pipeline.loading.load_engine`),
+then feeds each whole batch to
 :meth:`~pipeline.engine.SpeculativeEngine.generate_batch`: up to ``compute.max_batch_size``
 rows are decoded in lockstep, and a finished row's slot takes the next row of the batch
 at once (continuous batching).  When sampling, each row draws from its own generator,
-seeded from ``generation.seed`` and the row's id, so a row's output does not depend on
-which actor, batch or batch position it lands in.
+seeded from ``generation.seed`` and the row's id (:func:`pipeline.loading.row_settings`), so a
+row's output does not depend on which actor, batch or batch position it lands in.
 
 A row that fails (null/empty/non-string prompt, a prompt longer than the target's
 context, bad token ids) gets its ``error`` string and null statistics; the other rows of
@@ -32,17 +33,16 @@ Used as::
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import resource
-import time
 from typing import Any
 
 import pyarrow as pa
 
 from pipeline.config import JobConfig
-from pipeline.models import load_models, model_ref
+from pipeline.loading import build_engine, limit_cpu_threads, load_engine, process_cpus, row_key, row_settings
+from pipeline.models import model_ref
 from pipeline.prompts import PromptBuilder
 from pipeline.write import OUTPUT_SCHEMA
 
@@ -52,52 +52,6 @@ STAT_KEYS = (
     "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
     "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s", "draft_steps", "tokens_per_step",
 )
-
-
-@dataclasses.dataclass
-class LoadedEngine:
-    """A job config's model pair and engine, as one process (an actor, a Serve replica) holds them.
-
-    Attributes:
-        models: the loaded :class:`pipeline.models.LoadedModels`.
-        engine: the :class:`pipeline.engine.SpeculativeEngine` of ``method:``.
-        settings: the job's ``generation:`` with the target checkpoint's defaults filled in,
-            as the engine resolves them.
-        load_time_s: seconds spent loading the weights.
-    """
-
-    models: Any
-    engine: Any
-    settings: Any
-    load_time_s: float
-
-
-def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int | None = None) -> LoadedEngine:
-    """Load ``cfg.models`` (on ``device``; default ``cuda`` when visible, else ``cpu``) and
-    build the engine of ``cfg.method`` with ``max_batch_size`` rows in flight (default
-    ``compute.max_batch_size``) and ``compute.adaptive_draft_length``.
-
-    Raises:
-        ValueError: the engine refuses the model pair or a setting (the message names it).
-    """
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.engine.settings import resolve_generation_settings
-
-    t0 = time.perf_counter()
-    models = load_models(cfg.models, cfg.uses_drafter, device)
-    load_time_s = time.perf_counter() - t0
-    engine = SpeculativeEngine(
-        models.target,
-        cfg.method.speculation_settings(),
-        drafter=models.drafter,
-        tokenizer=models.tokenizer,
-        drafter_tokenizer=models.drafter_tokenizer,
-        max_batch_size=max_batch_size or cfg.compute.max_batch_size,
-        adaptive_draft_length=cfg.compute.adaptive_draft_length,
-    )
-    settings = resolve_generation_settings(cfg.generation.generation_settings(), models.target.generation_config,
-                                           engine.target_vocab)
-    return LoadedEngine(models, engine, settings, load_time_s)
 
 
 class GenerateActor:
@@ -111,21 +65,14 @@ class GenerateActor:
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None):
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
         compute = self.cfg.compute
-        limit_cpu_threads(compute.cpus_per_actor)
+        limit_cpu_threads(process_cpus(self.cfg))
         loaded = load_engine(self.cfg, device, compute.max_batch_size)
         self.models, self.engine, self.settings = loaded.models, loaded.engine, loaded.settings
         self.load_time_s = loaded.load_time_s
         self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed
-        self.plain_engine = None
-        if self.audit_fraction > 0:
-            from pipeline.engine import SpeculationSettings, SpeculativeEngine
-
-            self.plain_engine = SpeculativeEngine(
-                self.models.target, SpeculationSettings(method="plain"), tokenizer=self.models.tokenizer,
-                max_batch_size=compute.max_batch_size,
-            )
+        self.plain_engine = build_engine(self.models, None, compute.max_batch_size) if self.audit_fraction > 0 else None
         self.meta = {
             "method": self.cfg.method.name,
             "target_model": model_ref(self.cfg.models.target, self.cfg.models.gguf_file),
@@ -154,7 +101,7 @@ class GenerateActor:
                 todo.append((i, ids))
             except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
                 out["error"] = f"{type(e).__name__}: {e}"
-        settings = [self._row_settings(rows[i]) for i, _ in todo]
+        settings = [row_settings(self.settings, row_key(rows[i])) for i, _ in todo]
         results = self._decode(self.engine, [ids for _, ids in todo], settings)
         audit = [j for j, (i, _) in enumerate(todo) if results[j].error is None and self.plain_engine is not None
                  and audit_selected(rows[i].get("source_file"), rows[i].get("source_row"),
@@ -178,16 +125,6 @@ class GenerateActor:
     def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """One input row -> one output row (a batch of one)."""
         return self.generate_rows([row])[0]
-
-    def _row_settings(self, row: dict[str, Any]):
-        """The generation settings of one row: when sampling, its own seed, derived from
-        ``generation.seed`` and the row's id (or its shard and position without an id)."""
-        if not self.settings.do_sample or self.settings.seed is None:
-            return self.settings
-        key = row.get("id")
-        if key is None:
-            key = f"{row.get('source_file')}\x00{row.get('source_row')}"
-        return dataclasses.replace(self.settings, seed=row_seed(self.settings.seed, key))
 
     @staticmethod
     def _decode(engine, prompts: list[list[int]], settings: list) -> list:
@@ -230,12 +167,6 @@ class GenerateActor:
         }
 
 
-def row_seed(seed: int, key: Any) -> int:
-    """A row's sampling seed: a hash of the job's ``seed`` and the row's id (63 bits)."""
-    h = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") >> 1
-
-
 def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int) -> bool:
     """Whether the lossless audit re-decodes this row: a hash of (shard URL, row, seed)
     mapped to [0, 1) is below ``fraction``; the same rows are chosen on every run."""
@@ -245,14 +176,6 @@ def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int
         return True
     h = hashlib.sha256(f"{seed}\x00{source_file}\x00{source_row}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
-
-
-def limit_cpu_threads(cpus: float) -> None:
-    """Use as many torch intra-op threads as CPUs Ray gave this actor: more threads than
-    cores makes small-batch decoding many times slower on a shared machine."""
-    import torch
-
-    torch.set_num_threads(max(1, int(cpus)))
 
 
 def _dict_batch_to_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:

@@ -60,17 +60,12 @@ def best_of(repeats, fn):
 
 
 def bench_engine(cfg, texts, repeats=1):
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.models import load_models
+    from pipeline.loading import load_engine
     from pipeline.prompts import PromptBuilder
 
-    m = load_models(cfg.models, cfg.uses_drafter, "cpu")
-    engine = SpeculativeEngine(m.target, cfg.method.speculation_settings(), drafter=m.drafter,
-                               tokenizer=m.tokenizer, drafter_tokenizer=m.drafter_tokenizer,
-                               max_batch_size=cfg.compute.max_batch_size,
-                               adaptive_draft_length=cfg.compute.adaptive_draft_length)
+    loaded = load_engine(cfg, "cpu")  # as the actor builds it
+    m, engine, settings = loaded.models, loaded.engine, loaded.settings
     builder = PromptBuilder(m.tokenizer, cfg.task)
-    settings = cfg.generation.generation_settings()
     engine.generate(builder.build(texts[0])[1], settings)  # warm-up
     batch = cfg.compute.rows_per_batch
 
@@ -125,11 +120,10 @@ def bench_hf_generate(m, builder, texts, max_new_tokens, batch=8, repeats=1):
 
 def baselines(cfg_dump: dict, texts, max_new_tokens: int, repeats: int, threads: int):
     """Bare engine and HF generate(), one after the other, in the calling process."""
-    import torch
-
     from pipeline.config import JobConfig
+    from pipeline.loading import limit_cpu_threads
 
-    torch.set_num_threads(threads)  # as many as an actor gets
+    limit_cpu_threads(threads)  # as many as an actor gets
     cfg = JobConfig.model_validate(cfg_dump)
     new_e, sec_e, models, builder = bench_engine(cfg, texts, repeats)
     new_h, sec_h = bench_hf_generate(models, builder, texts, max_new_tokens, repeats=repeats)
@@ -198,6 +192,7 @@ def main() -> None:
     import ray
 
     from pipeline.config import load_config
+    from pipeline.loading import process_cpus
 
     work = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     target, drafter = args.target, args.drafter
@@ -215,7 +210,7 @@ def main() -> None:
             f"compute.rows_per_batch={args.rows_per_batch}", f"compute.max_batch_size={args.max_batch_size}"]
     cfg = load_config(str(REPO / "configs" / "demo-summarize.yaml"), sets)
 
-    threads = max(1, int(cfg.compute.cpus_per_actor))
+    threads = max(1, int(process_cpus(cfg)))
     print(f"# bench_pipeline: torch threads={threads} target={target} drafter={drafter} method={args.method} "
           f"rows={len(texts)} max_new_tokens={args.max_new_tokens} cpus={os.cpu_count()} baselines in {args.baselines_in}",
           flush=True)

@@ -42,10 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from actors.generate import load_engine
     from pipeline.config import load_config
-    from pipeline.engine import SpeculationSettings, SpeculativeEngine
     from pipeline.engine.exactness import compare_rows, summarize
+    from pipeline.loading import build_engine, load_engine
     from pipeline.prompts import PromptBuilder
     from pipeline.read import read_shard, resolve_shards
 
@@ -60,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         texts = {r["id"]: r["text"] for shard in resolve_shards(cfg.input)
                  for r in read_shard(shard, cfg.input).to_pylist() if r["id"] in wanted}
         loaded = load_engine(cfg, "cpu", max_batch_size=1)
-        plain = SpeculativeEngine(loaded.models.target, SpeculationSettings(method="plain"),
-                                  tokenizer=loaded.models.tokenizer, max_batch_size=1)
+        plain = build_engine(loaded.models, None, max_batch_size=1)
         builder = PromptBuilder(loaded.models.tokenizer, cfg.task)
         prompts, outs, refs = [], [], []
         with torch.no_grad():

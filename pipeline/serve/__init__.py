@@ -11,7 +11,7 @@ response and on each choice; ``"stream": true`` sends one server-sent event per 
 tokens the verifier commits, then ``data: [DONE]``.
 
 Batching.  Each replica (``serve.num_replicas`` of them, ``serve.gpus_per_replica`` GPUs
-each) loads the job config's model pair and method once (:func:`actors.generate.load_engine`,
+each) loads the job config's model pair and method once (:func:`pipeline.loading.load_engine`,
 as the batch job's actors do) and keeps one
 :class:`~pipeline.engine.scheduler.Scheduler` (continuous batching: up to
 ``serve.max_batch_size`` rows in flight, a finished row's slot taken by the next request

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipeline.config import ConfigError, JobConfig, load_config
+from pipeline.loading import process_cpus
 from pipeline.serve.protocol import APIError
 from pipeline.serve.server import OpenAIServer, served_model_name
 
@@ -132,7 +133,7 @@ def deployment_options(cfg: JobConfig) -> dict[str, Any]:
     """Ray Serve's deployment options from ``serve:`` (GPUs and CPUs per replica default to
     the batch job's ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``)."""
     gpus = cfg.serve.gpus_per_replica if cfg.serve.gpus_per_replica is not None else cfg.compute.gpus_per_actor
-    cpus = cfg.serve.cpus_per_replica or cfg.compute.cpus_per_actor
+    cpus = process_cpus(cfg, serving=True)
     return {"num_replicas": cfg.serve.num_replicas, "max_ongoing_requests": cfg.serve.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus}}
 

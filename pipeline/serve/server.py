@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from pipeline.config import JobConfig
 from pipeline.engine import GenerationResult, GenerationSettings
 from pipeline.engine.settings import resolve_generation_settings
+from pipeline.loading import limit_cpu_threads, load_engine, process_cpus, row_settings
 from pipeline.paths import looks_local
 from pipeline.prompts import render_chat
 from pipeline.serve.engine_loop import EngineLoop, RequestRow, RequestRun
@@ -77,11 +78,9 @@ class OpenAIServer:
 
     @classmethod
     def from_config(cls, cfg: JobConfig, device: str | None = None) -> "OpenAIServer":
-        """Load the config's model pair and method (as the batch job's actors do)."""
-        from actors.generate import limit_cpu_threads, load_engine
-
-        cpus = cfg.serve.cpus_per_replica or cfg.compute.cpus_per_actor
-        limit_cpu_threads(cpus)
+        """Load the config's model pair and method as the batch job's actors do
+        (:func:`pipeline.loading.load_engine`), with the replica's CPU threads and rows in flight."""
+        limit_cpu_threads(process_cpus(cfg, serving=True))
         max_batch = cfg.serve.max_batch_size or cfg.compute.max_batch_size
         loaded = load_engine(cfg, device, max_batch)
         info = {"target_model": cfg.models.target, "draft_model": cfg.models.drafter if cfg.uses_drafter else None,
@@ -161,15 +160,12 @@ class OpenAIServer:
 
     def _rows(self, prompts: list[list[int]], req, settings: GenerationSettings) -> list[RequestRow]:
         """``n`` rows per prompt (choice ``i * n + j``); with sampling and a seed, choice j > 0
-        of a prompt draws from a seed derived from the request's seed and j."""
-        from actors.generate import row_seed
-
+        of a prompt draws from a seed derived from the request's seed and j
+        (:func:`pipeline.loading.row_settings`)."""
         rows = []
         for p in prompts:
             for j in range(req.n):
-                s = settings
-                if j and settings.do_sample and settings.seed is not None:
-                    s = dataclasses.replace(settings, seed=row_seed(settings.seed, j))
+                s = row_settings(settings, j) if j else settings
                 rows.append(RequestRow(len(rows), p, s, TextStream(self.tokenizer, req.stop_list(), req.include_stop_str_in_output)))
         return rows
 

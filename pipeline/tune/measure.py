@@ -13,10 +13,10 @@ wall time, or the process's CPU time on a shared CPU machine).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pipeline import loading
 from pipeline.config import JobConfig
 from pipeline.engine import GenerationResult, GenerationSettings
 from pipeline.prompts import PromptBuilder
@@ -29,7 +29,7 @@ class PilotInput:
 
     Attributes:
         ids: row ids (``None`` where the input has none).
-        keys: what seeds each row's sampling in the actor: its id, else its shard and row.
+        keys: what seeds each row's sampling in the actor (:func:`pipeline.loading.row_key`).
         prompts: token ids of each usable row's prompt.
         build_s: seconds to build each prompt (template, chat template, tokenizer).
         skipped: ``(id, reason)`` of rows among the first ones that the job would turn into
@@ -78,7 +78,7 @@ def read_pilot(cfg: JobConfig, tokenizer, rows: int, context: int | None, clock:
                                                    f"context allows ({context})"))
                 continue
             out.ids.append(row.get("id"))
-            out.keys.append(row["id"] if row.get("id") is not None else f"{row['source_file']}\x00{row['source_row']}")
+            out.keys.append(loading.row_key(row))
             out.prompts.append(ids)
             out.build_s.append(spent)
     if not out.prompts:
@@ -88,13 +88,9 @@ def read_pilot(cfg: JobConfig, tokenizer, rows: int, context: int | None, clock:
 
 
 def row_settings(settings: GenerationSettings, keys: list[Any]) -> list[GenerationSettings]:
-    """Per-row settings as the actor makes them: when sampling with a seed, each row's own
-    seed from the job's seed and its key (:func:`actors.generate.row_seed`)."""
-    if not settings.do_sample or settings.seed is None:
-        return [settings] * len(keys)
-    from actors.generate import row_seed
-
-    return [dataclasses.replace(settings, seed=row_seed(settings.seed, key)) for key in keys]
+    """Per-row settings as the actor makes them (:func:`pipeline.loading.row_settings`): when
+    sampling with a seed, each row's own seed from the job's seed and its key."""
+    return [loading.row_settings(settings, key) for key in keys]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The tuner, top to bottom: choose the method, draft length and batch size of a job from a
 pilot sample of its own input, on the configured hardware, and predict its speed.
 
-    load the model pair (as an actor does, with the actor's CPU threads)
+    load the model pair (as an actor does, with the actor's CPU threads: pipeline.loading)
     -> read the pilot: the first N rows of the job's input, prompts built as the job builds them
     -> pilot runs: each method the models allow, over the pilot rows at its longest draft K
        (acceptance by draft position, new tokens, prefill; greedy outputs checked equal)
@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 import yaml
 
-from pipeline.config import METHODS_NEEDING_DRAFTER, ConfigError, JobConfig, apply_overrides
+from pipeline.config import ConfigError, JobConfig, apply_overrides
 from pipeline.engine import SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import reach_from_counts
 from pipeline.engine.profile import EngineProfile, profile_engine
-from pipeline.engine.settings import resolve_generation_settings
+from pipeline.loading import build_engine, generation_settings, limit_cpu_threads, load_job_models, process_cpus
 from pipeline.paths import resolve_config_paths
 from pipeline.tune.measure import PilotInput, PilotRun, measure_candidate, read_pilot, row_settings, run_pilot
 from pipeline.tune.predict import (
@@ -214,10 +214,9 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
 
 
 def _engine(choice: MethodChoice, k: int, batch_size: int, loaded, clock) -> SpeculativeEngine:
-    drafter = loaded.drafter if choice.method in METHODS_NEEDING_DRAFTER else None
-    return SpeculativeEngine(loaded.target, choice.speculation(k), drafter=drafter, tokenizer=loaded.tokenizer,
-                             drafter_tokenizer=loaded.drafter_tokenizer if drafter is not None else None,
-                             max_batch_size=batch_size, adaptive_draft_length=False, clock=clock)
+    """The engine of a candidate, built as the job builds its own (:func:`pipeline.loading.build_engine`),
+    with a fixed draft length (the load policy off: every step drafts ``k``)."""
+    return build_engine(loaded, choice.speculation(k), batch_size, adaptive_draft_length=False, clock=clock)
 
 
 def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineProfile,
@@ -262,7 +261,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     """
     import torch
 
-    from pipeline.models import check_models, load_models
+    from pipeline.models import check_models
 
     options = options or TuneOptions()
     if options.clock not in CLOCKS:
@@ -284,13 +283,11 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
 
     machine = {"cpu_count": os.cpu_count(), "load_average_start": _load(), "clock": options.clock}
     check_models(cfg.models, bool(cfg.models.drafter))  # a bad path fails before any weights load
-    loaded = load_models(cfg.models, uses_drafter=bool(cfg.models.drafter))
-    if loaded.device == "cpu":
-        torch.set_num_threads(max(1, int(cfg.compute.cpus_per_actor)))  # as the actor does
+    limit_cpu_threads(process_cpus(cfg))  # the actor's threads
+    loaded = load_job_models(cfg, any_drafter=True)  # every method the models allow is tried
     machine.update(device=loaded.device, torch_threads=torch.get_num_threads(), torch=torch.__version__)
     choices, notes = allowed_methods(cfg, loaded, options)
-    generation = resolve_generation_settings(cfg.generation.generation_settings(), loaded.target.generation_config,
-                                             loaded.target.config.get_text_config().vocab_size)
+    generation = generation_settings(cfg, loaded.target)
     plain_engine = _engine(MethodChoice("plain"), 0, max(options.batch_sizes), loaded, clock)
     stage("load")
 

@@ -132,12 +132,12 @@ def test_prompt_lookup_run_has_no_drafter(ray_local, tiny_models, inputs, tmp_pa
 
 def test_errors_before_any_model_loads(tiny_models, inputs, tmp_path, monkeypatch):
     """Missing input, missing model path: a clear error, no actor, no output."""
-    import actors.generate
+    import pipeline.loading
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(actors.generate, "load_models", boom)
+    monkeypatch.setattr(pipeline.loading, "load_models", boom)
     with pytest.raises(InputError, match="input not found"):
         run_job(job_config(tiny_models, str(tmp_path / "missing.jsonl"), str(tmp_path / "o1")), progress=False)
     bad = dict(tiny_models, drafter=str(tmp_path / "no-such-drafter"))
