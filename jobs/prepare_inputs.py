@@ -1,7 +1,7 @@
 """Turn the real corpora in ``../shared/data`` into job inputs (JSONL with ``id``, ``text``, ``reference``).
 
     python jobs/prepare_inputs.py                  # writes out/inputs/*.jsonl
-    python jobs/prepare_inputs.py --out DIR --data ../shared/data
+    python jobs/prepare_inputs.py --output DIR --data ../shared/data   (--out: a deprecated alias)
 
 Outputs (the jobs read ``id`` and ``text``; ``reference`` is kept for scoring):
 
@@ -24,6 +24,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the repo root: pipeline/
+
+from pipeline.flags import build_parser as build_job_parser  # noqa: E402
+
 HELM_PREFIX = "###\nArticle: "
 HELM_SUFFIX = "\n\nSummarize the above article in 1 sentence.\n"
 
@@ -71,13 +75,17 @@ def _write(path: Path, rows: list[dict]) -> int:
     return len(rows)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``jobs/prepare_inputs.py`` (flags: :mod:`pipeline.flags`)."""
+    return build_job_parser("prepare_inputs", __doc__.split("\n")[0],
+                            defaults={"data": str(REPO.parent / "shared" / "data"), "output": str(REPO / "out" / "inputs")},
+                            notes={"output": "where to write the JSONL inputs"})
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="jobs/prepare_inputs.py", description=__doc__.split("\n")[0])
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="the shared corpora")
-    p.add_argument("--out", default=str(REPO / "out" / "inputs"), help="where to write the JSONL inputs")
-    args = p.parse_args(argv)
-    for name, n in prepare(Path(args.data), Path(args.out)).items():
-        print(f"{Path(args.out) / name}: {n} rows")
+    args = build_parser().parse_args(argv)
+    for name, n in prepare(Path(args.data), Path(args.output)).items():
+        print(f"{Path(args.output) / name}: {n} rows")
     return 0
 
 

@@ -2,17 +2,19 @@
 job's own input, and predict the run's tokens/s before the big run.
 
     python jobs/tune.py --config configs/xsum.yaml --rows 64
-    python jobs/tune.py --config configs/xsum.yaml --clock cpu --out out/tune/xsum   # shared CPU machine
+    python jobs/tune.py --config configs/xsum.yaml --clock cpu --output out/tune/xsum   # shared CPU machine
 
-Writes ``<out>/tuned.yaml`` (the input config with ``method`` and ``compute`` filled in; run
-it with ``python jobs/summarize.py --config <out>/tuned.yaml``), ``<out>/tune_report.md``
-with its plots, and ``tune_report.json``.  Prints the headline as JSON.
+Writes ``<output>/tuned.yaml`` (the input config with ``method`` and ``compute`` filled in;
+run it with ``python jobs/summarize.py --config <output>/tuned.yaml``),
+``<output>/tune_report.md`` with its plots, and ``tune_report.json``.  Prints the headline
+as JSON.  (``--out`` is a deprecated alias of ``--output``.)
 
 Exit status: 0 on success, 2 for a bad config / input / model path (before anything is
 measured), 1 for any other failure.
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -28,31 +30,17 @@ from pipeline.config import ConfigError, load_config  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.tune.tuner import CLOCKS, DEFAULT_BATCH_SIZES
+    """The parser of ``jobs/tune.py`` (flags: :mod:`pipeline.flags`; defaults: ``TuneOptions``)."""
+    from pipeline.flags import build_parser as build_job_parser
+    from pipeline.tune.tuner import CLOCKS, TuneOptions
 
-    p = argparse.ArgumentParser(prog="jobs/tune.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML job config (default: the built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set generation.max_new_tokens=32 (repeatable)")
-    p.add_argument("--rows", type=int, default=64, help="pilot rows: the first N rows of the input (default 64)")
-    p.add_argument("--out", help="output directory (default: out/tune/<config name>)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B",
-                   help=f"batch sizes to consider (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
-    p.add_argument("--methods", nargs="+", metavar="NAME",
-                   help="methods to consider (default: every one the configured models allow)")
-    p.add_argument("--max-draft", type=int, metavar="K",
-                   help="longest draft tried (default: 8 for model drafters, 10 for prompt lookup)")
-    p.add_argument("--pilot-batch-size", type=int, default=8, help="rows in flight in the pilot runs (default 8)")
-    p.add_argument("--repeats", type=int, default=3, help="timings per profiled figure, median kept (default 3)")
-    p.add_argument("--confirm", type=int, default=3, help="top candidates confirmed on the pilot rows (default 3)")
-    p.add_argument("--confirm-rows", type=int, default=32,
-                   help="pilot rows each confirmation run decodes (default 32)")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="do not try per-row adaptive draft lengths (heuristic schedule, confidence threshold)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="wall time (default) or the process's CPU time (steadier on a shared CPU machine)")
-    return p
+    defaults = {f.name: f.default for f in dataclasses.fields(TuneOptions)}
+    defaults["batch_sizes"] = list(defaults["batch_sizes"])
+    del defaults["methods"], defaults["max_draft"], defaults["adaptive"]  # None / a switch: said in their help
+    return build_job_parser("tune", __doc__.split("\n")[0], defaults=defaults, choices={"clock": sorted(CLOCKS)},
+                            notes={"config": "default: the built-in defaults",
+                                   "output": "tuned.yaml, tune_report.md, its plots and tune_report.json; "
+                                             "default: out/tune/<config name>"})
 
 
 def main(argv=None) -> int:
@@ -63,12 +51,10 @@ def main(argv=None) -> int:
     from pipeline.tune.report import summary, write_outputs
     from pipeline.tune.tuner import TuneOptions, read_raw_config, tune
 
-    out = args.out or str(Path("out") / "tune" / (Path(args.config).stem if args.config else "default"))
-    options = TuneOptions(rows=args.rows, batch_sizes=tuple(args.batch_sizes),
-                          methods=tuple(args.methods) if args.methods else None, max_draft=args.max_draft,
-                          pilot_batch_size=args.pilot_batch_size, repeats=args.repeats, confirm=args.confirm,
-                          confirm_rows=args.confirm_rows, adaptive=not args.no_adaptive,
-                          clock=args.clock)
+    out = args.output or str(Path("out") / "tune" / (Path(args.config).stem if args.config else "default"))
+    options = TuneOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions)})
+    options.batch_sizes = tuple(options.batch_sizes)
+    options.methods = tuple(options.methods) if options.methods else None
     try:
         cfg = load_config(args.config, args.overrides)
         raw = read_raw_config(args.config, args.overrides)

@@ -38,55 +38,15 @@ import traceback
 from pathlib import Path
 
 from pipeline.config import ConfigError, JobRefused, load_config
+from pipeline.flags import build_parser as build_job_parser
+from pipeline.flags import config_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# flag -> dotted config key
-_FLAGS = {
-    "input": "input.uri",
-    "output": "output.uri",
-    "method": "method.name",
-    "target": "models.target",
-    "drafter": "models.drafter",
-    "max_new_tokens": "generation.max_new_tokens",
-    "num_actors": "compute.num_actors",
-    "gpus_per_actor": "compute.gpus_per_actor",
-    "rows_per_batch": "compute.rows_per_batch",
-    "max_batch_size": "compute.max_batch_size",
-    "run_date": "output.run_date",
-    "audit_fraction": "audit.fraction",
-}
-
-
 def build_parser(task: str, default_config: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"jobs/{task}.py",
-        description=f"Speculative-decoding {task} job on Ray Data: shards in, Parquet out.",
-    )
-    p.add_argument("--config", default=default_config, help=f"YAML job config (default: {default_config})")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set generation.max_new_tokens=32 (repeatable)")
-    p.add_argument("--input", help="input URI or glob (input.uri)")
-    p.add_argument("--output", help="output directory URI (output.uri)")
-    p.add_argument("--method", help="speculation method (method.name)")
-    p.add_argument("--target", help="target model path (models.target)")
-    p.add_argument("--drafter", help="drafter model path (models.drafter)")
-    p.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
-    p.add_argument("--num-actors", type=int, help="compute.num_actors")
-    p.add_argument("--gpus-per-actor", type=float, help="compute.gpus_per_actor")
-    p.add_argument("--rows-per-batch", type=int, help="compute.rows_per_batch (rows per actor call)")
-    p.add_argument("--max-batch-size", type=int, help="compute.max_batch_size (rows in flight per actor)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start afresh: delete the output's committed shards first (output.overwrite); "
-                        "default: resume, skipping shards committed by an earlier run")
-    p.add_argument("--run-date", metavar="YYYY-MM-DD",
-                   help="write to <output>/date=YYYY-MM-DD/ (output.run_date, sets output.partition_by_date); "
-                        "default with partition_by_date: today in UTC")
-    p.add_argument("--audit-fraction", type=float, metavar="F",
-                   help="re-decode this fraction of rows with plain decoding and count mismatches (audit.fraction)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
+    """The parser of ``jobs/<task>.py`` (flags: :mod:`pipeline.flags`)."""
+    return build_job_parser(task, f"Speculative-decoding {task} job on Ray Data: shards in, Parquet out.",
+                            defaults={"config": default_config}, notes={"output": "output.uri"})
 
 
 def main(task: str, argv: list[str] | None = None, default_config: str | None = None) -> int:
@@ -97,15 +57,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
     default_config = default_config or str(REPO_ROOT / "configs" / f"{task}.yaml")
     args = build_parser(task, default_config).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = list(args.overrides)
-    for flag, key in _FLAGS.items():
-        value = getattr(args, flag)
-        if value is not None:
-            overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: "123" stays a string
-    if args.overwrite:
-        overrides.append("output.overwrite=true")
-    if args.run_date is not None:
-        overrides.append("output.partition_by_date=true")
+    overrides = config_overrides(task, args)
 
     from pipeline.retry import StorageError
 

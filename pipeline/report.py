@@ -1,6 +1,6 @@
 """Run report: one or more job outputs (one per method) -> ``report.md`` + PNG plots.
 
-    python jobs/report.py out/xsum-plain out/xsum-draft out/xsum-pld --out reports/xsum
+    python jobs/report.py out/xsum-plain out/xsum-draft out/xsum-pld --output reports/xsum
 
 Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL):
 its ``part-*.parquet`` files (``pipeline.write.OUTPUT_SCHEMA``) and, beside them, the run

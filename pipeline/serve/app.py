@@ -20,6 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipeline.config import ConfigError, JobConfig, load_config
+from pipeline.flags import build_parser as build_job_parser
+from pipeline.flags import config_overrides
 from pipeline.loading import process_cpus
 from pipeline.serve.protocol import APIError
 from pipeline.serve.server import OpenAIServer, served_model_name
@@ -149,11 +151,10 @@ def app_builder(args: dict[str, str]):
 
 
 # ---------------------------------------------------------------------------- command line
-_FLAGS = {
-    "host": "serve.host", "port": "serve.port", "method": "method.name", "target": "models.target",
-    "drafter": "models.drafter", "num_replicas": "serve.num_replicas", "gpus_per_replica": "serve.gpus_per_replica",
-    "max_batch_size": "serve.max_batch_size", "model_name": "serve.model_name",
-}
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``jobs/serve.py`` (flags: :mod:`pipeline.flags`)."""
+    return build_job_parser("serve", "OpenAI-style server on the job's engine (Ray Serve).",
+                            defaults={"config": str(REPO_ROOT / "configs" / "summarize.yaml")})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,27 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Exit status: 0 after Ctrl-C, 2 for a bad config or model path (before Ray starts).
     """
-    p = argparse.ArgumentParser(prog="jobs/serve.py", description="OpenAI-style server on the job's engine (Ray Serve).")
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "summarize.yaml"), help="YAML job config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set method.name=plain (repeatable)")
-    p.add_argument("--host", help="serve.host (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="serve.port (default 8000)")
-    p.add_argument("--method", help="method.name")
-    p.add_argument("--target", help="models.target")
-    p.add_argument("--drafter", help="models.drafter")
-    p.add_argument("--num-replicas", type=int, help="serve.num_replicas")
-    p.add_argument("--gpus-per-replica", type=float, help="serve.gpus_per_replica")
-    p.add_argument("--max-batch-size", type=int, help="serve.max_batch_size")
-    p.add_argument("--model-name", help="serve.model_name")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = list(args.overrides)
-    for flag, key in _FLAGS.items():
-        value = getattr(args, flag)
-        if value is not None:
-            overrides.append(f"{key}={json.dumps(value)}")
+    overrides = config_overrides("serve", args)
 
     from pipeline.models import ModelError
 

@@ -75,3 +75,79 @@ def test_unreadable_shard_is_refused_before_any_model_loads(tmp_path):
     r = _run([str(REPO / "jobs" / "summarize.py"), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")],
              timeout=120)
     assert r.returncode == 2 and "b.parquet" in r.stderr and "unreadable as parquet" in r.stderr
+
+
+def _job_parsers():
+    """Every job's parser, as its entry point builds it."""
+    import importlib.util
+
+    from pipeline import cli
+    from pipeline.serve import app
+
+    parsers = {"summarize": cli.build_parser("summarize", "c.yaml"), "translate": cli.build_parser("translate", "c.yaml"),
+               "serve": app.build_parser()}
+    for job in ("tune", "report", "prepare_inputs"):
+        spec = importlib.util.spec_from_file_location(f"job_{job}", REPO / "jobs" / f"{job}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parsers[job] = module.build_parser()
+    return parsers
+
+
+def test_every_job_parser_is_built_from_the_one_flag_table():
+    """A flag a job adds by hand, or a copy whose name, type or shape drifts from the table,
+    fails here; so does a table entry no job uses, or one name used for two flags."""
+    from pipeline.flags import FLAGS, JOB_FLAGS, flag_names
+
+    parsers = _job_parsers()
+    assert set(parsers) == set(JOB_FLAGS)
+    for job, parser in parsers.items():
+        options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+        assert sorted(s for a in options for s in a.option_strings) == sorted(flag_names(job)), job
+        for action in options:
+            flag = FLAGS[action.dest]
+            assert action.option_strings == [flag.name, *flag.aliases], (job, action.dest)
+            switch = flag.action in ("store_true", "store_false")
+            assert action.type is flag.type and action.nargs == (0 if switch else flag.nargs), (job, flag.name)
+            assert (action.const if switch else None) == (flag.action == "store_true" if switch else None)
+            assert action.metavar == flag.metavar, (job, flag.name)
+    used = {dest for flags in JOB_FLAGS.values() for dest in flags}
+    assert used == set(FLAGS), f"flags no job takes: {sorted(set(FLAGS) - used)}"
+    names = [s for f in FLAGS.values() for s in (f.name, *f.aliases)]
+    assert len(names) == len(set(names))
+
+
+def test_every_flag_key_is_a_config_key():
+    from pipeline.config import JobConfig
+    from pipeline.flags import CONFIG_JOBS, FLAGS, JOB_FLAGS
+
+    for job in CONFIG_JOBS:
+        for dest in JOB_FLAGS[job]:
+            key = FLAGS[dest].key_for(job)
+            if key is None:
+                continue
+            section, name = key.split(".")
+            assert name in JobConfig.model_fields[section].annotation.model_fields, (job, FLAGS[dest].name, key)
+
+
+def test_output_is_the_output_folder_everywhere_and_out_an_alias(capsys):
+    from pipeline.flags import JOB_FLAGS, config_overrides
+
+    for job, parser in _job_parsers().items():
+        if "output" not in JOB_FLAGS[job]:
+            continue
+        runs = ["r"] if job == "report" else []
+        assert parser.parse_args([*runs, "--output", "o1"]).output == "o1"
+        assert "deprecated" not in capsys.readouterr().err
+        assert parser.parse_args([*runs, "--out", "o2"]).output == "o2"
+        assert "--out is a deprecated alias of --output" in capsys.readouterr().err
+    parser = _job_parsers()["summarize"]
+    args = parser.parse_args(["--set", "a.b=1", "--out", "x", "--overwrite", "--run-date", "2026-01-02",
+                              "--max-batch-size", "3"])
+    assert config_overrides("summarize", args) == [
+        "a.b=1", 'output.uri="x"', "compute.max_batch_size=3", "output.overwrite=true",
+        'output.run_date="2026-01-02"', "output.partition_by_date=true"]
+    serve = _job_parsers()["serve"].parse_args(["--max-batch-size", "5", "--port", "9"])
+    assert config_overrides("serve", serve) == ["serve.port=9", "serve.max_batch_size=5"]
+    tune = _job_parsers()["tune"].parse_args(["--output", "t"])
+    assert config_overrides("tune", tune) == []  # the tuner's --output is its report folder, not output.uri
