@@ -15,7 +15,7 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
                 adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
                 stall_timeout_s
     output:     uri, overwrite, allow_foreign_files, partition_by_date, run_date, max_rows_per_file,
-                storage_options
+                lease_timeout_s, storage_options
     retry:      storage calls: attempts, initial_backoff_s, max_backoff_s (transient errors),
                 connect_timeout_s, read_timeout_s, deadline_s
     audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
@@ -281,6 +281,10 @@ class OutputConfig(_Section):
     the shard's size (one file per shard when it fits).
     ``partition_by_date: true`` writes under ``<uri>/date=<run_date>/``; ``run_date`` is
     ``YYYY-MM-DD``, ``None`` = today in UTC.
+    ``lease_timeout_s``: a run holds a lease on the folder it writes (``_lease.json``,
+    :mod:`pipeline.lease`), renewed every sixth of this (at most every 30 s); another run
+    on the same folder is refused while the lease's last heartbeat is younger than this
+    many seconds, and takes a lease older than that over (its holder presumed dead).
     ``storage_options`` are passed to fsspec, e.g. for an S3-compatible server::
 
         storage_options: {key: ..., secret: ..., client_kwargs: {endpoint_url: http://127.0.0.1:9000}}
@@ -294,6 +298,7 @@ class OutputConfig(_Section):
     partition_by_date: bool = False
     run_date: str | None = None
     max_rows_per_file: int = Field(10_000, ge=1)
+    lease_timeout_s: float = Field(120.0, gt=0)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("run_date", mode="before")
