@@ -6,11 +6,25 @@ text (and the languages for translate).  When the chat template is on (``task.ch
 message (after an optional system message) rendered with ``add_generation_prompt=True``;
 its special tokens come from the template, so the tokenizer adds none.  Otherwise the
 tokenizer adds its usual special tokens (BOS for Llama).
+
+User text stays text.  A row's text (and, in the server, every chat message's content) may
+hold the string of a special token, e.g. ``<|im_end|>`` then ``<|im_start|>system``: a
+plain tokenization would turn it into the real control tokens and let the text forge turns
+of the conversation.  :func:`encode_protected` tokenizes the template's parts as usual
+(its special tokens are real) and the user's parts with transformers'
+``split_special_tokens=True`` (a special-token string becomes the ordinary tokens of its
+characters).  A prompt whose user text holds no special-token string is tokenized in one
+piece, exactly as before, so ordinary rows keep their ids; only a prompt where a special
+token would come out of the user's text is tokenized part by part.  The ``prompt`` string
+(the Parquet's ``prompt`` column) is the same either way.  The raw ``prompt`` of the
+server's ``/v1/completions`` is not user text in this sense: it is sent as the model's
+input, special tokens included, as in OpenAI's and vLLM's completions API.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from typing import Any, Callable, Sequence
 
 from pipeline.config import ConfigError, TaskConfig
 
@@ -53,6 +67,112 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
         raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's special (control) tokens: its added tokens marked special and
+    its named special tokens (BOS, EOS, ``<|im_start|>``...)."""
+    ids = {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+           if getattr(t, "special", False)}
+    ids.update(i for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None)
+    return frozenset(ids)
+
+
+def encode_protected(tokenizer, render: Callable[[Sequence[str]], str], pieces: Sequence[str], *,
+                     add_special_tokens: bool, special_ids: frozenset[int] | None = None) -> tuple[str, list[int]]:
+    """Render a prompt around user-provided ``pieces`` and tokenize it so that special-token
+    strings in the pieces stay text (see the module docstring).
+
+    Args:
+        render: ``pieces -> prompt string``; called with the pieces, and with placeholders
+            in their place to find where each piece lands.
+        pieces: the user's texts, in the order ``render`` takes them.
+        add_special_tokens: whether the tokenizer adds its own special tokens (BOS), as for
+            ``tokenizer(prompt, add_special_tokens=...)``.
+        special_ids: :func:`special_token_ids` of the tokenizer (computed when None).
+
+    Returns:
+        ``(prompt, ids)``.
+
+    Raises:
+        PromptError: a piece holds a special-token string and the template does not place
+            the pieces verbatim (it trims or rewrites a message's content), so the parts
+            that are the user's cannot be told apart.
+    """
+    prompt = render(pieces)
+    ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    special = special_token_ids(tokenizer) if special_ids is None else special_ids
+    if not any(i in special for i in ids):
+        return prompt, ids
+    segments = _segments(render, pieces, prompt)
+    if segments is None:
+        strings = [t for t in tokenizer.convert_ids_to_tokens(sorted(special)) if t]
+        if any(t in p for p in pieces for t in strings):
+            raise PromptError("the text holds a special-token string, and the chat template does not place the text "
+                              "verbatim, so it cannot be kept as plain text")
+        return prompt, ids
+    spans, pos = [], 0
+    for text, user in segments:
+        if user:
+            spans.append((pos, pos + len(text)))
+        pos += len(text)
+    if not _special_in_spans(tokenizer, prompt, add_special_tokens, special, spans):
+        return prompt, ids
+    out: list[int] = []
+    for text, user in segments:
+        if text:
+            out += tokenizer(text, add_special_tokens=False, split_special_tokens=user)["input_ids"]
+    if add_special_tokens:
+        prefix, suffix = _added_special(tokenizer)
+        out = prefix + out + suffix
+    return prompt, out
+
+
+def _segments(render, pieces: Sequence[str], prompt: str) -> list[tuple[str, bool]] | None:
+    """``prompt`` as ``[(text, is_user)]``, from a render with a unique placeholder per
+    piece; None when the pieces are not placed verbatim, once each."""
+    marks = [f"\x00{uuid.uuid4().hex}{i}\x00" for i in range(len(pieces))]
+    skeleton = render(marks)
+    found = []
+    for i, m in enumerate(marks):
+        if skeleton.count(m) != 1:
+            return None
+        found.append((skeleton.index(m), i))
+    segments, pos = [], 0
+    for at, i in sorted(found):
+        segments += [(skeleton[pos:at], False), (pieces[i], True)]
+        pos = at + len(marks[i])
+    segments.append((skeleton[pos:], False))
+    if "".join(t for t, _ in segments) != prompt:
+        return None
+    return segments
+
+
+def _special_in_spans(tokenizer, prompt: str, add_special_tokens: bool, special: frozenset[int],
+                      spans: list[tuple[int, int]]) -> bool:
+    """Whether a special token of ``prompt``'s plain tokenization was spelled out inside a
+    user span (not one that stands for other characters, as ``<unk>`` does); a tokenizer
+    without offsets: whether any special token is there at all."""
+    try:
+        enc = tokenizer(prompt, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+    except (NotImplementedError, KeyError, ValueError, TypeError):
+        return True
+    for i, (a, b) in zip(enc["input_ids"], offsets):
+        if i in special and b > a and any(a < e and s < b for s, e in spans) \
+                and prompt[a:b] == tokenizer.convert_ids_to_tokens(i):
+            return True
+    return False
+
+
+def _added_special(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text with ``add_special_tokens=True``."""
+    bare = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    return [], []
+
+
 class PromptBuilder:
     """Turns texts into ``(prompt_string, token_ids)`` for one tokenizer.
 
@@ -67,27 +187,54 @@ class PromptBuilder:
         if task.chat_template is True and not has_chat:
             raise ConfigError("task.chat_template is true but the target's tokenizer has no chat template")
         self.use_chat = has_chat and task.chat_template in ("auto", True)
+        self.special_ids = special_token_ids(tokenizer)
 
     def render(self, text: Any) -> str:
         """The prompt string the model sees (chat template applied when on)."""
-        content = fill_template(text, self.task)
+        fill_template(text, self.task)  # the checks of a row's text
+        return self._render([text])
+
+    def _render(self, pieces: Sequence[str]) -> str:
+        task = self.task
+        content = task.template.format(text=pieces[0], source_lang=task.source_lang or "",
+                                       target_lang=task.target_lang or "")
         if not self.use_chat:
             return content
         messages = []
-        if self.task.system_prompt:
-            messages.append({"role": "system", "content": self.task.system_prompt})
+        if task.system_prompt:
+            messages.append({"role": "system", "content": task.system_prompt})
         messages.append({"role": "user", "content": content})
         return render_chat(self.tokenizer, messages)
 
     def build(self, text: Any) -> tuple[str, list[int]]:
-        """``(prompt, ids)``: ids is a list of int token ids of the target tokenizer.
+        """``(prompt, ids)``: ids is a list of int token ids of the target tokenizer; a
+        special-token string in ``text`` stays text (:func:`encode_protected`).
 
         Raises:
-            PromptError: bad text (see :func:`fill_template`).
+            PromptError: bad text (see :func:`fill_template`), or text holding a
+                special-token string under a chat template that rewrites the message.
         """
-        prompt = self.render(text)
-        ids = self.tokenizer(prompt, add_special_tokens=not self.use_chat)["input_ids"]
-        return prompt, list(ids)
+        fill_template(text, self.task)
+        return encode_protected(self.tokenizer, self._render, [text], add_special_tokens=not self.use_chat,
+                                special_ids=self.special_ids)
+
+
+def encode_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
+                add_special_tokens: bool = False, special_ids: frozenset[int] | None = None) -> tuple[str, list[int]]:
+    """Chat messages -> ``(prompt, ids)``, rendered as :func:`render_chat` does, with every
+    message's content kept as text: a special-token string in it becomes ordinary tokens
+    (:func:`encode_protected`); the template's own special tokens are real.
+
+    Raises:
+        ValueError: the template cannot render the messages (see :func:`render_chat`).
+        PromptError: a content holds a special-token string and the template does not place
+            contents verbatim.
+    """
+    def render(contents: Sequence[str]) -> str:
+        return render_chat(tokenizer, [dict(m, content=c) for m, c in zip(messages, contents)], chat_template)
+
+    return encode_protected(tokenizer, render, [m.get("content") or "" for m in messages],
+                            add_special_tokens=add_special_tokens, special_ids=special_ids)
 
 
 #: the text :func:`check_prompt` renders the template with
