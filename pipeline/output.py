@@ -12,14 +12,28 @@ Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD``
     <dir>/_summary.json               the run summary over all committed shards (pipeline.summary)
     <dir>/_SUCCESS                    written last: every shard of the input is committed
     <dir>/_staging/<run_id>/          files of a run in progress, before they are published
+    <dir>/_lease.json                 the lease of the run writing the folder now (pipeline.lease)
 
 Files this job owns, and the only ones it ever deletes or overwrites: the data files named
-by a manifest entry or a publish intent, everything under ``_manifest/`` and
-``_staging/``, and ``_summary.json`` / ``_SUCCESS`` of a directory that has a manifest.
-Anything else in the directory is *foreign*: the job refuses such a directory
+by a manifest entry or a publish intent, the manifest entries and intents themselves
+(``_manifest/part-NNNNN.json``, ``_manifest/pending/part-NNNNN.<run_id>.json``), the files
+of its staging layout (``_staging/<run_id>/part-NNNNN/NNNNN.parquet``,
+``_staging/<run_id>/part-NNNNN.parquet.json``), its lease, and ``_summary.json`` /
+``_SUCCESS`` of a directory that has a manifest.  Anything else in the directory, under
+``_manifest/`` and ``_staging/`` too, is *foreign*: the job refuses such a directory
 (:class:`OutputError`) unless ``output.allow_foreign_files: true``, and even then, and with
 ``overwrite``, never touches those files (a foreign file with a name the job would write,
 ``part-*.parquet``, ``_SUCCESS``, ``_summary.json``, is always refused).
+
+Names read back from ``_manifest/`` are never trusted: before any is used (to delete a
+dead run's files, to clear the output on ``overwrite``, to resume), every manifest entry
+and publish intent must name its own shard (``part-NNNNN.parquet`` for the file
+``part-NNNNN.json``) and exactly that shard's data files in this job's naming
+(:func:`data_file_names`: plain names directly in the folder, no separator, no ``..``, not
+absolute); anything else is refused (:class:`OutputError`) naming the manifest file, and
+nothing is deleted.  On local disk, ``_manifest``, ``_staging``, ``_SUCCESS`` and
+``_summary.json`` (or anything under the two folders) being a symbolic link is refused too:
+the job would write, and delete, through it.
 
 Resume (``overwrite: false``, the default): :meth:`OutputLocation.prepare` reads the
 manifest and returns the shards already committed *from the same source under the same
@@ -40,16 +54,17 @@ retried with backoff, bounded by timeouts and a deadline; see ``retry:`` in the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import posixpath
 import re
-import shutil
 from typing import Any
 
 from pipeline.config import JobRefused, OutputConfig
 from pipeline.fingerprint import config_fingerprint, describe_changes
+from pipeline.lease import LEASE
 from pipeline.retry import endpoint_of, open_fs, retrying
 
 log = logging.getLogger("specbatch")
@@ -61,6 +76,23 @@ MANIFEST = "_manifest"
 PENDING = "pending"  # under _manifest/
 #: names of data files the job writes; a foreign file with such a name is always refused
 DATA_FILE = re.compile(r"^part-\d{5,}(-\d{5,})?\.parquet$")
+#: a manifest entry, ``_manifest/<name>``, and a publish intent, ``_manifest/pending/<name>``
+ENTRY_FILE = re.compile(r"part-(\d{5,})\.json")
+INTENT_FILE = re.compile(r"part-(\d{5,})\.([A-Za-z0-9_-]+)\.json")
+#: what a run stages, ``_staging/<this>``: its shards' files, manifest entries, write probe
+STAGED_FILE = re.compile(r"[A-Za-z0-9_-]+/(part-\d{5,}/\d{5,}\.parquet|part-\d{5,}\.parquet\.json|\.probe)")
+
+
+def owned_layout_file(rel: str) -> bool:
+    """Whether ``rel`` (a path relative to the output folder) is a file of this job's own
+    layout under ``_manifest/`` or ``_staging/``, or its lease."""
+    if rel == LEASE:
+        return True
+    top, _, rest = rel.partition("/")
+    if top == MANIFEST:
+        sub, _, name = rest.partition("/")
+        return bool(ENTRY_FILE.fullmatch(rest) or (sub == PENDING and INTENT_FILE.fullmatch(name)))
+    return top == STAGING and bool(STAGED_FILE.fullmatch(rest))
 
 
 class OutputError(JobRefused):
@@ -141,14 +173,34 @@ class OutputLocation:
 
         self.io(rm, what)
 
-    def remove_tree(self, path: str) -> None:
-        """Delete a folder and everything in it, if it exists.  Not retried (callers wrap it)."""
-        if self.local:  # fsspec's local rm(recursive) calls os.getcwd(), which fails when the
-            # working directory is gone (seen under ray job submit on a worker node)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-        elif self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+    def remove_owned(self, under: str, retry: bool = True) -> None:
+        """Delete the files of this job's layout under the subfolder ``under`` (``_staging``,
+        a run's staging folder, ``_manifest/pending``), leaving any other file there, then
+        the folders left empty (local disk).  ``retry=False``: one attempt, errors raised."""
+        call = self.io if retry else (lambda fn, what: fn())
+        for rel in call(lambda: self.listing(under) if retry else self._list_once(under), f"list {under}"):
+            if owned_layout_file(rel):
+                call(lambda r=rel: self._rm_quiet(self.path(r)), f"remove {rel}")
+        if self.local:
+            _prune_empty(self.path(under))
+            top = under.split("/", 1)[0]
+            if top != under:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.path(top))  # only when empty
+
+    def _list_once(self, under: str) -> list[str]:
+        prefix = self.root.rstrip("/") + "/"
+        try:
+            found = self.fs.find(self.path(under), withdirs=False)
+        except FileNotFoundError:
+            return []
+        return [p[len(prefix):] for p in found if p.startswith(prefix)]
+
+    def _rm_quiet(self, path: str) -> None:
+        try:
+            self.fs.rm(path)
+        except FileNotFoundError:
+            pass
 
     def url(self, name: str = "") -> str:
         """The output directory (or a file in it) as a full URL; local paths made absolute
@@ -158,11 +210,12 @@ class OutputLocation:
         base = _unstrip(self.fs, self.root)
         return base + ("/" + name if name else "")
 
-    def listing(self) -> list[str]:
-        """Every file under the output directory, as paths relative to it."""
+    def listing(self, under: str = "") -> list[str]:
+        """Every file under the output directory (or its subfolder ``under``), as paths
+        relative to the output directory."""
         def find() -> list[str]:
             try:
-                return self.fs.find(self.root, withdirs=False)
+                return self.fs.find(self.path(under) if under else self.root, withdirs=False)
             except FileNotFoundError:
                 return []
 
@@ -172,30 +225,82 @@ class OutputLocation:
 
     # ------------------------------------------------------------------ the manifest
     def read_manifest(self) -> dict[str, dict[str, Any]]:
-        """Part name -> manifest entry, for every committed shard of this output."""
-        return {e["part"]: e for e in self._read_json_files(self.path(MANIFEST, "part-*.json"), "the manifest")}
+        """Part name -> manifest entry, for every committed shard of this output.
+
+        Raises:
+            OutputError: an entry is not this job's (see :meth:`_checked`).
+        """
+        out = {}
+        for path, rel, index, entry in self._read_json_files(self.path(MANIFEST, "part-*.json"), ENTRY_FILE,
+                                                            "the manifest"):
+            out[self._checked(rel, index, entry)["part"]] = entry
+        return out
 
     def read_intents(self) -> dict[str, dict[str, Any]]:
-        """Intent path -> publish intent, for every intent an unfinished shard left."""
-        return {e["_path"]: e for e in self._read_json_files(self.path(MANIFEST, PENDING, "part-*.json"),
-                                                              "publish intents", keep_path=True)}
+        """Intent path -> publish intent, for every intent an unfinished shard left.
 
-    def _read_json_files(self, pattern: str, what: str, keep_path: bool = False) -> list[dict[str, Any]]:
-        def load() -> list[dict[str, Any]]:
+        Raises:
+            OutputError: an intent is not this job's (see :meth:`_checked`).
+        """
+        out = {}
+        for path, rel, index, entry in self._read_json_files(self.path(MANIFEST, PENDING, "part-*.json"),
+                                                            INTENT_FILE, "publish intents"):
+            entry = dict(self._checked(rel, index, entry), _path=path)
+            out[path] = entry
+        return out
+
+    def _read_json_files(self, pattern: str, name: re.Pattern, what: str) -> list[tuple[str, str, int, Any]]:
+        """``(path, relative path, shard index, parsed JSON)`` of the files matching the glob
+        ``pattern`` whose name is ``name`` (others there are foreign: never read)."""
+        prefix = self.root.rstrip("/") + "/"
+
+        def load() -> list[tuple[str, str, int, Any]]:
             try:
                 paths = sorted(self.fs.glob(pattern))
             except FileNotFoundError:
                 return []
             out = []
             for p in paths:
-                with self.fs.open(p, "r") as f:
-                    entry = json.load(f)
-                if keep_path:
-                    entry["_path"] = p
-                out.append(entry)
+                m = name.fullmatch(posixpath.basename(p))
+                if not m:
+                    continue
+                rel = p[len(prefix):] if p.startswith(prefix) else p
+                with self.fs.open(p, "rb") as f:
+                    raw = f.read()
+                try:
+                    entry = json.loads(raw)
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise OutputError(f"output {self.url()!r}: {rel} is not a manifest record of this job ({e}); "
+                                      "the job never deletes files it did not write: remove it, or choose "
+                                      "another output.uri") from None
+                out.append((p, rel, int(m.group(1)), entry))
             return out
 
         return self.io(load, f"read {what} of {self.url()}")
+
+    def _checked(self, rel: str, index: int, entry: Any) -> dict[str, Any]:
+        """``entry`` (from the manifest file ``rel`` of shard ``index``) if it names its own
+        shard and exactly that shard's data files in this job's naming; else OutputError
+        naming the file (a name from ``_manifest/`` is never used before this check)."""
+        expect = part_name(index)
+        problem = None
+        if not isinstance(entry, dict):
+            problem = f"holds a {type(entry).__name__}, not a record"
+        elif entry.get("part") != expect:
+            problem = f"names the part {entry.get('part')!r}"
+        else:
+            files = entry.get("files", [expect])
+            if not isinstance(files, list) or not files or files != data_file_names(index, len(files)):
+                problem = f"names the files {_short_list(files)}"
+        if problem is None:
+            if "files" not in entry:
+                entry["files"] = [expect]
+            return entry
+        raise OutputError(
+            f"output {self.url()!r}: {rel} {problem}, which are not the names this job gives shard {index} "
+            f"({expect}, or part-{index:05d}-NNNNN.parquet, directly in the output folder); the job deletes only "
+            f"files it wrote, so it does nothing: remove {rel} (this job did not write it), or choose another "
+            "output.uri")
 
     def read_summary(self) -> dict[str, Any]:
         """The ``_summary.json`` of the last finished run."""
@@ -230,6 +335,8 @@ class OutputLocation:
         from pipeline.retry import StorageError
 
         self.fs.invalidate_cache()
+        if self.local:
+            self._refuse_links()
         try:
             files = self.listing()
             entries = self.read_manifest()
@@ -237,7 +344,7 @@ class OutputLocation:
             self.foreign = self._foreign(files, entries)
             self._check_foreign(entries)
             if self.cfg.overwrite:
-                self._clear(entries)
+                self._clear(entries, files)
                 skip: set[int] = set()
             else:
                 skip = self._resume_check(shards, entries, identity)
@@ -273,10 +380,28 @@ class OutputLocation:
             raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
         return skip
 
+    def _refuse_links(self) -> None:
+        """Local disk: refuse a symbolic link where this job writes its own files."""
+        def refuse(p: str) -> None:
+            rel = p[len(self.root.rstrip("/")) + 1:]
+            raise OutputError(
+                f"output {self.url()!r}: {rel} is a symbolic link (to {os.readlink(p)!r}); the job writes and "
+                "deletes its own files only inside the output folder, never through a link: remove the link")
+
+        for name in (MANIFEST, STAGING, SUCCESS, SUMMARY, LEASE):
+            if os.path.islink(self.path(name)):
+                refuse(self.path(name))
+        for d in (MANIFEST, STAGING):
+            for dirpath, dirnames, filenames in os.walk(self.path(d)):
+                for n in dirnames + filenames:
+                    if os.path.islink(os.path.join(dirpath, n)):
+                        refuse(os.path.join(dirpath, n))
+
     def _owned_data_files(self, entries: dict[str, dict[str, Any]]) -> set[str]:
+        """The data files the (checked) manifest entries and intents name."""
         named = set()
         for e in list(entries.values()) + list(self.intents.values()):
-            named.update(e.get("files") or [e["part"]])
+            named.update(e["files"])
         return named
 
     def _foreign(self, files: list[str], entries: dict[str, dict[str, Any]]) -> list[str]:
@@ -285,8 +410,7 @@ class OutputLocation:
         ours_markers = bool(entries or self.intents)
         foreign = []
         for rel in files:
-            top = rel.split("/", 1)[0]
-            if top in (MANIFEST, STAGING) and "/" in rel:
+            if owned_layout_file(rel):
                 continue
             if rel in named or (rel in (SUCCESS, SUMMARY) and ours_markers):
                 continue
@@ -319,15 +443,20 @@ class OutputLocation:
         log.warning("output %s holds %d file(s) this job did not write (left alone): %s",
                     self.url(), len(self.foreign), shown)
 
-    def _clear(self, entries: dict[str, dict[str, Any]]) -> None:
-        """Overwrite: delete this job's files (markers first, so the output never looks complete)."""
+    def _clear(self, entries: dict[str, dict[str, Any]], files: list[str]) -> None:
+        """Overwrite: delete this job's files (markers first, so the output never looks
+        complete; then the data files, then the manifest and staging files), nothing else."""
         for name in (SUCCESS, SUMMARY):
             if self.exists(self.path(name)):
                 self.io(lambda n=name: self.fs.rm(self.path(n)), f"remove {name}")
         for name in sorted(self._owned_data_files(entries)):
             self.remove(self.path(name), f"remove {name}")
-        for d in (MANIFEST, STAGING):
-            self.io(lambda d=d: self.remove_tree(self.path(d)), f"remove {d}")
+        for rel in files:
+            if rel != LEASE and owned_layout_file(rel):
+                self.remove(self.path(rel), f"remove {rel}")
+        if self.local:
+            for d in (MANIFEST, STAGING):
+                _prune_empty(self.path(d))
         self.intents = {}
 
     def _resume_check(self, shards: list | None, entries: dict[str, dict[str, Any]],
@@ -366,6 +495,22 @@ class OutputLocation:
         self.entries = dict(entries)
         self.skipped = sorted(entries)
         return skip
+
+
+def _prune_empty(folder: str) -> None:
+    """Remove ``folder`` and its subfolders that are empty (local disk), deepest first."""
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        return
+    for dirpath, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:  # not empty: a file that is not ours stays, and so does its folder
+            pass
+
+
+def _short_list(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 120 else r[:117] + "..."
 
 
 def is_complete(uri: str, storage_options: dict | None = None) -> bool:

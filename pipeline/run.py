@@ -56,7 +56,7 @@ import pyarrow as pa
 from pipeline.config import ConfigError, JobConfig, JobRefused
 from pipeline.engine import GenerationSettings
 from pipeline.engine.settings import resolve_generation_settings
-from pipeline.fingerprint import config_identity
+from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.models import check_models, checkpoint_generation_config
 from pipeline.prompts import check_prompt
 from pipeline.read import INPUT_SCHEMA, Shard, read_shards_batch, resolve_shards
@@ -84,7 +84,8 @@ class StallError(RuntimeError):
 def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSettings]:
     """Every check that needs no model weights and no Ray.
 
-    Returns the shards, the writer, and the generation settings every row is decoded with
+    Returns the shards, the writer (holding the output's lease: the caller releases it with
+    ``writer.release_lease()``), and the generation settings every row is decoded with
     (the job's ``generation:`` with the target checkpoint's defaults filled in; the actors'
     engines resolve the same ones).
 
@@ -93,6 +94,7 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
             input, model (path, architecture, vocabulary), prompt or chat template, generation
             setting (explicit or the checkpoint's), or output location (foreign files, another
             config or input committed there).
+        LeaseHeld (a :class:`JobRefused`): another run holds the output's lease.
         StorageError: the storage kept failing with transient errors.
     """
     shards = resolve_shards(cfg.input, cfg.retry)
@@ -100,7 +102,13 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     check_prompt(checked["tokenizer"], cfg.task)  # the template rendered once, system prompt included
     generation = resolve_job_generation(cfg, checked["target_config"])
     writer = OutputWriter(cfg.output, retry=cfg.retry)
-    writer.skip = writer.prepare(shards, config_identity(cfg))
+    identity = config_identity(cfg)
+    writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
+    try:
+        writer.skip = writer.prepare(shards, identity)
+    except BaseException:
+        writer.release_lease()
+        raise
     return shards, writer, generation
 
 
@@ -341,12 +349,23 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
         StallError: no output row came back for ``compute.stall_timeout_s``.
         StorageError: a storage call failed after its retries or its deadline.
         RunError: the output rows do not match the input rows.
+        LeaseHeld: another run holds the output's lease (before any work); LeaseLost:
+            this run lost it (it publishes nothing more).
         Any Ray error during the run, or KeyboardInterrupt; the output then has no
         ``_SUCCESS``, and the shards committed before stay committed.
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
     shards, writer, generation = preflight(cfg)
+    try:
+        return _run_leased(cfg, shards, writer, generation, started, t0, progress)
+    finally:
+        writer.release_lease()  # every exit path this process lives through; a killed one's goes stale
+
+
+def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, generation: GenerationSettings,
+                started: _dt.datetime, t0: float, progress: bool) -> dict[str, Any]:
+    """:func:`run_job` after its preflight, holding the output's lease."""
     skip: set[int] = writer.skip
     todo = [s for s in shards if s.index not in skip]
     if writer.location.nothing_to_do:

@@ -14,9 +14,14 @@ error counts, the run id and the shard's totals.  The manifest entry is the shar
 point; the intent is then removed.  Files named by an intent but by no entry (a run died
 between the two) are not committed: a later run rewrites the shard and removes them.
 
+The run holds the output's lease (:meth:`OutputWriter.acquire_lease`, :mod:`pipeline.lease`)
+from before it reads the manifest to its end; every shard's commit and the final commit
+first check that the lease is still this run's (:class:`pipeline.lease.LeaseLost`
+otherwise), so a run that lost it publishes nothing more.
+
 The run ends with :meth:`OutputWriter.commit`: files of dead publish intents are removed,
-then ``_summary.json`` is written, every ``_staging/`` folder (this run's, and any an
-interrupted run left) is removed, then ``_SUCCESS`` is written.  A reader that wants a
+then ``_summary.json`` is written, every ``_staging/`` folder's files (this run's, and any
+an interrupted run left) are removed, then ``_SUCCESS`` is written.  A reader that wants a
 complete output checks ``_SUCCESS``; pyarrow's dataset discovery skips names starting
 with ``_`` or ``.``, so ``pq.read_table(<dir>)`` reads the published files.
 
@@ -37,7 +42,9 @@ import pyarrow.parquet as pq
 
 from pipeline.config import OutputConfig
 from pipeline.fingerprint import config_fingerprint
-from pipeline.output import MANIFEST, PENDING, STAGING, SUCCESS, SUMMARY, OutputLocation, data_file_names, part_name
+from pipeline.lease import OutputLease
+from pipeline.output import (MANIFEST, PENDING, STAGING, SUCCESS, SUMMARY, OutputError, OutputLocation,
+                             data_file_names, part_name)
 
 #: One row of output.  ``error`` is null when the row succeeded; statistics are null when
 #: it failed.  Counts are tokens of the target tokenizer; times are seconds.
@@ -103,6 +110,41 @@ class OutputWriter:
         self._buffered: dict[int, int] = {}
         self._staged: dict[int, list[str]] = {}  # shard index -> staged file paths, in order
         self._counts: dict[int, list[int]] = {}  # shard index -> [rows, error rows] staged
+        self.lease: OutputLease | None = None
+
+    def acquire_lease(self, config_fingerprint: str | None = None) -> OutputLease:
+        """Take the output's lease for this run (``output.lease_timeout_s``; see
+        :mod:`pipeline.lease`); from now on every publish first checks it is still ours.
+        Release it with :meth:`release_lease`.
+
+        Raises:
+            LeaseHeld: another run holds it.
+            LeaseUnreadable: ``_lease.json`` is not a lease of this job.
+            OutputError: the location is not writable.
+            StorageError: the storage kept failing with transient errors.
+        """
+        from pipeline.retry import StorageError
+
+        loc = self.location
+        lease = OutputLease(loc.fs, loc.root, self.run_id, url=loc.url(), io=loc.io,
+                            timeout_s=self.cfg.lease_timeout_s, config_fingerprint=config_fingerprint)
+        try:
+            lease.acquire()
+        except StorageError as e:
+            if e.transient:
+                raise
+            raise OutputError(f"output {loc.url()!r} is not writable: {e}") from None
+        self.lease = lease
+        return lease
+
+    def release_lease(self) -> None:
+        """Release the lease (if held; never raises)."""
+        if self.lease is not None:
+            self.lease.release()
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     def prepare(self, shards: list | None = None, identity: dict[str, Any] | None = None) -> set[int]:
         """Check the location for this run (:meth:`pipeline.output.OutputLocation.prepare`:
@@ -193,6 +235,7 @@ class OutputWriter:
         """
         index = _index(shard)
         self._flush(index, final=True)
+        self._check_lease()  # a run that lost its lease publishes nothing
         staged = self._staged.pop(index)
         name = part_name(index)
         names = data_file_names(index, len(staged))
@@ -258,22 +301,23 @@ class OutputWriter:
         """Finish the output: remove the files of dead publish intents (never named by a
         manifest entry), write the summary, remove every staging folder, then ``_SUCCESS``."""
         loc = self.location
+        self._check_lease()
         self.fs.invalidate_cache()
-        intents = loc.read_intents()
+        intents = loc.read_intents()  # names checked: each is one of its shard's data files
         committed = {n for e in self.entries.values() for n in e.get("files") or [e["part"]]}
         for path, intent in sorted(intents.items()):
-            for n in intent.get("files") or []:
+            for n in intent["files"]:
                 if n not in committed:
                     loc.remove(loc.path(n), f"remove uncommitted {n}")
             loc.remove(path, f"remove the publish intent {posixpath.basename(path)}")
-        self.io(lambda: loc.remove_tree(loc.path(MANIFEST, PENDING)), "remove the publish intents folder")
+        loc.remove_owned(posixpath.join(MANIFEST, PENDING))
 
         def write_summary() -> None:
             with self.fs.open(loc.path(SUMMARY), "w") as f:
                 json.dump(summary, f, indent=2, default=str)
 
         self.io(write_summary, f"write {SUMMARY}")
-        self.io(lambda: loc.remove_tree(loc.path(STAGING)), "remove staging")
+        loc.remove_owned(STAGING)
 
         def write_success() -> None:
             with self.fs.open(loc.path(SUCCESS), "w") as f:
@@ -292,10 +336,7 @@ class OutputWriter:
         if not cleanup:
             return
         try:
-            self.location.remove_tree(self.staging)
-            base = self.location.path(STAGING)
-            if self.fs.exists(base) and not self.fs.ls(base):
-                self.fs.rmdir(base)
+            self.location.remove_owned(posixpath.join(STAGING, self.run_id), retry=False)
         except Exception:  # noqa: BLE001 - best effort
             pass
 

@@ -222,3 +222,109 @@ def test_rows_held_for_many_shards_in_flight_stay_bounded(tmp_path):
         tables = [pq.read_table(tmp_path / "out" / f) for f in entry["files"]]
         assert all(t.num_rows <= 10 for t in tables) and entry["rows"] == 12
         assert [i for t in tables for i in t.column("id").to_pylist()] == [str(i) for i in range(12)]
+
+
+# ---------------------------------------------------------------------------- names from _manifest/
+class Victim:
+    """A file outside the output folder (local: beside it; S3: in another bucket) that a
+    forged manifest name points at."""
+
+    def __init__(self, s, tmp_path, moto):
+        if s.kind == "local":
+            self.path = tmp_path / "victim.txt"
+            self.path.write_bytes(b"precious")
+            self.relative = "../victim.txt"
+            self.absolute = str(self.path)
+        else:
+            self.client = moto["client"]
+            self.client.create_bucket(Bucket="victim-bucket")
+            self.client.put_object(Bucket="victim-bucket", Key="victim.txt", Body=b"precious")
+            self.client.put_object(Bucket=s.bucket, Key=f"{s.prefix.rsplit('/', 1)[0]}/victim.txt", Body=b"precious")
+            self.relative = "../victim.txt"
+            self.absolute = "/victim-bucket/victim.txt"
+
+    def intact(self):
+        if hasattr(self, "client"):
+            return self.client.get_object(Bucket="victim-bucket", Key="victim.txt")["Body"].read() == b"precious"
+        return self.path.read_bytes() == b"precious"
+
+
+FORGED_NAMES = ["relative", "absolute", "nested/part-00000.parquet", "part-00001.parquet", "part-00000.parquet\n",
+                "part-00000-00000.parquet"]
+
+
+@pytest.mark.parametrize("where", ["intent", "entry"])
+@pytest.mark.parametrize("forged", FORGED_NAMES)
+def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is_deleted(
+        store, tmp_path, request, where, forged):
+    s = store()
+    victim = Victim(s, tmp_path, request.getfixturevalue("moto_s3") if s.kind == "s3" else None)
+    name = getattr(victim, forged, forged)
+    w = OutputWriter(s.cfg())
+    w.prepare()
+    w.write_part(0, _rows(2))  # a real committed shard beside the forged record
+    if where == "intent":
+        rel = "_manifest/pending/part-00000.0123456789ab.json"
+        s.put(rel, json.dumps({"part": "part-00000.parquet", "files": [name], "run_id": "0123456789ab"}).encode())
+    else:
+        rel = "_manifest/part-00000.json"
+        entry = json.loads(s.files()[rel])
+        s.put(rel, json.dumps(dict(entry, files=[name])).encode())
+    before = s.files()
+    for kw in ({}, {"overwrite": True}, {"overwrite": True, "allow_foreign_files": True}):
+        with pytest.raises(OutputError, match=f"{rel.replace('.', '[.]')} names the files .*not the names this job "
+                                              "gives shard 0 .*does nothing"):
+            OutputWriter(s.cfg(**kw)).prepare([])
+        assert s.files() == before and victim.intact()
+    # and a commit that meets the forged intent (written while the run ran) deletes nothing either
+    if where == "intent":
+        s.put("_manifest/part-00000.json", before.get("_manifest/part-00000.json", b""))
+        with pytest.raises(OutputError, match=rel.replace(".", "[.]")):
+            w.commit({"rows": 2})
+        assert victim.intact() and "part-00000.parquet" in s.files()
+
+
+@pytest.mark.parametrize("record", [{"part": "part-00001.parquet", "files": ["part-00001.parquet"]},
+                                    {"part": "../part-00000.parquet"}, ["part-00000.parquet"], {"files": []}])
+def test_a_manifest_entry_for_another_shard_or_of_another_shape_is_refused(store, record):
+    s = store()
+    s.put("_manifest/part-00000.json", json.dumps(record).encode())
+    for kw in ({}, {"overwrite": True}):
+        with pytest.raises(OutputError, match="_manifest/part-00000.json"):
+            OutputWriter(s.cfg(**kw)).prepare([])
+    assert list(s.files()) == ["_manifest/part-00000.json"]
+
+
+@pytest.mark.parametrize("rel", ["_manifest/input.jsonl", "_manifest/pending/notes.txt", "_manifest/part-1.json",
+                                 "_staging/data.csv", "_staging/0123456789ab/other.parquet"])
+def test_foreign_files_under_manifest_and_staging_are_foreign_and_survive_overwrite_and_commit(store, rel):
+    """An input placed under the output's _manifest/, say: never deleted, not even by --overwrite."""
+    s = store()
+    s.put(rel, b'{"id": "x", "text": "keep me"}\n')
+    with pytest.raises(OutputError, match=f"1 file\\(s\\) this job did not write: {rel.replace('.', '[.]')}"):
+        OutputWriter(s.cfg(overwrite=True)).prepare()
+    for run in range(2):
+        w = OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True))
+        assert w.prepare() == set() and w.location.foreign == [rel]
+        w.write_part(0, _rows(1))
+        w.commit({"rows": 1})
+        files = s.files()
+        assert files[rel] == b'{"id": "x", "text": "keep me"}\n'
+        assert sorted(set(files) - {rel}) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json",
+                                              "part-00000.parquet"]
+
+
+@pytest.mark.parametrize("link", ["_staging", "_manifest", "_manifest/pending", "_staging/0123456789ab",
+                                  "_SUCCESS", "_summary.json"])
+def test_a_symlink_where_the_job_writes_its_own_files_is_refused(tmp_path, link):
+    out = tmp_path / "out"
+    (out / link).parent.mkdir(parents=True, exist_ok=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data.txt").write_text("not the job's")
+    (out / link).symlink_to(elsewhere if not link.startswith("_S") and "summary" not in link else elsewhere / "data.txt")
+    for kw in ({}, {"overwrite": True, "allow_foreign_files": True}):
+        with pytest.raises(OutputError, match=f"{link.replace('.', '[.]')} is a symbolic link .*never through a link"):
+            OutputWriter(OutputConfig(uri=str(out), **kw)).prepare()
+    assert (elsewhere / "data.txt").read_text() == "not the job's" and sorted(p.name for p in elsewhere.iterdir()) == [
+        "data.txt"]
