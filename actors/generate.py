@@ -44,14 +44,7 @@ from pipeline.config import JobConfig
 from pipeline.loading import build_engine, limit_cpu_threads, load_engine, process_cpus, row_key, row_settings
 from pipeline.models import model_ref
 from pipeline.prompts import PromptBuilder
-from pipeline.write import OUTPUT_SCHEMA
-
-#: the per-row statistics of the output (OUTPUT_SCHEMA columns; RowStats.to_dict() keys)
-STAT_KEYS = (
-    "prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
-    "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",
-    "draft_time_s", "prefill_time_s", "verify_time_s", "wall_time_s", "draft_steps", "tokens_per_step",
-)
+from pipeline.schema import OUTPUT_SCHEMA
 
 
 class GenerateActor:
@@ -113,8 +106,7 @@ class GenerateActor:
             if res.error is not None:
                 out["error"] = res.error
                 continue
-            stats = res.stats.to_dict()
-            out.update({k: stats.get(k) for k in STAT_KEYS})
+            out.update(res.stats.to_columns())
             out["finish_reason"] = res.finish_reason
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             out["error"] = None

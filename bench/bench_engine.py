@@ -34,7 +34,7 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
+from pipeline.engine import GenerationSettings, RowStats, SpeculationSettings, SpeculativeEngine
 
 K = 4
 
@@ -110,7 +110,8 @@ def measure_methods(target, methods, prompts, new_tokens, repeats) -> dict[str, 
     ``methods``: ``{name: (SpeculationSettings kwargs, SpeculativeEngine kwargs, generate() kwargs)}``,
     ``plain`` first.  Returns per method: ``t_ours``, ``t_hf`` (median seconds over all prompts),
     ``same`` (rows equal to ``generate()``), ``lossless`` (rows equal to our plain run),
-    ``alpha`` (accepted / drafted), ``mal`` (new tokens / verify steps), ``k`` (longest draft).
+    ``acceptance_rate`` (accepted / drafted), ``tokens_per_step`` (new tokens / verify steps),
+    ``k`` (longest draft): :class:`~pipeline.engine.RowStats` of all rows summed.
     """
     settings = GenerationSettings(max_new_tokens=new_tokens)
     results, plain_out = {}, None
@@ -130,15 +131,14 @@ def measure_methods(target, methods, prompts, new_tokens, repeats) -> dict[str, 
         t_hf, out_hf = timed(hf, prompts, repeats)
         if plain_out is None:
             plain_out = [o.token_ids for o in out_ours]
-        drafted = sum(o.stats.draft_tokens for o in out_ours)
-        accepted = sum(o.stats.accepted_tokens for o in out_ours)
+        total = RowStats.total(o.stats for o in out_ours)
         results[method] = dict(
             t_ours=t_ours, t_hf=t_hf,
             same=sum(o.token_ids == h for o, h in zip(out_ours, out_hf)),
             lossless=sum(o.token_ids == p for o, p in zip(out_ours, plain_out)),
-            alpha=accepted / drafted if drafted else None,
-            mal=sum(o.stats.new_tokens for o in out_ours) / sum(o.stats.verify_steps for o in out_ours),
-            k=max((len(o.stats.drafted_per_position) for o in out_ours), default=0),
+            acceptance_rate=total.acceptance_rate,
+            tokens_per_step=total.tokens_per_step,
+            k=len(total.drafted_per_position),
         )
     return results
 
@@ -189,8 +189,8 @@ def bench_size(name, target, drafter, prompts, new_tokens, repeats, uad=None, on
     print("| method | acceptance | tokens/step | ours s | generate() s | ours/generate() | ours spec/plain | generate() spec/plain | outputs equal | = plain |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for method, r in results.items():
-        alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"
-        print(f"| {method} | {alpha} | {r['mal']:.2f} | {r['t_ours']:.3f} | {r['t_hf']:.3f} | "
+        acceptance = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        print(f"| {method} | {acceptance} | {r['tokens_per_step']:.2f} | {r['t_ours']:.3f} | {r['t_hf']:.3f} | "
               f"{r['t_ours'] / r['t_hf']:.2f} | {r['t_ours'] / plain['t_ours']:.2f} | {r['t_hf'] / plain['t_hf']:.2f} | "
               f"{r['same']}/{len(prompts)} | {r['lossless']}/{len(prompts)} |")
     return results

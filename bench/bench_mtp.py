@@ -87,8 +87,8 @@ def run_methods(title, target, methods, prompts, new_tokens, repeats, extra=""):
           "| generate() spec/plain | outputs equal |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for method, r in results.items():
-        alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"
-        print(f"| {method} | {r['k']} | {alpha} | {r['mal']:.2f} | {r['t_ours']:.3f} | {r['t_hf']:.3f} | "
+        acceptance = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        print(f"| {method} | {r['k']} | {acceptance} | {r['tokens_per_step']:.2f} | {r['t_ours']:.3f} | {r['t_hf']:.3f} | "
               f"{r['t_ours'] / r['t_hf']:.2f} | {r['t_ours'] / plain['t_ours']:.2f} | {r['t_hf'] / plain['t_hf']:.2f} | "
               f"{r['same']}/{len(prompts)} |")
     sys.stdout.flush()

@@ -148,7 +148,7 @@ def bench_memory(cfg, texts, checkpoints=(100, 1000)):
     import ray
 
     from actors.generate import GenerateActor
-    from pipeline.read import INPUT_SCHEMA
+    from pipeline.schema import INPUT_SCHEMA
 
     actor = ray.remote(num_cpus=1)(GenerateActor).remote(cfg.model_dump(), device=None)
     first = ray.get(actor.memory.remote())

@@ -89,6 +89,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench_batch import load_prompts
+    from pipeline.engine import RowStats
     from pipeline.engine.exactness import first_difference_is_near_tie
     from pipeline.config import load_config
     from pipeline.serve import app_builder
@@ -130,9 +131,8 @@ def main() -> None:
                 n = max(args.min_requests, 2 * c)
                 lat, outs, specs, wall = asyncio.run(run_level(url, prompts, c, n, args.max_tokens))
                 tokens = sum(len(o) for o in outs.values())
-                steps = sum(s["verify_steps"] for s in specs)
-                drafted = sum(s["draft_tokens"] for s in specs)
-                accept = sum(s["accepted_tokens"] for s in specs) / drafted if drafted else None
+                total = RowStats.total(RowStats.from_columns(s) for s in specs)  # the speculation objects
+                steps, accept = total.verify_steps, total.acceptance_rate
                 table[method, c] = tokens / wall
                 outputs.setdefault(method, {}).update(outs)
                 ratio = f"{table[method, c] / table['plain', c]:.2f}x" if ("plain", c) in table and method != "plain" else ""

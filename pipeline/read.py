@@ -38,17 +38,8 @@ import pyarrow.parquet as pq
 
 from pipeline.config import InputConfig, JobRefused
 from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
+from pipeline.schema import INPUT_SCHEMA
 
-#: One row of input, as the actors receive it.
-INPUT_SCHEMA = pa.schema(
-    [
-        ("source_file", pa.string()),  # the shard's URL
-        ("source_row", pa.int64()),  # 0-based row (Parquet) or non-blank line (JSONL) in the shard
-        ("id", pa.string()),  # the id as a string, or the derived <shard name>:<row> (see the rules above)
-        ("text", pa.string()),  # the text column (null when missing or not a string)
-        ("input_error", pa.string()),  # why this row cannot be used, else null
-    ]
-)
 
 PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".json", ".ndjson")

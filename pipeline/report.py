@@ -3,7 +3,7 @@
     python jobs/report.py out/xsum-plain out/xsum-draft out/xsum-pld --output reports/xsum
 
 Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL):
-its ``part-*.parquet`` files (``pipeline.write.OUTPUT_SCHEMA``) and, beside them, the run
+its ``part-*.parquet`` files (``pipeline.schema.OUTPUT_SCHEMA``) and, beside them, the run
 summary ``_summary.json`` when present.  Everything in the report is recomputed from the
 per-row Parquet, following ``shared/METRICS.md``: tokens and steps are summed over rows
 first, then divided.
@@ -45,14 +45,8 @@ directory name appended):
   that often draft fewer (prompt lookup without a match).
 
 Accepted length per step.  The per-row Parquet has no per-step record, but the
-per-position counts determine the distribution exactly: drafts are verified left to right
-and accepted as a prefix, so ``accepted_per_position[j-1]`` counts the drafts whose accepted
-prefix is at least ``j`` long, ``drafted_per_position[0]`` counts the drafts verified, and
-the remaining ``verify_steps - drafted_per_position[0]`` steps drafted nothing (accepted
-length 0).  Hence, summed over rows::
-
-    steps with accepted length 0 = verify_steps - accepted_per_position[0]
-    steps with accepted length j = accepted_per_position[j-1] - accepted_per_position[j]
+per-position counts determine the distribution exactly
+(:attr:`pipeline.engine.stats.RowStats.accepted_length_steps`).
 """
 
 from __future__ import annotations
@@ -68,9 +62,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
+from pipeline.engine.stats import COLUMNS as STAT_COLUMNS
+from pipeline.engine.stats import RATE_COLUMNS, RowStats
+
 SUMMARY_NAMES = ("_summary.json", "summary.json")
-_NEEDED = ("id", "method", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens", "wall_time_s",
-           "drafted_per_position", "accepted_per_position", "error")
+#: what a run output must hold: its rows' ids, methods and errors, and every statistics
+#: column that outputs of every version have (a newer one an older output lacks takes its
+#: default: pipeline.engine.stats.COLUMNS)
+_NEEDED = ("id", "method", "error", *(c.name for c in STAT_COLUMNS if c.older is None and c.name not in RATE_COLUMNS))
 
 
 class ReportError(ValueError):
@@ -139,114 +138,31 @@ def load_run(uri: str, storage_options: dict[str, Any] | None = None) -> Run:
     return Run(uri=uri, table=table, summary=summary)
 
 
-def _add(acc: list[int], values) -> None:
-    if not values:
-        return
-    if len(values) > len(acc):
-        acc.extend([0] * (len(values) - len(acc)))
-    for i, v in enumerate(values):
-        acc[i] += int(v)
-
-
 @dataclass
-class Stats:
-    """Run-level totals over a set of rows (sums first, then ratios)."""
+class Stats(RowStats):
+    """Run-level totals over a set of rows: their :class:`RowStats` sum (every rate of
+    :mod:`pipeline.engine.stats`; ``prefill_time_s`` None when some row has none: an older
+    output), the number of rows and each row's tokens per step."""
 
     rows: int = 0
-    new_tokens: int = 0
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_steps: int = 0
-    wall_time_s: float = 0.0
-    draft_time_s: float = 0.0
-    prefill_time_s: float | None = 0.0  # None: some row has no prefill time (older outputs)
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
     row_tokens_per_step: list[float] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return 1 + self.accepted_tokens / self.draft_steps if self.draft_steps else None
-
-    @property
-    def tokens_per_step(self) -> float | None:
-        return self.new_tokens / self.verify_steps if self.verify_steps else None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.new_tokens / self.wall_time_s if self.wall_time_s else None
-
-    @property
-    def decode_time_s(self) -> float | None:
-        return self.wall_time_s - self.prefill_time_s if self.prefill_time_s is not None else None
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        t = self.decode_time_s
-        return self.new_tokens / t if t else None
-
-    @property
-    def token_acceptance(self) -> float | None:
-        """Leviathan et al.'s per-token α: Σ accepted / Σ evaluated (see the module docstring)."""
-        acc, dr = self.accepted_per_position, self.drafted_per_position
-        if not dr or not dr[0]:
-            return None
-        evaluated = dr[0] + sum(min(acc[i - 1], dr[i]) for i in range(1, len(dr)))
-        return sum(acc) / evaluated if evaluated else None
-
-    @property
-    def acceptance_by_position(self) -> list[float | None]:
-        return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
-    @property
-    def accepted_length_steps(self) -> list[int]:
-        """Verify steps by accepted draft length 0, 1, ..., k (see the module docstring)."""
-        acc = self.accepted_per_position
-        counts = [self.verify_steps - (acc[0] if acc else 0)]
-        for j in range(1, len(acc) + 1):
-            counts.append(acc[j - 1] - (acc[j] if j < len(acc) else 0))
-        return counts
 
 
 def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
     """:class:`Stats` of the rows without error (and, if given, whose id is in ``ids``)."""
     s = Stats()
-    cols = {c: table.column(c).to_pylist() for c in _NEEDED}
-
-    def optional(name):
-        return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
-
-    draft_time, prefill_time = optional("draft_time_s"), optional("prefill_time_s")
-    draft_steps = optional("draft_steps")
-    for i in range(table.num_rows):
-        if cols["error"][i] is not None or cols["verify_steps"][i] is None:
+    present = [c.name for c in STAT_COLUMNS if c.name in table.column_names]
+    for row, rid, err in zip(table.select(present).to_pylist(), table.column("id").to_pylist(),
+                             table.column("error").to_pylist()):
+        if err is not None or row["verify_steps"] is None:
             continue
-        if ids is not None and cols["id"][i] not in ids:
+        if ids is not None and rid not in ids:
             continue
+        one = RowStats.from_columns(row)
         s.rows += 1
-        s.new_tokens += int(cols["new_tokens"][i] or 0)
-        s.verify_steps += int(cols["verify_steps"][i] or 0)
-        s.draft_tokens += int(cols["draft_tokens"][i] or 0)
-        s.accepted_tokens += int(cols["accepted_tokens"][i] or 0)
-        steps = draft_steps[i]
-        if steps is None:  # an output written before the column existed
-            steps = (cols["drafted_per_position"][i] or [0])[0]
-        s.draft_steps += int(steps)
-        s.wall_time_s += float(cols["wall_time_s"][i] or 0.0)
-        s.draft_time_s += float(draft_time[i] or 0.0)
-        if prefill_time[i] is None or s.prefill_time_s is None:
-            s.prefill_time_s = None
-        else:
-            s.prefill_time_s += float(prefill_time[i])
-        _add(s.drafted_per_position, cols["drafted_per_position"][i])
-        _add(s.accepted_per_position, cols["accepted_per_position"][i])
-        if cols["verify_steps"][i]:
-            s.row_tokens_per_step.append(cols["new_tokens"][i] / cols["verify_steps"][i])
+        s.merge(one)
+        if one.tokens_per_step is not None:
+            s.row_tokens_per_step.append(one.tokens_per_step)
     return s
 
 

@@ -58,11 +58,12 @@ from pipeline.engine import GenerationSettings
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.models import check_models, checkpoint_generation_config
-from pipeline.prompts import check_prompt
-from pipeline.read import INPUT_SCHEMA, Shard, read_shards_batch, resolve_shards
-from pipeline.retry import StorageError
-from pipeline.summary import RunTotals
 from pipeline.output import part_name
+from pipeline.prompts import check_prompt
+from pipeline.read import Shard, read_shards_batch, resolve_shards
+from pipeline.retry import StorageError
+from pipeline.schema import INPUT_SCHEMA
+from pipeline.summary import RunTotals
 from pipeline.write import OutputWriter
 
 log = logging.getLogger("specbatch")

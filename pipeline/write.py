@@ -45,39 +45,7 @@ from pipeline.fingerprint import config_fingerprint
 from pipeline.lease import OutputLease
 from pipeline.output import (MANIFEST, PENDING, STAGING, SUCCESS, SUMMARY, OutputError, OutputLocation,
                              data_file_names, part_name)
-
-#: One row of output.  ``error`` is null when the row succeeded; statistics are null when
-#: it failed.  Counts are tokens of the target tokenizer; times are seconds.
-OUTPUT_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("prompt", pa.string()),  # the prompt as the model saw it (template and chat template applied)
-        ("output_text", pa.string()),  # generated text, special tokens skipped
-        ("finish_reason", pa.string()),  # "stop" | "length"
-        ("prompt_tokens", pa.int64()),
-        ("new_tokens", pa.int64()),
-        ("verify_steps", pa.int64()),
-        ("draft_tokens", pa.int64()),
-        ("accepted_tokens", pa.int64()),
-        ("acceptance_rate", pa.float64()),  # accepted / drafted; null when nothing was drafted
-        ("mean_accepted_length", pa.float64()),  # 1 + accepted / draft_steps; null when nothing was drafted
-        ("drafted_per_position", pa.list_(pa.int64())),  # [i]: drafts that reached position i+1
-        ("accepted_per_position", pa.list_(pa.int64())),  # [i]: drafts accepted at position i+1
-        ("draft_time_s", pa.float64()),  # proposing, a drafter's prompt prefill included
-        ("prefill_time_s", pa.float64()),  # the target's prompt forward
-        ("verify_time_s", pa.float64()),  # target passes after the prefill
-        ("wall_time_s", pa.float64()),  # the engine's time for this row (generate() call)
-        ("method", pa.string()),
-        ("target_model", pa.string()),
-        ("draft_model", pa.string()),  # null when the method uses no drafter
-        ("error", pa.string()),  # "ExceptionType: message" when the row failed, else null
-        ("source_file", pa.string()),  # input shard URL
-        ("source_row", pa.int64()),  # row (Parquet) or non-blank line (JSONL) in that shard, 0-based
-        ("audit", pa.bool_()),  # lossless audit: null = not audited, true = plain decoding gave the same ids
-        ("draft_steps", pa.int64()),  # verify steps that verified a non-empty draft
-        ("tokens_per_step", pa.float64()),  # new_tokens / verify_steps (1.0 for plain decoding)
-    ]
-)
+from pipeline.schema import OUTPUT_SCHEMA
 
 
 class OutputWriter:

@@ -11,7 +11,7 @@ import pytest
 
 from actors.generate import GenerateActor
 from pipeline.config import load_config
-from pipeline.read import INPUT_SCHEMA
+from pipeline.schema import INPUT_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.report import load_run, speedup_bound, summarize_runs, write_report
-from pipeline.write import OUTPUT_SCHEMA
+from pipeline.schema import OUTPUT_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from pipeline.engine import GenerationSettings, RowStats
+from pipeline.engine.stats import COLUMNS as STAT_COLUMNS
 
 #: GenerationSettings fields a request sets under an OpenAI name (or never)
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "do_sample": "temperature"}
@@ -295,34 +296,18 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return {"context": "length", "cancelled": "abort"}.get(reason, reason)
 
 
-#: RowStats keys of the ``speculation`` object (the Parquet's statistics, counts in usage left out)
-SPECULATION_KEYS = (
-    "acceptance_rate", "mean_accepted_length", "tokens_per_step", "draft_tokens", "accepted_tokens",
-    "draft_steps", "verify_steps", "drafted_per_position", "accepted_per_position",
-    "prefill_time_s", "draft_time_s", "verify_time_s", "wall_time_s",
-)
+#: the statistics the OpenAI ``usage`` object carries already (left out of ``speculation``)
+USAGE_COUNTS = ("prompt_tokens", "new_tokens")
+#: RowStats columns of the ``speculation`` object: the Parquet's statistics, less the usage counts
+SPECULATION_KEYS = tuple(c.name for c in STAT_COLUMNS if c.name not in USAGE_COUNTS)
 
 
 def speculation(stats: RowStats, method: str, draft_length: int | None) -> dict[str, Any]:
     """The ``speculation`` object: the method, the draft length ``k`` the row started with
     (null for ``plain``), and the row statistics (``shared/METRICS.md``; rates null when
-    nothing was drafted)."""
-    d = stats.to_dict()
+    nothing was drafted).  Several rows (a request's choices): their :meth:`RowStats.total`."""
+    d = stats.to_columns()
     return {"method": method, "draft_length": draft_length, **{k: d[k] for k in SPECULATION_KEYS}}
-
-
-def combine_stats(stats: list[RowStats]) -> RowStats:
-    """Several rows' statistics as one (counts and times summed; rates follow)."""
-    total = RowStats()
-    for s in stats:
-        for f in dataclasses.fields(RowStats):
-            a, b = getattr(total, f.name), getattr(s, f.name)
-            if isinstance(a, list):
-                width = max(len(a), len(b))
-                setattr(total, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)])
-            elif isinstance(a, (int, float)) and not isinstance(a, bool):
-                setattr(total, f.name, a + b)
-    return total
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

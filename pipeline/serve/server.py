@@ -13,7 +13,7 @@ import sys
 from typing import Any, AsyncIterator
 
 from pipeline.config import JobConfig
-from pipeline.engine import GenerationResult, GenerationSettings
+from pipeline.engine import GenerationResult, GenerationSettings, RowStats
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.loading import limit_cpu_threads, load_engine, process_cpus, row_settings
 from pipeline.paths import looks_local
@@ -24,7 +24,6 @@ from pipeline.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    combine_stats,
     new_id,
     now,
     openai_finish_reason,
@@ -219,7 +218,7 @@ class OpenAIServer:
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
             "model": self.model_name, "choices": choices,
             "usage": usage(sum(len(row.prompt) for row in rows), sum(len(r.token_ids) for r in results)),
-            "speculation": speculation(combine_stats([r.stats for r in results]), self.method, k or self.draft_length),
+            "speculation": speculation(RowStats.total(r.stats for r in results), self.method, k or self.draft_length),
         }
 
     async def _stream(self, run: RequestRun, req, rid: str, param: str, chat: bool, k: int | None) -> AsyncIterator[str]:
@@ -262,7 +261,7 @@ class OpenAIServer:
             if req.stream_options is not None and req.stream_options.include_usage:
                 done = [row.result for row in run.rows if row.result is not None and row.result.error is None]
                 yield chunk([], usage=usage(sum(len(row.prompt) for row in run.rows), sum(len(r.token_ids) for r in done)),
-                            speculation=speculation(combine_stats([r.stats for r in done]), self.method,
+                            speculation=speculation(RowStats.total(r.stats for r in done), self.method,
                                                     k or self.draft_length))
             yield "data: [DONE]\n\n"
         finally:

@@ -13,12 +13,13 @@ wall time, or the process's CPU time on a shared CPU machine).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline import loading
 from pipeline.config import JobConfig
-from pipeline.engine import GenerationResult, GenerationSettings
+from pipeline.engine import GenerationResult, GenerationSettings, RowStats
 from pipeline.prompts import PromptBuilder
 from pipeline.read import read_shard, resolve_shards
 
@@ -109,57 +110,19 @@ class PilotRun:
     seconds: float
     results: list[GenerationResult]
 
-    def _ok(self):
-        return [r for r in self.results if r.error is None]
-
-    def _sum(self, name: str) -> float:
-        return sum(getattr(r.stats, name) for r in self._ok())
-
-    def _per_position(self, name: str) -> list[int]:
-        from pipeline.summary import _add_lists
-
-        out: list[int] = []
-        for r in self._ok():
-            _add_lists(out, getattr(r.stats, name))
-        return out
-
-    @property
-    def new_tokens(self) -> int:
-        return int(self._sum("new_tokens"))
-
-    @property
-    def verify_steps(self) -> int:
-        return int(self._sum("verify_steps"))
-
-    @property
-    def draft_steps(self) -> int:
-        return int(self._sum("draft_steps"))
-
-    @property
-    def draft_tokens(self) -> int:
-        return int(self._sum("draft_tokens"))
-
-    @property
-    def accepted_tokens(self) -> int:
-        return int(self._sum("accepted_tokens"))
-
-    @property
-    def drafted_per_position(self) -> list[int]:
-        return self._per_position("drafted_per_position")
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        return self._per_position("accepted_per_position")
+    @functools.cached_property
+    def stats(self) -> RowStats:
+        """The :class:`RowStats` sum of the rows without error (counts, per-position lists, rates)."""
+        return RowStats.total(r.stats for r in self.results if r.error is None)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
+        return self.stats.new_tokens / self.seconds if self.seconds else 0.0
 
     @property
     def outside_s_per_row(self) -> float:
         """Engine time not in any row's statistics (row set-up, results), per row."""
-        inside = self._sum("wall_time_s")
-        return max(0.0, self.seconds - inside) / max(1, len(self.results))
+        return max(0.0, self.seconds - self.stats.wall_time_s) / max(1, len(self.results))
 
 
 def run_pilot(engine, prompts: list[list[int]], settings: list[GenerationSettings], batch_size: int,

@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from pipeline.config import load_config
-from pipeline.engine.cost_model import per_token_acceptance
 from pipeline.report import _plt
 from pipeline.tune.predict import Candidate
 from pipeline.tune.tuner import REFERENCE_ROWS, TuneResult
@@ -62,9 +61,9 @@ def plot_acceptance(result: TuneResult, path: Path) -> None:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, run in result.pilots.items():
-        if name == "plain" or not run.drafted_per_position:
+        if name == "plain" or not run.stats.drafted_per_position:
             continue
-        alpha = per_token_acceptance(run.drafted_per_position, run.accepted_per_position)
+        alpha = run.stats.token_acceptance_by_position
         xs = list(range(1, len(alpha) + 1))
         ax1.plot(xs, [a if a is not None else float("nan") for a in alpha], marker="o", label=name)
         model = next(m for m in result.models if m.method == name)
@@ -231,12 +230,11 @@ def markdown(result: TuneResult) -> str:
     for name, run in result.pilots.items():
         if name == "plain":
             continue
-        alpha = per_token_acceptance(run.drafted_per_position, run.accepted_per_position)
-        acc = run.accepted_tokens / run.draft_tokens if run.draft_tokens else None
-        mal = 1 + run.accepted_tokens / run.draft_steps if run.draft_steps else None
-        lines.append(f"| {name} | {run.k} | {run.draft_tokens} | {_fmt(acc, '.3f')} | {_fmt(mal, '.2f')} | "
-                     f"{run.new_tokens / run.verify_steps:.2f} | {run.draft_steps}/{run.verify_steps} | "
-                     + ", ".join(_fmt(a, ".2f") for a in alpha) + " |")
+        st = run.stats
+        lines.append(f"| {name} | {run.k} | {st.draft_tokens} | {_fmt(st.acceptance_rate, '.3f')} | "
+                     f"{_fmt(st.mean_accepted_length, '.2f')} | {_fmt(st.tokens_per_step, '.2f')} | "
+                     f"{st.draft_steps}/{st.verify_steps} | "
+                     + ", ".join(_fmt(a, ".2f") for a in st.token_acceptance_by_position) + " |")
     lines += ["", "![acceptance by position](tune_acceptance_by_position.png)", ""]
 
     grid = result.profiles["plain"].verify_s
@@ -312,10 +310,7 @@ def write_outputs(result: TuneResult, out_dir: str | Path) -> dict[str, Path]:
             "candidates": [_cand(c) for c in result.candidates],
             "confirmed": [_cand(c) for c in result.confirmed],
             "models": [vars(m) for m in result.models],
-            "pilot": {name: {"k": r.k, "batch_size": r.batch_size, "seconds": r.seconds, "new_tokens": r.new_tokens,
-                             "verify_steps": r.verify_steps, "draft_steps": r.draft_steps,
-                             "drafted_per_position": r.drafted_per_position,
-                             "accepted_per_position": r.accepted_per_position}
+            "pilot": {name: {"k": r.k, "batch_size": r.batch_size, "seconds": r.seconds, **r.stats.to_dict()}
                       for name, r in result.pilots.items()},
             "profiles": {name: p.to_dict() for name, p in result.profiles.items()}}
     (out / "tune_report.json").write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")

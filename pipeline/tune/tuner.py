@@ -229,9 +229,9 @@ def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineP
         by_rows.setdefault(s.rows, []).append(s)
     m.verify = target_grid
     if choice.method != "plain" and pilot is not None:
-        steps = pilot.verify_steps
-        m.reach = reach_from_counts(pilot.accepted_per_position, steps)[: choice.k_max]
-        m.draft_rate = pilot.draft_steps / steps if steps else 0.0
+        steps = pilot.stats.verify_steps
+        m.reach = reach_from_counts(pilot.stats.accepted_per_position, steps)[: choice.k_max]
+        m.draft_rate = pilot.stats.draft_steps / steps if steps else 0.0
         m.propose = {b: line_fit([(s.k, s.propose_s) for s in ss]) for b, ss in by_rows.items()}
         if hooked:  # the method verifies through its own hook: its measured passes, n = 1 from the target's
             m.verify = {b: {1: target_grid[b][1], **{s.width: s.verify_s for s in ss}} for b, ss in by_rows.items()}
@@ -305,8 +305,8 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
             continue
         p = pilots[choice.method] = run_pilot(engines[choice.method], pilot.prompts, settings,
                                               options.pilot_batch_size, clock)
-        log(f"pilot {choice.method} k={choice.k_max}: {p.new_tokens} tokens in {p.seconds:.1f} s, "
-            f"acceptance {p.accepted_tokens}/{p.draft_tokens}")
+        log(f"pilot {choice.method} k={choice.k_max}: {p.stats.new_tokens} tokens in {p.seconds:.1f} s, "
+            f"acceptance {p.stats.accepted_tokens}/{p.stats.draft_tokens}")
     choices = [c for c in choices if c.method == "plain" or c.method in pilots]
     if not choices:
         raise ConfigError("no method to tune: " + "; ".join(notes))

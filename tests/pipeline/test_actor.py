@@ -7,8 +7,8 @@ from actors.generate import GenerateActor
 from pipeline_testkit import TEXTS, job_config
 from pipeline.engine import SpeculativeEngine
 from pipeline.prompts import PromptBuilder, PromptError, fill_template
-from pipeline.read import INPUT_SCHEMA
-from pipeline.write import OUTPUT_SCHEMA
+from pipeline.schema import INPUT_SCHEMA
+from pipeline.schema import OUTPUT_SCHEMA
 from tiny import make_tokenizer
 
 

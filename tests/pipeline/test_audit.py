@@ -9,7 +9,7 @@ import pytest
 import pipeline.engine.loop
 from actors.generate import GenerateActor, audit_selected
 from pipeline_testkit import TEXTS, job_config, write_jsonl
-from pipeline.read import INPUT_SCHEMA
+from pipeline.schema import INPUT_SCHEMA
 from pipeline.run import run_job
 
 

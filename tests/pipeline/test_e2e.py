@@ -18,7 +18,8 @@ from pipeline.read import InputError
 from pipeline.run import run_job
 from pipeline.config import OutputConfig
 from pipeline.output import is_complete
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter
+from pipeline.write import OutputWriter
+from pipeline.schema import OUTPUT_SCHEMA
 
 STAT_COLUMNS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
                 "acceptance_rate", "mean_accepted_length", "drafted_per_position", "accepted_per_position",

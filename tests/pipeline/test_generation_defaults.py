@@ -19,7 +19,7 @@ from pipeline.config import ConfigError, GenerationConfig, load_config
 from pipeline.engine import GenerationSettings
 from pipeline.models import check_models
 from pipeline.prompts import PromptBuilder
-from pipeline.read import INPUT_SCHEMA
+from pipeline.schema import INPUT_SCHEMA
 from pipeline.run import resolve_job_generation
 from pipeline_testkit import TEXTS, job_config
 

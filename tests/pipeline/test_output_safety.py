@@ -15,7 +15,8 @@ import pytest
 import pipeline.write
 from pipeline.config import OutputConfig
 from pipeline.output import OutputError, is_complete
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter
+from pipeline.write import OutputWriter
+from pipeline.schema import OUTPUT_SCHEMA
 
 
 def _parquet_bytes(n=2):

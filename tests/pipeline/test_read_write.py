@@ -10,7 +10,8 @@ from pipeline_testkit import write_jsonl
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.read import InputError, read_shard, resolve_shards
 from pipeline.output import OutputError, is_complete
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter
+from pipeline.write import OutputWriter
+from pipeline.schema import OUTPUT_SCHEMA
 
 
 def test_resolve_dir_glob_and_file(tmp_path):

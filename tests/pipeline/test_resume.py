@@ -110,7 +110,7 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     from pipeline.read import resolve_shards
     from pipeline.write import OutputWriter
     import pyarrow as pa
-    from pipeline.write import OUTPUT_SCHEMA
+    from pipeline.schema import OUTPUT_SCHEMA
 
     src = tmp_path / "in"
     shutil.copytree(inputs, src)

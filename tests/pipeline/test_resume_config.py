@@ -18,7 +18,8 @@ from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
 from pipeline.fingerprint import config_fingerprint, config_identity, describe_changes, file_identity, model_files
 from pipeline.read import resolve_shards
 from pipeline.output import OutputError
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter
+from pipeline.write import OutputWriter
+from pipeline.schema import OUTPUT_SCHEMA
 
 
 @pytest.fixture

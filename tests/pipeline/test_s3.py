@@ -84,7 +84,8 @@ def test_s3_credentials_and_endpoint_from_the_standard_chain(s3_server, bucket, 
     from pipeline.config import InputConfig, OutputConfig
     from pipeline.read import read_shard, resolve_shards
     from pipeline.output import is_complete
-    from pipeline.write import OUTPUT_SCHEMA, OutputWriter
+    from pipeline.write import OutputWriter
+    from pipeline.schema import OUTPUT_SCHEMA
 
     for k, v in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server,
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():

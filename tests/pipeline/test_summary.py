@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from pipeline.summary import RunTotals
-from pipeline.write import OUTPUT_SCHEMA
+from pipeline.schema import OUTPUT_SCHEMA
 
 
 def _row(new, steps, drafted, accepted, dpp, app, draft_steps, error=None):

@@ -69,7 +69,7 @@ def batch_rows():
     """What the batch job writes for three demo articles (its actor, same config)."""
     from actors.generate import GenerateActor
     from pipeline.config import load_config
-    from pipeline.read import INPUT_SCHEMA
+    from pipeline.schema import INPUT_SCHEMA
 
     cfg = load_config(REPO / "configs" / "demo-summarize.yaml", [f"{k}={v}" for k, v in OVERRIDES.items()])
     rows = pa.Table.from_pylist([{"source_file": "demo", "source_row": i, "id": f"r{i}", "text": t, "input_error": None}

@@ -1,0 +1,52 @@
+"""The schemas of a job's rows: :data:`INPUT_SCHEMA` (what the read stage gives the actors)
+and :data:`OUTPUT_SCHEMA` (one Parquet row of output).  The statistics columns of the
+output are :data:`pipeline.engine.stats.COLUMNS`, derived from
+:class:`~pipeline.engine.stats.RowStats`; columns added after the first schema are written
+at its end, so that every output's columns keep their order.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.engine.stats import COLUMNS
+
+#: One row of input, as the actors receive it (see pipeline.read for the id rules).
+INPUT_SCHEMA = pa.schema(
+    [
+        ("source_file", pa.string()),  # the shard's URL
+        ("source_row", pa.int64()),  # 0-based row (Parquet) or non-blank line (JSONL) in the shard
+        ("id", pa.string()),  # the id as a string, or the derived <shard name>:<row> (see the rules above)
+        ("text", pa.string()),  # the text column (null when missing or not a string)
+        ("input_error", pa.string()),  # why this row cannot be used, else null
+    ]
+)
+
+_ARROW = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64())}
+
+
+def _stat_fields(appended: bool) -> list[pa.Field]:
+    return [pa.field(c.name, _ARROW[c.type]) for c in COLUMNS if c.appended == appended]
+
+
+#: One row of output.  ``error`` is null when the row succeeded; statistics are null when
+#: it failed.  Counts are tokens of the target tokenizer; times are seconds; what each
+#: statistics column holds: its :class:`~pipeline.engine.stats.StatColumn` ``doc``.
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt", pa.string()),  # the prompt as the model saw it (template and chat template applied)
+        ("output_text", pa.string()),  # generated text, special tokens skipped
+        # "stop" (EOS or stop string) | "length" (max_new_tokens) | "context" (the context is full); null when failed
+        ("finish_reason", pa.string()),
+        *_stat_fields(appended=False),
+        ("method", pa.string()),
+        ("target_model", pa.string()),
+        ("draft_model", pa.string()),  # null when the method uses no drafter
+        ("error", pa.string()),  # "ExceptionType: message" when the row failed, else null
+        ("source_file", pa.string()),  # input shard URL
+        ("source_row", pa.int64()),  # row (Parquet) or non-blank line (JSONL) in that shard, 0-based
+        ("audit", pa.bool_()),  # lossless audit: null = not audited, true = plain decoding gave the same ids
+        *_stat_fields(appended=True),
+    ]
+)
