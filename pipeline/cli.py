@@ -12,15 +12,19 @@ Exit status (every failure is reported in one line on stderr):
 
 - 0: the run succeeded (or everything was already committed: nothing to do);
 - 1: the run failed: a storage error that outlasted its retries and deadline, a stalled
-  run (``compute.stall_timeout_s``), actors that kept dying, or every row failed (the
-  output is committed with each row's error); an unexpected error also prints the path
-  of a log file with its traceback.  Committed shards are kept: rerunning resumes;
+  run (``compute.stall_timeout_s``), actors that kept dying (the line says whether the
+  restarts or the batch retries ran out), a lost output lease, an input shard that broke
+  while the run read it, or every row failed (the output is committed with each row's
+  error); an unexpected error also prints the path of a log file with its traceback (in
+  :func:`log_dir`).  Committed shards are kept: rerunning resumes;
 - 2: the job was refused before any work (:class:`pipeline.config.JobRefused`): a bad
   config, input, model (path, architecture, vocabulary), prompt or chat template, output
-  location (foreign files, another config or input committed there), or a resource plan
-  the cluster cannot hold;
+  location (foreign files, another config or input committed there, another run holding
+  its lease), or a resource plan the cluster cannot hold;
 - 130 / 143: interrupted by SIGINT (Ctrl-C) / SIGTERM (``ray job stop``, Kubernetes, a
-  cron timeout): committed shards are kept, a rerun resumes.
+  cron timeout): committed shards are kept, a rerun resumes.  From the first interrupt
+  on, a second one ends the process at once and quietly (no traceback of Ray's shutdown);
+  the lease was released already.
 """
 
 from __future__ import annotations
@@ -69,10 +73,12 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
         if args.print_config:
             print(json.dumps(cfg.resolved(), indent=2))
             return 0
-        from pipeline.run import StallError, run_job
+        from pipeline.lease import LeaseLost
+        from pipeline.run import ActorPoolError, StallError, run_job
 
         summary = run_job(cfg, progress=not args.no_progress)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM through _on_sigterm_raise_interrupt
+        _exit_at_next_interrupt()
         signum = _signal_received or signal.SIGINT
         print(f"\ninterrupted ({signal.Signals(signum).name}): shards committed before the interrupt are kept; "
               "rerun the same command to resume", file=sys.stderr)
@@ -86,11 +92,21 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
             print(f"error: storage: {_one_line(storage)}; shards committed before the error are kept: "
                   "rerun the same command to do only the missing ones", file=sys.stderr)
             return 1
-        stall = _cause(e, StallError)
-        if stall is not None:
-            print(f"error: {_one_line(stall)}", file=sys.stderr)
+        known = _cause(e, StallError) or _cause(e, LeaseLost)
+        if known is not None:
+            print(f"error: {_one_line(known)}", file=sys.stderr)
             return 1
         path = _write_log(e)
+        pool = _cause(e, ActorPoolError)
+        if pool is not None:
+            print(f"error: {_one_line(pool)} (traceback in {path}); shards committed before the error are kept",
+                  file=sys.stderr)
+            return 1
+        remote = _remote_error(e)
+        if remote is not None:  # our own error, raised in a Ray task (Ray keeps only its text)
+            print(f"error: {remote} (traceback in {path}); shards committed before the error are kept: rerun the "
+                  "same command to resume", file=sys.stderr)
+            return 1
         print(f"error: {type(e).__name__}: {_one_line(e)}{_root_cause(e)} (traceback in {path}); shards committed "
               "before the error are kept: rerun the same command to resume", file=sys.stderr)
         return 1
@@ -163,11 +179,60 @@ def _root_cause(e: BaseException) -> str:
     return ""
 
 
+_OWN_ERROR_LINE = re.compile(r"^pipeline\.[\w.]*\.(\w+(?:Error|Refused|Lost|Held)): (.+)$")
+
+
+def _remote_error(e: BaseException) -> str | None:
+    """The message of the last of this package's own errors in the remote traceback ``e``
+    carries (``pipeline.retry.StorageError: read input shard 'b.parquet' failed ...``: a
+    shard that broke while a read task read it), else None."""
+    found = None
+    for ln in _lines(e):
+        m = _OWN_ERROR_LINE.match(ln)
+        if m:
+            found = m.group(2)
+    return found
+
+
+def _exit_at_next_interrupt() -> None:
+    """From now on SIGINT / SIGTERM end the process at once, quietly (exit 128 + signal):
+    a second Ctrl-C while Ray shuts down would otherwise print a traceback of its atexit hook."""
+    def now(signum, frame):
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)
+
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, now)
+        signal.signal(signal.SIGTERM, now)
+
+
+def log_dir() -> Path:
+    """The folder of this user's error logs, created with mode 700 (and tightened to it
+    when it exists): ``$XDG_STATE_HOME/specbatch/logs`` when ``XDG_STATE_HOME`` is set, else
+    ``~/.cache/specbatch/logs``; when neither can be created (no writable home), a new
+    private temporary folder."""
+    state = os.environ.get("XDG_STATE_HOME")
+    d = Path(state) / "specbatch" / "logs" if state else Path.home() / ".cache" / "specbatch" / "logs"
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
+            raise PermissionError(f"{d} is not a folder of this user")
+        os.chmod(d, 0o700)
+        return d
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="specbatch-logs-"))  # mode 700, a fresh name
+
+
 def _write_log(e: BaseException) -> str:
-    """Write ``e``'s full traceback to a new log file; returns its path."""
-    d = Path(tempfile.gettempdir()) / "specbatch-logs"
-    d.mkdir(parents=True, exist_ok=True)
+    """Write ``e``'s full traceback to a new log file (mode 600) in :func:`log_dir`; returns its path."""
+    d = log_dir()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = d / f"error-{stamp}-{os.getpid()}.log"
-    path.write_text("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
     return str(path)

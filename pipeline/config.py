@@ -2,7 +2,7 @@
 
 A job config has eleven sections (see ``configs/summarize.yaml`` for a commented one)::
 
-    input:      uri, format, id_column, text_column
+    input:      uri, format, id_column, text_column, preflight_read_max_bytes
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
                 system_prompt, chat_template (auto | true | false)
     models:     target, drafter, gguf_file, drafter_gguf_file, dtype, device_map, trust_remote_code
@@ -84,6 +84,10 @@ class InputConfig(_Section):
     format: Literal["auto", "parquet", "jsonl"] = "auto"
     id_column: str = "id"
     text_column: str = "text"
+    #: a Parquet file of at most this many bytes is read in full (its id and text columns)
+    #: before any work, so a damaged data page refuses the job (exit 2) naming the file; a
+    #: larger file is only opened there, and a damaged page fails the run when its shard is read
+    preflight_read_max_bytes: int = Field(2**30, ge=0)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -178,6 +178,38 @@ def _hidden(p: str, root: str) -> bool:
     return any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
+def _read_every_page(fs, path: str, columns: list[str], max_bytes: int) -> None:
+    """Read every data page of ``columns`` of the Parquet file ``path`` (one row group at a
+    time) when the file is at most ``max_bytes`` (``input.preflight_read_max_bytes``), so
+    that a damaged page (the footer intact) refuses the job before any work rather than
+    failing it midway.  A larger file is only opened; a damaged page there fails the run
+    when its shard is read, naming the file and the cause.
+
+    Raises:
+        InputError: a page cannot be read or decoded (naming the file and the cause).
+        Transient storage errors are raised as they are (the caller's retry loop).
+    """
+    from pipeline.retry import is_transient
+
+    size = fs.size(path)
+    if size is not None and size > max_bytes:
+        log.info("input shard %s is %d bytes, more than input.preflight_read_max_bytes=%d: its pages are read "
+                 "only when its shard runs", path, size, max_bytes)
+        return
+    try:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            for i in range(pf.num_row_groups):
+                pf.read_row_group(i, columns=columns)
+    except Exception as e:  # noqa: BLE001 - decoding errors of every kind
+        if is_transient(e):
+            raise
+        cause = (str(e).strip().splitlines() or [""])[0]
+        raise InputError(f"input shard {path!r} is damaged: its footer reads, but a data page of its "
+                         f"{' and '.join(repr(c) for c in columns)} column{'s' if len(columns) > 1 else ''} does not "
+                         f"({type(e).__name__}: {cause}); replace the file, or move it out of the input") from None
+
+
 _ID_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null)
 
 
@@ -205,6 +237,8 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig) -> int:
         else:
             log.warning("input shard %s has no column %r (input.id_column): its rows get derived ids "
                         "<shard name>:<row>", path, cfg.id_column)
+        _read_every_page(fs, path, [c for c in (cfg.id_column, cfg.text_column) if c in schema.names],
+                         cfg.preflight_read_max_bytes)
         return n
     n = 0
     usable = False  # a line that is a JSON object with the text field

@@ -82,6 +82,12 @@ class StallError(RuntimeError):
     """No output row came back for ``compute.stall_timeout_s`` seconds."""
 
 
+class ActorPoolError(RuntimeError):
+    """The actor pool gave up: an actor died more often than ``compute.max_actor_restarts``
+    allows, or a batch whose actor kept dying was resubmitted ``compute.max_batch_retries``
+    times (raised from Ray's own error)."""
+
+
 def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSettings]:
     """Every check that needs no model weights and no Ray.
 
@@ -205,9 +211,10 @@ def check_resource_plan(cfg: JobConfig, embedded: bool) -> None:
 #: Ray Data's log file): our own progress bar replaces Ray Data's, the run's end is logged
 #: by the job itself (Ray Data's "execution finished" also shows on an interrupt), and a
 #: failure is reported by the job in one line, its traceback in a log file (pipeline.cli),
-#: where Ray Data would print the stack trace again and ask for a Ray bug report.
+#: where Ray Data would print the stack trace again (a 30-line one when an actor died) and
+#: ask for a Ray bug report.
 _RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled", "Exception occurred in",
-                   "Full stack trace")
+                   "Full stack trace", "An exception was raised from a task of operator")
 
 
 class _QuietRayData(logging.Filter):
@@ -348,6 +355,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
         InputError, ModelError, OutputError, ConfigError: before any model loads.
         PlanError: the actor pool is larger than the (embedded) cluster.
         StallError: no output row came back for ``compute.stall_timeout_s``.
+        ActorPoolError: actors kept dying: the restarts or the batch retries ran out.
         StorageError: a storage call failed after its retries or its deadline.
         RunError: the output rows do not match the input rows.
         LeaseHeld: another run holds the output's lease (before any work); LeaseLost:
@@ -469,7 +477,47 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
     except BaseException as e:
         # a failing storage would make the clean-up hang too: a later successful run removes it
         writer.abort(cleanup=not isinstance(e, StorageError))
+        pool = _actor_pool_failure(cfg, e, started)
+        if pool is not None:
+            raise ActorPoolError(pool) from e
         raise
+
+
+def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime) -> str | None:
+    """What ran out when the run failed on a dead actor (Ray's actor table: this run's pool
+    actors, their restarts and state), or None when ``e`` is no such failure (or the table
+    cannot be read).  An actor that died in its constructor (a model that does not load) is
+    left to Ray's own message, which carries the cause."""
+    try:
+        from ray.exceptions import RayActorError
+
+        if not isinstance(e, RayActorError) or "creation task" in str(e):
+            return None
+        from ray._private import state
+
+        since_ms = started.timestamp() * 1000 - 1000
+        pool = [a for a in state.actors().values() if str(a.get("ActorClassName", "")).startswith("MapWorker(")
+                and (a.get("StartTime") or 0) >= since_ms]
+    except Exception:  # noqa: BLE001 - the table is an aid to the message only
+        return None
+    c = cfg.compute
+    restarts = sum(a.get("NumRestarts") or 0 for a in pool)
+    if any(a.get("State") == "DEAD" and (a.get("NumRestarts") or 0) >= c.max_actor_restarts for a in pool):
+        return (f"the actor pool ran out of restarts: an actor died {c.max_actor_restarts + 1} times, and "
+                f"compute.max_actor_restarts={c.max_actor_restarts} allows {c.max_actor_restarts} restarts "
+                f"({type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a "
+                "failing node: find it in Ray's logs, then rerun to resume")
+    if restarts:
+        return (f"a batch failed after compute.max_batch_retries={c.max_batch_retries} resubmissions: its actor "
+                f"kept dying ({restarts} actor restarts so far, compute.max_actor_restarts={c.max_actor_restarts}; "
+                f"{type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a failing "
+                "node: find it in Ray's logs, then rerun to resume")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
 
 
 def _with_audit_column(batch: pa.Table) -> pa.Table:
@@ -507,4 +555,4 @@ def _environment() -> dict[str, Any]:
 
 
 __all__ = ["run_job", "preflight", "build_dataset", "init_ray", "check_resource_plan", "stall_guard",
-           "RunError", "PlanError", "StallError", "INPUT_SCHEMA"]
+           "RunError", "PlanError", "StallError", "ActorPoolError", "INPUT_SCHEMA"]

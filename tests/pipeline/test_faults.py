@@ -21,7 +21,7 @@ import pipeline.write
 from actors.generate import GenerateActor
 from pipeline_testkit import TEXTS, PausableProxy, free_port, job_config, write_jsonl
 from pipeline.retry import StorageError
-from pipeline.run import run_job
+from pipeline.run import ActorPoolError, run_job
 
 KEY, SECRET = "testing-key", "testing-secret"
 
@@ -106,7 +106,10 @@ def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, t
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert time.time() - t0 < 180
     assert not isinstance(e.value, StorageError)
-    assert "actor" in str(e.value).lower()
+    # the message says which budget ran out (the batch's resubmissions here: the actor had restarts left)
+    assert isinstance(e.value, ActorPoolError), repr(e.value)
+    assert str(e.value).startswith("a batch failed after compute.max_batch_retries=1 resubmissions: its actor kept "
+                                   "dying (2 actor restarts so far, compute.max_actor_restarts=2")
     assert not (out / "_manifest" / "part-00001.json").exists() and not (out / "_SUCCESS").exists()
 
 

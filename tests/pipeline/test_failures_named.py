@@ -1,0 +1,176 @@
+"""Every failure names its cause, in one line: a Parquet file whose footer reads but whose
+data pages do not is refused before any work (local disk and moto S3), or, above
+``input.preflight_read_max_bytes``, fails the run naming the file and the cause; actors
+that keep dying say which budget ran out, with no Ray traceback on the console; the error
+logs go to a per-user folder of mode 700."""
+
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cli import _write_log, log_dir, main
+from pipeline.config import InputConfig
+from pipeline.read import InputError, resolve_shards
+from pipeline_testkit import REPO, TEXTS, write_jsonl
+
+
+def damaged_parquet(column: str = "text", rows: int = 64, where: str = "all") -> bytes:
+    """A Parquet file (columns id, text, extra) whose footer is intact and one column
+    chunk's pages are overwritten: all of it, or just its first page header."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(rows)], "text": [TEXTS[i % 8] * 2 for i in range(rows)],
+                             "extra": list(range(rows))}), buf)
+    raw = bytearray(buf.getvalue())
+    meta = pq.ParquetFile(io.BytesIO(bytes(raw))).metadata
+    chunk = meta.row_group(0).column(meta.schema.names.index(column))
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    end = start + (chunk.total_compressed_size if where == "all" else 12)
+    for i in range(start + 1, end - 1):
+        raw[i] ^= 0x5A
+    pq.ParquetFile(io.BytesIO(bytes(raw))).metadata  # the footer still reads
+    return bytes(raw)
+
+
+def good_parquet(rows: int = 3) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": [f"g{i}" for i in range(rows)], "text": TEXTS[:rows]}), buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request, tmp_path):
+    """``(put(name, bytes), input uri, storage options)`` of an input folder."""
+    if request.param == "local":
+        d = tmp_path / "in"
+        d.mkdir()
+        return (lambda name, data: (d / name).write_bytes(data)), str(d), {}
+    moto = request.getfixturevalue("moto_s3")
+    moto["client"].create_bucket(Bucket="damaged")
+    prefix = tmp_path.name
+    return ((lambda name, data: moto["client"].put_object(Bucket="damaged", Key=f"{prefix}/{name}", Body=data)),
+            f"s3://damaged/{prefix}/", moto["options"])
+
+
+@pytest.mark.parametrize("column, where", [("text", "all"), ("text", "header"), ("id", "all")])
+def test_a_damaged_data_page_is_refused_before_any_work_naming_the_file_and_the_cause(place, column, where):
+    put, uri, options = place
+    put("a.parquet", good_parquet())
+    put("b.parquet", damaged_parquet(column, where=where))
+    with pytest.raises(InputError, match=r"input shard '.*b\.parquet' is damaged: its footer reads, but a data page "
+                                         r"of its 'id' and 'text' columns does not \((OSError|ArrowInvalid|ArrowIOError)"
+                                         r": .+\)"):
+        resolve_shards(InputConfig(uri=uri, storage_options=options))
+
+
+def test_a_damaged_page_of_a_column_the_job_does_not_read_is_no_problem(place):
+    put, uri, options = place
+    put("b.parquet", damaged_parquet("extra"))
+    (shard,) = resolve_shards(InputConfig(uri=uri, storage_options=options))
+    assert shard.num_rows == 64
+
+
+def test_above_the_bound_the_pages_are_not_read_before_the_run(place):
+    put, uri, options = place
+    put("b.parquet", damaged_parquet())
+    (shard,) = resolve_shards(InputConfig(uri=uri, storage_options=options, preflight_read_max_bytes=100))
+    assert shard.num_rows == 64  # only its footer was read
+
+
+@pytest.mark.slow
+def test_a_damaged_page_above_the_bound_fails_the_run_in_one_line_naming_the_file(ray_local, tiny_models, tmp_path,
+                                                                                 capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.parquet").write_bytes(good_parquet())
+    (tmp_path / "in" / "b.parquet").write_bytes(damaged_parquet())
+    code = main("summarize", ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+                              "--target", tiny_models["target"], "--method", "plain", "--max-new-tokens", "2",
+                              "--no-progress", "--set", "input.preflight_read_max_bytes=1000",
+                              "--set", "output.partition_by_date=false"])
+    err = capsys.readouterr().err
+    said = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(said) == 1, err[-3000:]
+    assert said[0].startswith(f"error: read input shard '{tmp_path / 'in' / 'b.parquet'}' failed (not retried): ")
+    assert "Couldn't deserialize thrift" in said[0] or "OSError" in said[0]
+    assert "RayTaskError" not in said[0] and "UserCodeException" not in said[0]
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+# ---------------------------------------------------------------------------- error logs
+def test_the_error_log_folder_is_per_user_and_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    d = log_dir()
+    assert d == tmp_path / "state" / "specbatch" / "logs"
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    os.chmod(d, 0o755)  # made readable by someone: tightened again
+    assert stat.S_IMODE(log_dir().stat().st_mode) == 0o700
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        path = _write_log(e)
+    assert os.path.dirname(path) == str(d) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert "RuntimeError: boom" in open(path).read()
+
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert log_dir() == tmp_path / "home" / ".cache" / "specbatch" / "logs"
+
+
+def test_without_a_usable_home_the_logs_go_to_a_fresh_private_folder(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(blocker))
+    a, b = log_dir(), log_dir()
+    assert a != b and a.name.startswith("specbatch-logs-") and stat.S_IMODE(a.stat().st_mode) == 0o700
+
+
+# ---------------------------------------------------------------------------- actors that keep dying
+CRASHING_JOB = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv.pop(1))
+    import actors.generate
+    from ray import cloudpickle
+
+    class Crashing(actors.generate.GenerateActor):
+        def generate_rows(self, rows):
+            if any("crash me" == r.get("text") for r in rows):
+                os._exit(1)  # the process dies, as out of memory would kill it
+            return super().generate_rows(rows)
+
+    import __main__
+    cloudpickle.register_pickle_by_value(__main__)
+    actors.generate.GenerateActor = Crashing
+    from pipeline.cli import main
+    sys.exit(main("summarize"))
+""")
+
+
+@pytest.mark.slow
+def test_actors_that_keep_dying_are_one_line_saying_the_restarts_ran_out(tiny_models, tmp_path):
+    script = tmp_path / "crashing_job.py"
+    script.write_text(CRASHING_JOB)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "text": TEXTS[0]}, {"id": 2, "text": "crash me"}])
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", XDG_STATE_HOME=str(tmp_path / "state"))
+    env.pop("RAY_ADDRESS", None)
+    r = subprocess.run([sys.executable, str(script), str(REPO), "--input", str(tmp_path / "in.jsonl"),
+                        "--output", str(tmp_path / "out"), "--target", tiny_models["target"], "--method", "plain",
+                        "--max-new-tokens", "2", "--rows-per-batch", "1", "--no-progress",
+                        "--set", "compute.max_actor_restarts=1", "--set", "compute.max_batch_retries=4"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if ln.strip() and " specbatch INFO " not in ln
+            and "Started a local Ray instance" not in ln and "core_worker.cc:2465" not in ln]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert said[0].startswith("error: the actor pool ran out of restarts: an actor died 2 times, and "
+                              "compute.max_actor_restarts=1 allows 1 restarts"), said[0]
+    assert "Traceback" not in r.stderr and "An exception was raised from a task" not in r.stderr
+    log = said[0].split("(traceback in ", 1)[1].split(")", 1)[0]
+    assert log.startswith(str(tmp_path / "state" / "specbatch" / "logs")) and "ActorDiedError" in open(log).read()
