@@ -5,18 +5,27 @@ committed shard and compared when a run resumes (see pipeline.output).
 
 - the resolved config sections that change outputs, whatever fields they hold
   (:data:`OUTPUT_SECTIONS`: ``models``, ``method``, ``generation``, ``task`` with its
-  prompt template filled in and its chat template / system prompt settings); keys whose
+  prompt template filled in and its chat template / system prompt settings), and the
+  ``input:`` settings that change what a row's prompt or id is (:data:`INPUT_KEYS`: the
+  text column, the id column, the format; not where the input lies); keys whose
   value is None (unset) are left out, so a field added later with a None default does
   not change the fingerprint of older outputs; the drafter is left out when the method
   does not use it, and so is a local model's path (its files identify it: the same
   checkpoint moved, or named by another relative path, is the same model);
-- the identity of each model's files (:func:`model_files`): a SHA-256 of every small file
-  (config, generation config, tokenizer and chat-template files, remote code) and, for
-  large files (weights), their size and a SHA-256 of three 1 MiB samples (start, middle,
-  end: a safetensors header and some weights of the first, a middle and the last
-  tensors), so a retrained or re-quantized checkpoint is told apart without reading
-  gigabytes.  A hub id is identified by its cached snapshot (revision and files), or by
-  the id alone when it is not in the local cache.
+- the identity of each model's files (:func:`model_files`): the SHA-256 of each file's
+  whole content (config, generation config, tokenizer and chat-template files, remote
+  code, weights), so a checkpoint edited in place (a tensor changed, same size and
+  header) is told apart.  Hashing gigabytes once is a few seconds; it is done once per
+  file version: :func:`content_hash` caches each hash in a per-user cache file
+  (:func:`hash_cache_path`), keyed by the file's real path, size, modification and
+  status-change times (ns) and inode, so a rerun reads nothing.  (Not beside the
+  checkpoint: a model folder is often read-only or shared, and the job writes nothing it
+  does not own.)  A copy of the same bytes is hashed once more and gets the same identity.
+  A hub id is identified by its cached snapshot (revision and files), or by the id alone
+  when it is not in the local cache;
+- :data:`SCHEME`, the version of these rules: shards committed under older rules are
+  refused with a message that says so (an older fingerprint cannot tell whether they
+  match), not with a list of changes that did not happen.
 
 :func:`config_fingerprint` is a short SHA-256 of that data; :func:`describe_changes` names the
 keys that differ between two identities, for the refusal message.
@@ -26,23 +35,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import tempfile
+import threading
 from typing import Any
+
+log = logging.getLogger("specbatch")
 
 #: resolved config sections whose settings change what the job writes
 OUTPUT_SECTIONS = ("models", "method", "generation", "task")
+#: ``input:`` settings that change a row's prompt or id
+INPUT_KEYS = ("format", "id_column", "text_column")
+#: the version of the identity's rules (2: input settings and whole-file model hashes)
+SCHEME = 2
 
 #: files of a model directory that do not change outputs
 _IGNORED_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".txt.bak")
 _IGNORED_PREFIXES = (".", "LICENSE", "NOTICE", "README", "USE_POLICY")
-_WHOLE_FILE_LIMIT = 4 * 2**20  # bytes: hashed whole up to this size
-_SAMPLE = 2**20  # bytes per sample of a larger file
+_CHUNK = 8 * 2**20  # bytes read at a time when hashing
 
 
 def config_identity(cfg: Any) -> dict[str, Any]:
     """What the outputs of a run with this :class:`pipeline.config.JobConfig` depend on (plain data)."""
     resolved = cfg.resolved()
     ident: dict[str, Any] = {sec: _drop_none(resolved[sec]) for sec in OUTPUT_SECTIONS}
+    ident["input"] = {k: resolved["input"][k] for k in INPUT_KEYS}
+    ident["scheme"] = SCHEME
     if not cfg.uses_drafter:
         ident["models"].pop("drafter", None)
     ident["model_files"] = {"target": model_files(cfg.models.target)}
@@ -61,8 +80,8 @@ def config_fingerprint(identity: dict[str, Any]) -> str:
 
 
 def model_files(path: str) -> dict[str, str]:
-    """File name -> identity (``sha256:...`` or ``size=N;sample-sha256:...``) of the model at
-    ``path`` (a local directory, a single file such as a GGUF, or a hub id)."""
+    """File name -> identity (``sha256:<hex>`` of its content) of the model at ``path`` (a
+    local directory, a single file such as a GGUF, or a hub id)."""
     local = os.path.expanduser(path)
     if os.path.isfile(local):
         return {os.path.basename(local): file_identity(local)}
@@ -85,18 +104,96 @@ def _dir_identity(d: str) -> dict[str, str]:
 
 
 def file_identity(p: str) -> str:
-    """``sha256:<hex>`` of a small file, ``size=N;sample-sha256:<hex>`` of a large one (three
-    1 MiB samples: start, middle, end)."""
-    size = os.path.getsize(p)
+    """``sha256:<hex>`` of the file's whole content (:func:`content_hash`, cached)."""
+    return f"sha256:{content_hash(p)}"
+
+
+def hash_cache_path() -> str:
+    """The per-user cache of file hashes: ``$XDG_CACHE_HOME/specbatch/file-hashes.json``
+    (default ``~/.cache/specbatch/file-hashes.json``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specbatch", "file-hashes.json")
+
+
+_CACHE_LOCK = threading.Lock()
+_MAX_CACHED = 20_000  # entries kept in the cache file (the most recently used)
+
+
+def content_hash(p: str) -> str:
+    """The SHA-256 (hex) of the file ``p``'s content, read once per file version: the hash
+    is cached (:func:`hash_cache_path`) under the file's real path with its size,
+    ``st_mtime_ns``, ``st_ctime_ns``, device and inode, and reused while all of them are
+    unchanged (``st_ctime`` changes on every write and on any attempt to set the times
+    back, so an edit that keeps the size and restores the mtime is still seen).  A cache
+    that cannot be read or written only costs a rehash (logged once).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    real = os.path.realpath(p)
+    st = os.stat(real)
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "dev": st.st_dev,
+           "ino": st.st_ino}
+    with _CACHE_LOCK:
+        cache = _load_cache()
+        hit = cache.get(real)
+        if isinstance(hit, dict) and all(hit.get(k) == v for k, v in key.items()) and isinstance(hit.get("sha256"), str):
+            return hit["sha256"]
     h = hashlib.sha256()
-    with open(p, "rb") as f:
-        if size <= _WHOLE_FILE_LIMIT:
-            h.update(f.read())
-            return f"sha256:{h.hexdigest()}"
-        for offset in (0, size // 2 - _SAMPLE // 2, size - _SAMPLE):
-            f.seek(offset)
-            h.update(f.read(_SAMPLE))
-    return f"size={size};sample-sha256:{h.hexdigest()}"
+    with open(real, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if os.stat(real).st_ctime_ns != st.st_ctime_ns:  # written while we read it: do not cache
+        return digest
+    with _CACHE_LOCK:
+        cache = _load_cache()
+        cache.pop(real, None)
+        cache[real] = dict(key, sha256=digest)
+        _save_cache(cache)
+    return digest
+
+
+def _load_cache() -> dict[str, Any]:
+    try:
+        with open(hash_cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        _warn_once(f"the file-hash cache {hash_cache_path()} cannot be read ({type(e).__name__}: {e}): model files "
+                   "are hashed again")
+        return {}
+
+
+def _save_cache(cache: dict[str, Any]) -> None:
+    path = hash_cache_path()
+    if len(cache) > _MAX_CACHED:
+        for k in list(cache)[: len(cache) - _MAX_CACHED]:  # oldest first (insertion order)
+            del cache[k]
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".file-hashes.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        _warn_once(f"the file-hash cache {path} cannot be written ({type(e).__name__}: {e}): model files are "
+                   "hashed again on every run")
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
 
 
 def _cached_snapshot(repo_id: str) -> str | None:
@@ -120,6 +217,10 @@ def describe_changes(old: dict[str, Any] | None, new: dict[str, Any], limit: int
     keys whose values differ (at most ``limit``, then a count)."""
     if not old:
         return "the committed shards carry no config fingerprint (written by an older version)"
+    if old.get("scheme") != new.get("scheme"):
+        return ("the committed shards were fingerprinted by an older version of this job, whose fingerprint did "
+                "not cover everything this one does (the input settings, the model files' whole content), so "
+                "whether they match cannot be told")
     a, b = _flatten(old), _flatten(new)
     changes = []
     for key in sorted(set(a) | set(b)):

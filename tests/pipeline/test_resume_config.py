@@ -24,7 +24,8 @@ from pipeline.schema import OUTPUT_SCHEMA
 
 @pytest.fixture
 def inputs(tmp_path):
-    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:2])])
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "key": f"k{i}", "text": t, "body": t[::-1]}
+                                              for i, t in enumerate(TEXTS[:2])])
     return tmp_path / "in"
 
 
@@ -50,6 +51,9 @@ CHANGES = [  # (override, what the refusal names)
     ("task.system_prompt=Be brief.", "task.system_prompt: (unset) -> 'Be brief.'"),
     ("task.chat_template=false", "task.chat_template: 'auto' -> False"),
     ("models.dtype=bfloat16", "models.dtype: 'auto' -> 'bfloat16'"),
+    ("input.text_column=body", "input.text_column: 'text' -> 'body'"),
+    ("input.id_column=key", "input.id_column: 'id' -> 'key'"),
+    ("input.format=jsonl", "input.format: 'auto' -> 'jsonl'"),
 ]
 
 
@@ -114,44 +118,110 @@ def test_model_files_are_identified_by_content_not_by_time(tiny_models, tmp_path
     assert model_files(str(m))["tokenizer_config.json"] != before["tokenizer_config.json"]
 
 
-def test_large_files_are_sampled_not_read_whole(tmp_path, monkeypatch):
+@pytest.fixture
+def hash_cache(tmp_path, monkeypatch):
+    """A fresh per-user hash cache for the test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "specbatch" / "file-hashes.json"
+
+
+def _hash_reads(monkeypatch):
+    """The paths pipeline.fingerprint opens to hash, from now on."""
+    import pipeline.fingerprint as fp
+
+    opened = []
+
+    def spy(path, mode="r", *a, **k):
+        if path != fp.hash_cache_path():
+            opened.append(os.path.basename(path))
+        return open(path, mode, *a, **k)
+
+    monkeypatch.setattr(fp, "open", spy, raising=False)
+    return opened
+
+
+def test_large_files_are_hashed_whole_once_per_version(tmp_path, hash_cache, monkeypatch):
+    import hashlib
+
     big = tmp_path / "weights.gguf"
     size = 9 * 2**20 + 123
-    with open(big, "wb") as f:
-        f.write(os.urandom(size))
+    data = bytearray(os.urandom(size))
+    big.write_bytes(data)
     ident = file_identity(str(big))
-    assert ident.startswith(f"size={size};sample-sha256:")
-    read = []
-    real_open = open
+    assert ident == "sha256:" + hashlib.sha256(data).hexdigest()  # every byte counts
+    assert hash_cache.exists() and oct(hash_cache.parent.stat().st_mode & 0o777) == "0o700"
+    reads = _hash_reads(monkeypatch)
+    assert file_identity(str(big)) == ident and reads == []  # cached: not read again
+    for offset in (size // 3, size // 2 + 4321, size - 10):  # one byte anywhere, not only in a sample
+        st = big.stat()
+        with open(big, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0xFF]))
+        os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+        changed = file_identity(str(big))
+        assert changed != ident and reads[-1] == "weights.gguf"
+        with open(big, "r+b") as f:
+            f.seek(offset)
+            f.write(b)
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(big, copy)  # the same bytes elsewhere: hashed once, the same identity
+    assert file_identity(str(copy)) == file_identity(str(big)) == ident
 
-    class Counting:
-        def __init__(self, f):
-            self.f = f
 
-        def __enter__(self):
-            return self
+def _with_big_weights(src, dst):
+    """A copy of a tiny checkpoint whose weights file is > 9 MiB (a padding tensor)."""
+    import torch
+    from safetensors.torch import load_file, save_file
 
-        def __exit__(self, *a):
-            self.f.close()
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["zz_padding"] = torch.zeros(3 * 2**20)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
-        def seek(self, o):
-            self.f.seek(o)
 
-        def read(self, n=-1):
-            data = self.f.read(n)
-            read.append(len(data))
-            return data
+@pytest.mark.parametrize("edit", ["a tensor in the middle", "the tokenizer", "the chat template"])
+def test_a_checkpoint_edited_in_place_is_refused_on_resume_and_a_rerun_rehashes_nothing(
+        tiny_models, inputs, tmp_path, hash_cache, monkeypatch, edit):
+    m = _with_big_weights(tiny_models["target"], tmp_path / "m")
+    out = str(tmp_path / "out")
+    cfg = lambda: job_config(dict(tiny_models, target=str(m)), str(inputs), out)
+    _commit_shard0(cfg())
+    reads = _hash_reads(monkeypatch)
+    assert _resume(cfg()) == {0} and reads == []  # nothing rehashed
+    if edit == "a tensor in the middle":
+        weights = m / "model.safetensors"
+        header = int.from_bytes(weights.read_bytes()[:8], "little")
+        a, b = json.loads(weights.read_bytes()[8:8 + header])["zz_padding"]["data_offsets"]
+        start = 8 + header + a + (b - a) // 3  # away from the start, middle and end of the file
+        st = weights.stat()
+        with open(weights, "r+b") as f:  # same size, same header, same mtime: one tensor's bytes
+            f.seek(start)
+            f.write(b"\x01\x02\x03\x04")
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+        changed = "model.safetensors"
+    elif edit == "the tokenizer":
+        tok = json.loads((m / "tokenizer.json").read_text())
+        tok["model"]["vocab"]["cat"], tok["model"]["vocab"]["dog"] = tok["model"]["vocab"]["dog"], tok["model"]["vocab"]["cat"]
+        (m / "tokenizer.json").write_text(json.dumps(tok))
+        changed = "tokenizer.json"
+    else:
+        t = json.loads((m / "tokenizer_config.json").read_text())
+        t["chat_template"] = "{{ messages[0]['content'] }}"
+        (m / "tokenizer_config.json").write_text(json.dumps(t))
+        changed = "tokenizer_config.json"
+    with pytest.raises(OutputError, match=f"model_files.target: files changed: {changed}"):
+        _resume(cfg())
+    assert reads == [changed]  # only the edited file was read again
 
-    monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: Counting(real_open(p, mode, *a, **k)))
-    assert file_identity(str(big)) == ident
-    assert sum(read) == 3 * 2**20  # three 1 MiB samples of a 9 MiB file
-    monkeypatch.undo()
-    with open(big, "r+b") as f:  # one byte in the middle sample
-        f.seek(size // 2)
-        b = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
-    assert file_identity(str(big)) != ident
+
+def test_shards_fingerprinted_by_an_older_version_are_refused_saying_so(tiny_models, inputs, tmp_path):
+    old = config_identity(job_config(tiny_models, str(inputs), str(tmp_path / "o")))
+    del old["scheme"], old["input"]
+    new = config_identity(job_config(tiny_models, str(inputs), str(tmp_path / "o")))
+    assert describe_changes(old, new).startswith("the committed shards were fingerprinted by an older version")
 
 
 def _cli(args, timeout=120):
