@@ -1,0 +1,149 @@
+"""Two runs on one output (pipeline.lease, end to end): real job processes with different
+settings started at the same instant, and 20 s apart: exactly one commits, the other exits 2
+naming the lease's holder, and the output is entirely the winner's config.  A SIGKILLed
+holder's lease refuses the next run until it goes stale (``output.lease_timeout_s``), then
+the next run takes it over, with a warning, and resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cli import main
+from pipeline.lease import LEASE
+from pipeline_testkit import REPO, write_jsonl
+
+WORDS = "the cat sat on the mat and looked at the dog".split()
+
+
+def _inputs(d: Path, shards: int, rows: int) -> Path:
+    for s in range(shards):
+        write_jsonl(d / f"s{s}.jsonl", [{"id": f"{s}-{i}", "text": " ".join(WORDS[(i + k) % 11] for k in range(10))}
+                                        for i in range(rows)])
+    return d
+
+
+def _start(args, tmp_path, name):
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", XDG_STATE_HOME=str(tmp_path / "state"))
+    env.pop("RAY_ADDRESS", None)
+    env.pop("PYTHONPATH", None)
+    out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
+    p = subprocess.Popen([sys.executable, str(REPO / "jobs" / "summarize.py"), *args], stdout=out, stderr=err,
+                         text=True, env=env, start_new_session=True)
+    p.logs = (tmp_path / f"{name}.out", tmp_path / f"{name}.err")
+    return p
+
+
+def _finish(p, timeout=400):
+    try:
+        p.wait(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, p.logs[0].read_text(), p.logs[1].read_text()
+
+
+def _said(err):
+    return [ln for ln in err.splitlines() if ln.startswith("error:")]
+
+
+def _args(tiny_models, inp, out, method, tokens, *extra):
+    return ["--input", str(inp), "--output", str(out), "--target", tiny_models["target"],
+            "--drafter", tiny_models["drafter"], "--method", method, "--max-new-tokens", str(tokens),
+            "--no-progress", "--set", "output.partition_by_date=false", *extra]
+
+
+def _entirely_one_config(out: Path, summary_run_id: str, method: str):
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["run_id"] == summary_run_id and (out / "_SUCCESS").read_text().strip() == summary_run_id
+    assert summary["config"]["method"]["name"] == method
+    entries = [json.loads(p.read_text()) for p in sorted((out / "_manifest").glob("part-*.json"))]
+    assert entries and {e["config_fingerprint"] for e in entries} == {summary["config_fingerprint"]}
+    assert {e["run_id"] for e in entries} == {summary_run_id}
+    table = pq.read_table(out)
+    assert set(table.column("method").to_pylist()) == {method}
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == summary["rows"]
+    assert not (out / LEASE).exists() and not (out / "_staging").exists()
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_one_commits_the_other_is_refused_naming_the_lease(tiny_models, tmp_path):
+    inp, out = _inputs(tmp_path / "in", 2, 3), tmp_path / "out"
+    a = _start(_args(tiny_models, inp, out, "plain", 4), tmp_path, "a")
+    b = _start(_args(tiny_models, inp, out, "draft_model", 6), tmp_path, "b")
+    results = {"plain": _finish(a), "draft_model": _finish(b)}
+    codes = sorted(r[0] for r in results.values())
+    assert codes == [0, 2], {k: (r[0], r[2][-2000:]) for k, r in results.items()}
+    winner = next(m for m, r in results.items() if r[0] == 0)
+    loser = next(m for m, r in results.items() if r[0] == 2)
+    run_id = json.loads(results[winner][1])["run_id"]
+    said = _said(results[loser][2])
+    assert len(said) == 1, results[loser][2][-3000:]
+    assert said[0].startswith(f"error: output '{out}' is leased by another run: run {run_id} of ")
+    assert "last heartbeat" in said[0] and "Traceback" not in results[loser][2]
+    _entirely_one_config(out, run_id, winner)
+
+
+@pytest.mark.slow
+def test_a_run_started_20_s_after_another_is_refused_and_the_first_commits(tiny_models, tmp_path):
+    inp, out = _inputs(tmp_path / "in", 4, 20), tmp_path / "out"
+    first = _start(_args(tiny_models, inp, out, "plain", 64, "--rows-per-batch", "1", "--max-batch-size", "1"),
+                   tmp_path, "first")
+    time.sleep(20)
+    assert first.poll() is None, "the first run ended within 20 s: give it more work"
+    code, _, err = _finish(_start(_args(tiny_models, inp, out, "draft_model", 6, "--overwrite"), tmp_path, "second"),
+                           timeout=200)
+    assert first.poll() is None, "the first run ended before the second was refused: give it more work"
+    said = _said(err)
+    assert code == 2 and len(said) == 1, err[-3000:]
+    assert said[0].startswith(f"error: output '{out}' is leased by another run: run ") and "last heartbeat" in said[0]
+    code, stdout, err = _finish(first)
+    assert code == 0, err[-3000:]
+    run_id = json.loads(stdout)["run_id"]
+    assert f"run {run_id} of " in said[0]
+    _entirely_one_config(out, run_id, "plain")  # the second's --overwrite deleted nothing
+
+
+@pytest.mark.slow
+def test_a_killed_holders_lease_refuses_until_stale_then_is_taken_over(ray_local, tiny_models, tmp_path, capsys,
+                                                                         caplog):
+    inp, out = _inputs(tmp_path / "in", 3, 6), tmp_path / "out"
+    args = _args(tiny_models, inp, out, "plain", 24, "--rows-per-batch", "1", "--set", "output.lease_timeout_s=6")
+    holder = _start(args, tmp_path, "holder")
+    try:
+        deadline = time.time() + 240
+        while not (out / "_manifest" / "part-00000.json").exists():
+            assert holder.poll() is None and time.time() < deadline, holder.logs[1].read_text()[-3000:]
+            time.sleep(0.1)
+        held = json.loads((out / LEASE).read_text())
+        os.killpg(holder.pid, signal.SIGKILL)  # no clean-up at all, as a lost node
+        holder.wait()
+        killed_at = time.time()
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+    assert (out / LEASE).exists()
+
+    capsys.readouterr()
+    assert main("summarize", args) == 2  # its heartbeat is recent: refused, naming it
+    said = _said(capsys.readouterr().err)
+    assert len(said) == 1 and f"run {held['run_id']} of {held['owner']} (pid {held['pid']}" in said[0]
+    assert time.time() - killed_at < 6, "the refusal came too late to test it (the lease went stale)"
+
+    time.sleep(max(0.0, killed_at + 6.5 - time.time()))
+    with caplog.at_level("WARNING", logger="specbatch"):
+        assert main("summarize", args) == 0
+    headline = json.loads(capsys.readouterr().out)
+    assert any(f"took over the stale lease of run {held['run_id']}" in r.getMessage() for r in caplog.records)
+    assert headline["this_run"]["shards_skipped"] >= 1 and headline["rows"] == 18
+    ids = pq.read_table(out).column("id").to_pylist()
+    assert sorted(ids) == sorted(f"{s}-{i}" for s in range(3) for i in range(6))  # every row once
+    assert not (out / LEASE).exists() and not (out / "_staging").exists()
