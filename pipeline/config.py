@@ -74,14 +74,20 @@ class _Section(BaseModel):
 class InputConfig(_Section):
     """Where prompts come from.
 
-    ``uri``: a file, a directory (every ``*.parquet``/``*.jsonl`` in it), or a glob, on any
+    ``uri``: a file, a directory (every file under it is read, or named in a warning with
+    the reason; Hive partition folders ``key=value/`` become columns), or a glob, on any
     fsspec filesystem (local path, ``s3://bucket/prefix/*.parquet``, ``memory://``...).
-    ``format``: ``auto`` picks by extension (``.parquet``/``.pq``, ``.jsonl``/``.json``).
+    ``format``: ``auto`` picks by extension (``.parquet``/``.pq``; JSON lines:
+    ``.jsonl``/``.json``/``.ndjson``, each optionally compressed).
+    ``compression``: of JSONL files; ``infer`` (fsspec's ``compression="infer"``) takes it
+    from the ending (``.gz`` gzip, ``.bz2``, ``.zst`` zstandard, ``.xz``); ``none`` or a
+    name applies to every file.
     ``storage_options``: passed to fsspec (e.g. ``{client_kwargs: {endpoint_url: ...}}``).
     """
 
     uri: str = "data/demo_prompts.jsonl"
     format: Literal["auto", "parquet", "jsonl"] = "auto"
+    compression: Literal["infer", "none", "gzip", "bz2", "zstd", "xz"] = "infer"
     id_column: str = "id"
     text_column: str = "text"
     #: a Parquet file of at most this many bytes is read in full (its id and text columns)

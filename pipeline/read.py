@@ -15,6 +15,19 @@ shard is refused as a whole (:class:`InputError`, before any model loads) only w
 not usable at all: a JSONL file none of whose lines is a JSON object with the text field,
 a Parquet file that does not open or lacks the text column.
 
+Formats and listing.  Parquet, and JSON lines (``*.jsonl``, ``*.json``, ``*.ndjson``)
+plain or compressed with gzip, bzip2, zstandard or xz (``*.jsonl.gz``, ``.bz2``, ``.zst``,
+``.xz``: ``input.compression: infer``, or set for every file).  A compressed shard is a
+shard like any other: its fingerprint is the compressed file's size and mtime/ETag.
+Hive/Spark partition folders (``lang=de/part-0.parquet``) become string columns of every
+row (:func:`hive_partitions`).  Of the files under an input folder (or matched by a glob)
+each is read or named, with the reason, in one WARNING line (hidden ``_``/``.`` names,
+unknown formats, compressed Parquet, a second spelling of a file already listed); the
+job's own output and any folder below the input holding a ``_manifest/`` (a specbatch
+output) are left out with an INFO line.  A shard is known by its resolved location
+(:func:`resolved_location`: a local file's real path), so ``a//b``, ``a/x/../b``, ``./b``,
+a relative path or a symlink name the same shard, and a rerun spelled another way resumes.
+
 Ids, one rule for both formats: the id column (``input.id_column``) may hold strings or
 integers; an integer becomes its decimal string (so ``7`` and ``"7"`` are the same id).  A
 row without an id (field or column missing, or null) gets the derived id
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
@@ -43,6 +57,9 @@ from pipeline.schema import INPUT_SCHEMA
 
 PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
+#: compressed JSONL: file-name ending -> fsspec compression (``input.compression: infer``)
+COMPRESSION_EXT = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".xz": "xz"}
+_KINDS = "*.parquet, *.pq, *.jsonl, *.json or *.ndjson (JSONL optionally .gz, .bz2, .zst or .xz)"
 
 
 log = logging.getLogger("specbatch")
@@ -53,7 +70,9 @@ class InputError(JobRefused):
 
 @dataclass(frozen=True)
 class Shard:
-    """One input file.  ``url`` carries the protocol (``s3://b/k.parquet``, ``/abs/x.jsonl``)."""
+    """One input file.  ``url`` carries the protocol (``s3://b/k.parquet``, ``/abs/x.jsonl``)
+    and is the file's resolved location (a local file's real path; ``//``, ``./`` and
+    ``x/..`` collapsed elsewhere), so every spelling of one file is the same shard."""
 
     index: int
     url: str
@@ -64,6 +83,10 @@ class Shard:
     fingerprint: str | None = None
     #: the file's path relative to the input location (``a/b.jsonl``); derived ids use it
     name: str | None = None
+    #: the fsspec compression the file is read with (``gzip``, ``bz2``, ``zstd``, ``xz``) or None
+    compression: str | None = None
+    #: Hive partition values from the folders of ``name`` (``lang=de/x.parquet`` -> ``{"lang": "de"}``)
+    partitions: dict[str, str | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,21 +96,56 @@ class Shard:
         return f"{self.name or posixpath.basename(self.url)}:{row}"
 
 
-def _format_of(path: str, fmt: str) -> str | None:
-    if fmt != "auto":
-        return fmt
+def file_kind(path: str, cfg: InputConfig) -> tuple[str | None, str | None, str | None]:
+    """How the job reads the file ``path``: ``(format, compression, None)``, or ``(None,
+    None, why not)`` for a file it does not read.
+
+    ``input.compression: infer`` takes the compression from the ending (``.gz``, ``.bz2``,
+    ``.zst``, ``.xz``), as fsspec's ``compression="infer"``; any other value applies to
+    every file.  ``input.format: auto`` takes the format from the name without that ending.
+    A compressed Parquet file is not read (Parquet compresses its own pages).
+    """
     low = path.lower()
-    if low.endswith(PARQUET_EXT):
-        return "parquet"
-    if low.endswith(JSONL_EXT):
-        return "jsonl"
-    return None
+    stem, comp = low, None
+    for ext, name in COMPRESSION_EXT.items():
+        if low.endswith(ext):
+            stem, comp = low[: -len(ext)], name
+            break
+    if cfg.compression != "infer":
+        comp = None if cfg.compression == "none" else cfg.compression
+    fmt: str | None = cfg.format
+    if fmt == "auto":
+        fmt = "parquet" if stem.endswith(PARQUET_EXT) else "jsonl" if stem.endswith(JSONL_EXT) else None
+    if fmt is None:
+        return None, None, f"unknown format (the job reads {_KINDS}; or set input.format)"
+    if fmt == "parquet" and comp:
+        return None, None, f"a {comp}-compressed Parquet file (Parquet compresses its own pages: decompress it)"
+    return fmt, comp, None
 
 
 def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """A URL that reopens ``path`` anywhere: plain path for local files, else ``proto://path``."""
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return path if ("file" in protos or "local" in protos) else fs.unstrip_protocol(path)
+    return "file" in protos or "local" in protos
+
+
+def resolved_location(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` normalised: a local file's real path (symlinks, ``..``, ``//``, ``./``
+    resolved, relative paths made absolute); elsewhere ``//``, ``./`` and ``x/..`` collapsed.
+    A glob keeps its pattern; only the folder before its first wildcard is resolved."""
+    if any(c in path for c in "*?["):
+        cut = min(path.index(c) for c in "*?[" if c in path)
+        head, sep, tail = path[:cut].rpartition("/")
+        if not sep:
+            return path
+        return resolved_location(fs, head or "/").rstrip("/") + "/" + tail + path[cut:]
+    if _is_local(fs):
+        return os.path.realpath(path)
+    return posixpath.normpath(path.replace("//", "/")) if path else path
 
 
 def shard_fingerprint(info: dict[str, Any]) -> str:
@@ -116,36 +174,120 @@ def _base_dir(fs, path: str) -> str:
     return posixpath.dirname(path)
 
 
-def resolve_shards(cfg: InputConfig, retry: Any = None) -> list[Shard]:
+def _under(path: str, folder: str) -> bool:
+    folder = folder.rstrip("/")
+    return path == folder or path.startswith(folder + "/")
+
+
+def _rel(path: str, base: str) -> str:
+    return path[len(base):].lstrip("/") if base and _under(path, base) else posixpath.basename(path)
+
+
+def hive_partitions(name: str) -> dict[str, str | None]:
+    """The Hive partition values in the folders of a relative path:
+    ``lang=de/year=2024/part-0.parquet`` -> ``{"lang": "de", "year": "2024"}`` (values as
+    strings, percent-decoded; ``__HIVE_DEFAULT_PARTITION__`` is null)."""
+    from urllib.parse import unquote
+
+    out: dict[str, str | None] = {}
+    for part in name.split("/")[:-1]:
+        key, eq, value = part.partition("=")
+        if eq and key:
+            value = unquote(value)
+            out[unquote(key)] = None if value == "__HIVE_DEFAULT_PARTITION__" else value
+    return out
+
+
+class _NotRead:
+    """The files of a listing the job does not read, by reason, for one log line."""
+
+    SHOWN = 100  # names per reason in the line; the rest are counted
+
+    def __init__(self) -> None:
+        self.by_reason: dict[str, list[str]] = {}
+
+    def add(self, reason: str, name: str) -> None:
+        self.by_reason.setdefault(reason, []).append(name)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.by_reason.values())
+
+    def line(self) -> str:
+        parts = []
+        for reason, names in self.by_reason.items():
+            shown = ", ".join(names[: self.SHOWN])
+            more = f" and {len(names) - self.SHOWN} more" if len(names) > self.SHOWN else ""
+            parts.append(f"{shown}{more}: {reason}")
+        return "; ".join(parts)
+
+
+def _output_root(output: Any, retry: Any) -> str | None:
+    """The output folder (``output.uri``, every date partition under it) as a resolved URL."""
+    if output is None:
+        return None
+    try:
+        ofs, opath = open_fs(output.uri, output.storage_options, retry)
+    except Exception:  # noqa: BLE001 - the writer reports a bad output itself
+        return None
+    return _unstrip(ofs, resolved_location(ofs, opath.rstrip("/") or "/")).rstrip("/")
+
+
+def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> list[Shard]:
     """Expand ``cfg.uri`` into shards, checking each one opens and has the text column.
 
+    A file named by ``input.uri`` is read (or refused).  Of the files found under a folder
+    or by a glob, each is read, or named in one WARNING line with the reason (a hidden
+    name starting with ``_`` or ``.``, an unknown format, a compressed Parquet file, a
+    second spelling of a file already listed); files of the job's output (``output``:
+    every file under ``output.uri``) and of any specbatch output below the input location
+    (a folder holding ``_manifest/``) are left out with an INFO line.
+
+    Args:
+        cfg: the ``input:`` section.
+        retry: the ``retry:`` section (or None: defaults).
+        output: the ``output:`` section, or None (nothing excluded).
+
     Returns:
-        Shards in sorted path order, ``index`` 0..n-1.
+        Shards in sorted path order, ``index`` 0..n-1, each named by its resolved location.
 
     Raises:
-        InputError: nothing matches, a shard cannot be opened or parsed, or a shard is not
-            usable at all (see the module docstring).  Raised in the driver, before any
-            model loads.
+        InputError: nothing matches; no listed file is read; the input lies inside the
+            output's ``_manifest/`` or ``_staging/``, or names a file of the output; a shard
+            cannot be opened or parsed, or is not usable at all (see the module docstring);
+            a Hive partition key clashes with an output column.  Raised in the driver,
+            before any model loads.
         StorageError: the storage kept failing with transient errors (retries and
             deadline exhausted): the input may be fine, so this is not a refusal.
     """
+    from pipeline.output import MANIFEST, STAGING
+
     try:
         fs, path = open_fs(cfg.uri, cfg.storage_options, retry)
     except Exception as e:  # bad protocol, missing s3fs, bad storage options
         raise InputError(f"cannot open input {cfg.uri!r}: {type(e).__name__}: {e}") from None
     io = retrying(retry, endpoint_of(fs))
+    glob = any(c in path for c in "*?[")
+    path = resolved_location(fs, path)
+    out_root = _output_root(output, retry)
+    if out_root is not None:
+        root_url = _unstrip(fs, _base_dir(fs, path) if glob else path)
+        inside = root_url[len(out_root):].split("/") if _under(root_url, out_root) else []
+        sub = next((d for d in inside if d in (MANIFEST, STAGING)), None)
+        if sub:
+            raise InputError(f"input {cfg.uri!r} lies inside the output's {sub}/ ({out_root}): the job "
+                             "owns and deletes what is there; move the input elsewhere (input.uri)")
 
-    def listing() -> list[str]:
-        if any(c in path for c in "*?["):
-            return sorted(p for p in fs.glob(path) if fs.isfile(p))
+    def listing() -> tuple[str, list[str]]:
+        if glob:
+            return "glob", sorted(p for p in fs.glob(path) if fs.isfile(p))
         if fs.isdir(path):
-            return sorted(p for p in fs.find(path) if _format_of(p, cfg.format) and not _hidden(p, path))
+            return "folder", sorted(p for p in fs.find(path) if not p.endswith("/"))
         if fs.isfile(path):
-            return [path]
-        return []
+            return "file", [path]
+        return "none", []
 
     try:
-        paths = io(listing, f"list input {cfg.uri!r}")
+        kind, paths = io(listing, f"list input {cfg.uri!r}")
     except StorageError as e:
         if e.transient:
             raise
@@ -153,29 +295,118 @@ def resolve_shards(cfg: InputConfig, retry: Any = None) -> list[Shard]:
     if not paths:
         raise InputError(f"input not found: no file matches {cfg.uri!r} (input.uri)")
     base = _base_dir(fs, path)
+    picked, not_read, left_out = _pick(fs, kind, paths, base, cfg, out_root)
+    for where, n in left_out.items():
+        log.info("input %s: leaving out %d file(s) under %s, %s", cfg.uri, n, *where)
+    if not_read:
+        log.warning("input %s: %d file(s) not read: %s", cfg.uri, len(not_read), not_read.line())
+    if not picked:
+        why = not_read.line() or "; ".join(f"{n} file(s) under {w[0]} ({w[1]})" for w, n in left_out.items())
+        raise InputError(f"input {cfg.uri!r}: none of its {len(paths)} file(s) is read: {why}")
     shards = []
-    for i, p in enumerate(paths):
-        fmt = _format_of(p, cfg.format)
-        if fmt is None:
-            raise InputError(f"input shard {p!r}: unknown format; name it *.parquet or *.jsonl, or set input.format")
-        url = _unstrip(fs, p)
+    for i, (p, real, fmt, comp) in enumerate(picked):
+        url = _unstrip(fs, real)
         try:
-            n, fp = io(lambda: (_check_shard(fs, p, fmt, cfg), shard_fingerprint(fs.info(p))), f"read input shard {url!r}")
+            n, fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp), shard_fingerprint(fs.info(real))),
+                       f"read input shard {url!r}")
         except StorageError as e:
             cause = e.__cause__
             if isinstance(cause, InputError):
                 raise cause from None
             if e.transient:
                 raise
-            raise InputError(f"input shard {url!r} is unreadable as {fmt}: {type(cause).__name__}: {cause}") from None
-        name = p[len(base):].lstrip("/") if base and p.startswith(base + "/") else posixpath.basename(p)
-        shards.append(Shard(index=i, url=url, format=fmt, num_rows=n, fingerprint=fp, name=name))
+            how = f"{fmt} ({comp})" if comp else fmt
+            raise InputError(f"input shard {url!r} is unreadable as {how}: {type(cause).__name__}: {cause}") from None
+        name = _rel(p, base)
+        shards.append(Shard(index=i, url=url, format=fmt, num_rows=n, fingerprint=fp, name=name,
+                            compression=comp, partitions=hive_partitions(name) or None))
+    check_partition_keys(shards)
     return shards
 
 
-def _hidden(p: str, root: str) -> bool:
-    rel = p[len(root):].lstrip("/")
-    return any(part.startswith((".", "_")) for part in rel.split("/"))
+def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out_root: str | None):
+    """Sort a listing into the files read ``(path, resolved path, format, compression)``,
+    those not read (:class:`_NotRead`) and those left out (``{(folder, why): count}``)."""
+    from pipeline.output import MANIFEST
+
+    outputs = {p.rsplit(f"/{MANIFEST}/", 1)[0] for p in paths if f"/{MANIFEST}/" in p}
+    outputs = {d for d in outputs if d != base and _under(d, base)}  # below the input location only
+    # the input inside (or equal to) the output folder: only the job's own files are left out
+    within = out_root is not None and _under(_unstrip(fs, base), out_root)
+    picked, seen = [], {}
+    not_read, left_out = _NotRead(), {}
+    for p in paths:
+        real = resolved_location(fs, p)
+        url = _unstrip(fs, real)
+        if out_root is not None and _under(url, out_root) and (not within or _owned(url[len(out_root):])):
+            if kind == "file":
+                raise InputError(f"input {cfg.uri!r} is a file of the job's output {out_root}: the job would read "
+                                 "its own output; choose another input.uri or output.uri")
+            key = (out_root, "the job's output (output.uri)")
+            left_out[key] = left_out.get(key, 0) + 1
+            continue
+        holder = next((d for d in outputs if _under(p, d)), None)
+        if holder is not None:
+            key = (_unstrip(fs, holder), f"a specbatch output (it holds {MANIFEST}/; name it as input.uri to read it)")
+            left_out[key] = left_out.get(key, 0) + 1
+            continue
+        name = _rel(p, base)
+        fmt, comp, why = file_kind(p, cfg)
+        if kind == "file":
+            if why:
+                raise InputError(f"input shard {p!r}: {why}")
+        elif any(part.startswith((".", "_")) for part in name.split("/")):
+            not_read.add("hidden (a name starting with '_' or '.', as writers' markers such as _SUCCESS)", name)
+            continue
+        elif why:
+            not_read.add(why, name)
+            continue
+        if url in seen:
+            not_read.add(f"the same file as {seen[url]} (read once)", name)
+            continue
+        seen[url] = name
+        picked.append((p, real, fmt, comp))
+    return picked, not_read, left_out
+
+
+def _owned(rel: str) -> bool:
+    """Whether a path relative to an output folder names one of the job's files there: under
+    ``_manifest/`` or ``_staging/``, a marker or the lease, or a data file (in the folder or a ``date=`` partition)."""
+    from pipeline.lease import LEASE
+    from pipeline.output import DATA_FILE, MANIFEST, STAGING, SUCCESS, SUMMARY
+
+    parts = rel.strip("/").split("/")
+    if any(d in (MANIFEST, STAGING) for d in parts[:-1]):
+        return True
+    folders = parts[:-1]
+    mine = not folders or (len(folders) == 1 and folders[0].startswith("date="))
+    return mine and (parts[-1] in (SUCCESS, SUMMARY, LEASE) or bool(DATA_FILE.match(parts[-1])))
+
+
+def check_partition_keys(shards: list[Shard]) -> list[str]:
+    """The Hive partition keys of the shards (first-seen order), as output columns.
+
+    Raises:
+        InputError: a key is also an output column (``id``, ``output_text``...).
+    """
+    from pipeline.schema import OUTPUT_SCHEMA
+
+    keys = partition_keys(shards)
+    clash = [k for k in keys if k in OUTPUT_SCHEMA.names]
+    if clash:
+        where = next(s.name for s in shards if s.partitions and clash[0] in s.partitions)
+        raise InputError(f"input shard {where!r}: partition folder {clash[0]}=... names an output column; "
+                         "rename the folder")
+    return keys
+
+
+def partition_keys(shards: list[Shard | dict]) -> list[str]:
+    """The Hive partition keys over all shards, in first-seen order."""
+    keys: dict[str, None] = {}
+    for s in shards:
+        parts = s.get("partitions") if isinstance(s, dict) else s.partitions
+        keys.update(dict.fromkeys(parts or {}))
+    return list(keys)
 
 
 def _read_every_page(fs, path: str, columns: list[str], max_bytes: int) -> None:
@@ -213,7 +444,7 @@ def _read_every_page(fs, path: str, columns: list[str], max_bytes: int) -> None:
 _ID_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null)
 
 
-def _check_shard(fs, path: str, fmt: str, cfg: InputConfig) -> int:
+def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | None = None) -> int:
     """Open one shard, check it is usable, return its row count."""
     if fmt == "parquet":
         with fs.open(path, "rb") as f:
@@ -244,8 +475,8 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig) -> int:
     usable = False  # a line that is a JSON object with the text field
     objects = 0
     first_problem = None
-    with fs.open(path, "rb") as f:
-        for lineno, raw in _jsonl_lines(f):
+    with fs.open(path, "rb", compression=compression) as f:
+        for lineno, raw in _jsonl_lines(_buffered(f, compression)):
             n += 1
             if usable:
                 continue
@@ -262,6 +493,13 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig) -> int:
         raise InputError(f"input shard {path!r} has no field {cfg.text_column!r} (input.text_column) "
                          f"on any of its {n} lines")
     return n
+
+
+def _buffered(f, compression: str | None):
+    """``f``, buffered when it cannot read lines itself (zstandard's stream reader)."""
+    import io
+
+    return io.BufferedReader(f) if compression == "zstd" else f
 
 
 def _jsonl_lines(f) -> Iterator[tuple[int, bytes]]:
@@ -339,11 +577,18 @@ def _short(v: Any) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None) -> pa.Table:
-    """:func:`_read_shard` with transient storage errors retried (see pipeline.retry)."""
+def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None,
+               partition_keys: list[str] | None = None) -> pa.Table:
+    """One shard's rows: :data:`INPUT_SCHEMA`, then one string column per Hive partition
+    key (``partition_keys``, default the shard's own; null where the shard has no such
+    folder).  Transient storage errors are retried (see pipeline.retry)."""
     s = Shard(**shard) if isinstance(shard, dict) else shard
     fs, path = open_fs(s.url, cfg.storage_options, retry)
-    return retrying(retry, endpoint_of(fs))(lambda: _read_shard(s, cfg, fs, path), f"read input shard {s.url!r}")
+    table = retrying(retry, endpoint_of(fs))(lambda: _read_shard(s, cfg, fs, path), f"read input shard {s.url!r}")
+    parts = s.partitions or {}
+    for key in (list(parts) if partition_keys is None else partition_keys):
+        table = table.append_column(pa.field(key, pa.string()), pa.array([parts.get(key)] * table.num_rows, pa.string()))
+    return table
 
 
 def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:
@@ -366,8 +611,8 @@ def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:
             rows.append(_row(shard, i, f"row {i}", ids[i] if not err else None, texts[i], err))
     else:
         i = 0
-        with fs.open(path, "rb") as f:
-            for lineno, raw in _jsonl_lines(f):
+        with fs.open(path, "rb", compression=shard.compression) as f:
+            for lineno, raw in _jsonl_lines(_buffered(f, shard.compression)):
                 obj, problem = _parse_line(raw)
                 if problem is not None:
                     rows.append(_row(shard, i, f"line {lineno}", None, None, problem))
@@ -399,8 +644,13 @@ def _values(table: pa.Table, column: str) -> tuple[list[Any], dict[int, str]]:
     return values, {}
 
 
-def read_shards_batch(batch: pa.Table, cfg: dict, retry: dict | None = None) -> pa.Table:
-    """``map_batches`` function: a batch of shard records -> their rows (INPUT_SCHEMA)."""
+def read_shards_batch(batch: pa.Table, cfg: dict, retry: dict | None = None,
+                      partition_keys: list[str] | None = None) -> pa.Table:
+    """``map_batches`` function: a batch of shard records -> their rows (INPUT_SCHEMA plus
+    the ``partition_keys`` columns, see :func:`read_shard`)."""
     icfg = InputConfig.model_validate(cfg)
-    tables = [read_shard(rec, icfg, retry) for rec in batch.to_pylist()]
-    return pa.concat_tables(tables) if tables else INPUT_SCHEMA.empty_table()
+    keys = list(partition_keys or [])
+    tables = [read_shard(rec, icfg, retry, keys) for rec in batch.to_pylist()]
+    if tables:
+        return pa.concat_tables(tables)
+    return pa.schema(list(INPUT_SCHEMA) + [pa.field(k, pa.string()) for k in keys]).empty_table()

@@ -60,7 +60,7 @@ from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.models import check_models, checkpoint_generation_config
 from pipeline.output import part_name
 from pipeline.prompts import check_prompt
-from pipeline.read import Shard, read_shards_batch, resolve_shards
+from pipeline.read import Shard, partition_keys, read_shards_batch, resolve_shards
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.summary import RunTotals
@@ -104,13 +104,14 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
         LeaseHeld (a :class:`JobRefused`): another run holds the output's lease.
         StorageError: the storage kept failing with transient errors.
     """
-    shards = resolve_shards(cfg.input, cfg.retry)
+    shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
     check_prompt(checked["tokenizer"], cfg.task)  # the template rendered once, system prompt included
     generation = resolve_job_generation(cfg, checked["target_config"])
     writer = OutputWriter(cfg.output, retry=cfg.retry)
     identity = config_identity(cfg)
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
+    writer.extra_columns = partition_keys(shards)
     try:
         writer.skip = writer.prepare(shards, identity)
     except BaseException:
@@ -252,7 +253,8 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     ds = ds.map_batches(
         read_shards_batch,
-        fn_kwargs={"cfg": cfg.input.model_dump(), "retry": cfg.retry.model_dump()},
+        fn_kwargs={"cfg": cfg.input.model_dump(), "retry": cfg.retry.model_dump(),
+                   "partition_keys": partition_keys(shards)},
         batch_size=1,
         batch_format="pyarrow",
         num_cpus=0,  # I/O: never waits behind actors that hold every CPU (see the module docstring)

@@ -50,3 +50,20 @@ OUTPUT_SCHEMA = pa.schema(
         *_stat_fields(appended=True),
     ]
 )
+
+
+def output_schema(extra_columns: list[str] | tuple[str, ...] = ()) -> pa.Schema:
+    """:data:`OUTPUT_SCHEMA` followed by one string column per name in ``extra_columns``
+    (the input's Hive partition keys, kept on output)."""
+    return pa.schema(list(OUTPUT_SCHEMA) + [pa.field(k, pa.string()) for k in extra_columns])
+
+
+def conform(table: pa.Table, extra_columns: list[str] | tuple[str, ...] = ()) -> pa.Table:
+    """``table``'s columns of :func:`output_schema`, in its order and types (other columns
+    dropped: the processor passes every input column through).
+
+    Raises:
+        KeyError: ``table`` lacks one of them.
+    """
+    schema = output_schema(extra_columns)
+    return table.select(schema.names).cast(schema)

@@ -45,7 +45,7 @@ from pipeline.fingerprint import config_fingerprint
 from pipeline.lease import OutputLease
 from pipeline.output import (MANIFEST, PENDING, STAGING, SUCCESS, SUMMARY, OutputError, OutputLocation,
                              data_file_names, part_name)
-from pipeline.schema import OUTPUT_SCHEMA
+from pipeline.schema import OUTPUT_SCHEMA, conform, output_schema
 
 
 class OutputWriter:
@@ -79,6 +79,8 @@ class OutputWriter:
         self._staged: dict[int, list[str]] = {}  # shard index -> staged file paths, in order
         self._counts: dict[int, list[int]] = {}  # shard index -> [rows, error rows] staged
         self.lease: OutputLease | None = None
+        #: columns written after OUTPUT_SCHEMA's: the input's Hive partition keys (pipeline.run sets them)
+        self.extra_columns: list[str] = []
 
     def acquire_lease(self, config_fingerprint: str | None = None) -> OutputLease:
         """Take the output's lease for this run (``output.lease_timeout_s``; see
@@ -157,7 +159,7 @@ class OutputWriter:
         (``final`` with nothing buffered and nothing staged writes an empty file)."""
         tables = self._buffers.pop(index, [])
         self._buffered.pop(index, None)
-        table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()
+        table = pa.concat_tables(tables) if tables else output_schema(self.extra_columns).empty_table()
         del tables
         if table.num_rows:
             table = table.sort_by("source_row")
@@ -180,7 +182,7 @@ class OutputWriter:
 
     def _stage(self, index: int, chunk: int, table: pa.Table) -> None:
         path = self._staged_path(index, chunk)
-        table = table.cast(OUTPUT_SCHEMA)
+        table = conform(table, self.extra_columns)
 
         def write() -> None:
             self.location.makedirs(posixpath.dirname(path))

@@ -53,7 +53,7 @@ def read_pilot(cfg: JobConfig, tokenizer, rows: int, context: int | None, clock:
         InputError: the input is missing or unreadable (as for the job).
         ValueError: no row among them can make a prompt.
     """
-    shards = resolve_shards(cfg.input, cfg.retry)
+    shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     out = PilotInput(corpus_rows=sum(s.num_rows for s in shards))
     builder = PromptBuilder(tokenizer, cfg.task)
     seen = 0
