@@ -33,6 +33,7 @@ Used as::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import resource
@@ -44,18 +45,43 @@ from pipeline.config import JobConfig
 from pipeline.loading import build_engine, limit_cpu_threads, load_engine, process_cpus, row_key, row_settings
 from pipeline.models import model_ref
 from pipeline.prompts import PromptBuilder
-from pipeline.schema import OUTPUT_SCHEMA
+from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
+
+
+#: output columns the actor adds to a row (OUTPUT_SCHEMA less the row's own id and origin)
+ADDED_COLUMNS = tuple(n for n in OUTPUT_SCHEMA.names if n not in ("id", "source_file", "source_row"))
+_ADDED_SCHEMA = pa.schema([OUTPUT_SCHEMA.field(n) for n in ADDED_COLUMNS])
+#: per-row generation fields a row may carry (Ray Data LLM's / vLLM's names) -> GenerationSettings field
+ROW_SETTINGS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "stop": "stop_strings"}
 
 
 class GenerateActor:
-    """Callable class for ``map_batches``: a batch of INPUT_SCHEMA rows -> OUTPUT_SCHEMA rows.
+    """Callable class for ``map_batches``: a batch of rows -> the same rows with their outputs.
+
+    A row's prompt is, in this order of precedence: ``prompt_token_ids`` (token ids of the
+    target tokenizer, used as they are), ``messages`` (chat messages rendered with the
+    target's chat template, their contents kept as text: :func:`pipeline.prompts.encode_chat`),
+    ``prompt`` (a string tokenized as it is, the tokenizer's special tokens added), else the
+    ``text_column`` (filled into the task's template, then the chat template when on: what
+    the job does).  Optional per-row ``max_new_tokens``, ``seed`` and ``stop`` (a string or a
+    list of them) override ``generation:`` for that row.  A row whose ``input_error`` is set
+    is not decoded: that becomes its ``error``.
 
     Args:
         config: a :class:`JobConfig` or its ``model_dump()`` (plain data crosses to the actor).
         device: force ``cpu``/``cuda``; default: ``cuda`` when visible, else ``cpu``.
+        columns: ``"job"``: the output is OUTPUT_SCHEMA, then the input's columns that are
+            not INPUT_SCHEMA's (Hive partition keys); ``"processor"``: every input column
+            but ``input_error``, then :data:`ADDED_COLUMNS` (a column of the same name in the
+            input is replaced).
+        text_column, id_column: the row's text and id fields (the id keys a sampled row's seed).
     """
 
-    def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None):
+    def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
+                 text_column: str = "text", id_column: str = "id"):
+        if columns not in ("job", "processor"):
+            raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
+        self.columns, self.text_column, self.id_column = columns, text_column, id_column
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
         compute = self.cfg.compute
         limit_cpu_threads(process_cpus(self.cfg))
@@ -78,9 +104,10 @@ class GenerateActor:
         """Input rows -> output rows (OUTPUT_SCHEMA fields), in order.  Never raises."""
         outs: list[dict[str, Any]] = []
         todo: list[tuple[int, list[int]]] = []  # (index in rows, prompt ids)
+        settings: list = []
         for i, row in enumerate(rows):
             out: dict[str, Any] = {
-                "id": row.get("id"),
+                "id": row.get(self.id_column) if self.columns == "job" else None,
                 "source_file": row.get("source_file"),
                 "source_row": row.get("source_row"),
                 "prompt": None,
@@ -90,15 +117,16 @@ class GenerateActor:
             try:
                 if row.get("input_error"):
                     raise ValueError(row["input_error"])
-                out["prompt"], ids = self.prompts.build(row.get("text"))
-                todo.append((i, ids))
+                out["prompt"], ids = self._prompt(row)
+                one = self._row_settings(row, ids)
             except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
                 out["error"] = f"{type(e).__name__}: {e}"
-        settings = [row_settings(self.settings, row_key(rows[i])) for i, _ in todo]
+                continue
+            todo.append((i, ids))
+            settings.append(one)
         results = self._decode(self.engine, [ids for _, ids in todo], settings)
-        audit = [j for j, (i, _) in enumerate(todo) if results[j].error is None and self.plain_engine is not None
-                 and audit_selected(rows[i].get("source_file"), rows[i].get("source_row"),
-                                    self.audit_fraction, self.audit_seed)]
+        audit = [j for j, (i, ids) in enumerate(todo) if results[j].error is None and self.plain_engine is not None
+                 and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
         plain = self._decode(self.plain_engine, [todo[j][1] for j in audit], [settings[j] for j in audit]) if audit else []
         audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None) for j, p in zip(audit, plain)}
         for j, ((i, _), res) in enumerate(zip(todo, results)):
@@ -117,6 +145,56 @@ class GenerateActor:
     def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """One input row -> one output row (a batch of one)."""
         return self.generate_rows([row])[0]
+
+    def _prompt(self, row: dict[str, Any]) -> tuple[str, list[int]]:
+        """``(prompt string, token ids)`` of a row (see the class docstring for the forms).
+
+        Raises:
+            ValueError / PromptError: the row's prompt field is of the wrong type or empty,
+                or the chat template refuses its messages.
+        """
+        from pipeline.prompts import encode_chat
+
+        tok = self.models.tokenizer
+        ids = row.get("prompt_token_ids")
+        if ids is not None:
+            ids = list(ids)
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            return tok.decode(ids, skip_special_tokens=False), ids
+        messages = row.get("messages")
+        if messages is not None:
+            if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise ValueError("messages must be a non-empty list of {role, content} objects")
+            return encode_chat(tok, list(messages), special_ids=self.prompts.special_ids)
+        prompt = row.get("prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"prompt must be a non-empty string, got {_short(prompt)}")
+            return prompt, list(tok(prompt)["input_ids"])
+        return self.prompts.build(row.get(self.text_column))
+
+    def _row_settings(self, row: dict[str, Any], ids: list[int]):
+        """The generation settings of one row: ``generation:`` with the row's own
+        ``max_new_tokens``, ``seed`` and ``stop`` where it has them (validated: ValueError
+        naming the field), and when sampling without a row seed, the row's seed of
+        :func:`pipeline.loading.row_settings` keyed by its id (else its shard and position,
+        else its token ids)."""
+        own = {field: row.get(key) for key, field in ROW_SETTINGS.items() if row.get(key) is not None}
+        settings = self.settings
+        if own:
+            if isinstance(own.get("stop_strings"), (list, tuple)):
+                own["stop_strings"] = list(own["stop_strings"])
+            try:
+                settings = dataclasses.replace(settings, **own).validate()
+            except ValueError as e:
+                raise ValueError(f"row setting: {e}".replace("stop_strings", "stop")) from None
+        if "seed" in own:
+            return settings
+        key = row.get(self.id_column)
+        if key is None:
+            key = row_key(row) if row.get("source_file") is not None else "\x00".join(map(str, _origin(row, ids)))
+        return row_settings(settings, key)
 
     @staticmethod
     def _decode(engine, prompts: list[list[int]], settings: list) -> list:
@@ -139,8 +217,21 @@ class GenerateActor:
             return results
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_to_rows(batch)
-        return pa.Table.from_pylist(self.generate_rows(rows), schema=OUTPUT_SCHEMA)
+        if not isinstance(batch, pa.Table):
+            batch = pa.Table.from_pylist(_dict_batch_to_rows(batch))
+        outs = self.generate_rows(batch.to_pylist())
+        if self.columns == "job":
+            table = pa.Table.from_pylist(outs, schema=OUTPUT_SCHEMA)
+            skip = set(OUTPUT_SCHEMA.names) | set(INPUT_SCHEMA.names)
+            for name in batch.column_names:
+                if name not in skip:
+                    table = table.append_column(batch.schema.field(name), batch.column(name))
+            return table
+        added = pa.Table.from_pylist([{k: o.get(k) for k in ADDED_COLUMNS} for o in outs], schema=_ADDED_SCHEMA)
+        table = batch.drop_columns([n for n in batch.column_names if n in ADDED_COLUMNS or n == "input_error"])
+        for field, column in zip(_ADDED_SCHEMA, added.columns):
+            table = table.append_column(field, column)
+        return table
 
     def memory(self) -> dict[str, Any]:
         """This actor's memory: ``peak_rss_mb`` (max resident set of the process since start,
@@ -157,6 +248,19 @@ class GenerateActor:
             "load_time_s": self.load_time_s,
             "device": self.models.device,
         }
+
+
+def _origin(row: dict[str, Any], ids: list[int] | None) -> tuple[Any, Any]:
+    """What names a row for the audit sample: its shard and position, or, for a row of a
+    dataset without them (the processor), a hash of its token ids."""
+    if row.get("source_file") is not None:
+        return row.get("source_file"), row.get("source_row")
+    return "prompt_token_ids", hashlib.sha256(repr(list(ids or [])).encode()).hexdigest()[:16]
+
+
+def _short(v: Any) -> str:
+    r = ascii(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def audit_selected(source_file: Any, source_row: Any, fraction: float, seed: int) -> bool:

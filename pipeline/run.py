@@ -6,8 +6,11 @@ location and its manifest), so a bad job fails before Ray starts any actor.  The
 builds the Ray Data dataset::
 
     shards (one item each) --map_batches(read_shards_batch)--> rows (INPUT_SCHEMA)
-      --repartition(rows_per_batch rows per block)--> balanced blocks
-      --map_batches(GenerateActor, actor pool)--> rows (OUTPUT_SCHEMA)
+      --pipeline.processor.Processor:
+          repartition(rows_per_batch rows per block)--> balanced blocks
+          --map_batches(GenerateActor, actor pool)--> rows (OUTPUT_SCHEMA)
+
+(the processor is the public stage users put in their own pipelines: one code path)
 
 and streams the result back to the driver, which shows a progress bar of rows done,
 writes each shard's rows to staging as they come (at most ``output.max_rows_per_file``
@@ -47,7 +50,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -55,11 +57,9 @@ import pyarrow as pa
 
 from pipeline.config import ConfigError, JobConfig, JobRefused
 from pipeline.engine import GenerationSettings
-from pipeline.engine.settings import resolve_generation_settings
 from pipeline.fingerprint import config_fingerprint, config_identity
-from pipeline.models import check_models, checkpoint_generation_config
 from pipeline.output import part_name
-from pipeline.prompts import check_prompt
+from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
 from pipeline.read import Shard, partition_keys, read_shards_batch, resolve_shards
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
@@ -105,9 +105,7 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
         StorageError: the storage kept failing with transient errors.
     """
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
-    checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
-    check_prompt(checked["tokenizer"], cfg.task)  # the template rendered once, system prompt included
-    generation = resolve_job_generation(cfg, checked["target_config"])
+    generation = check_generation(cfg)  # models, the template rendered once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry)
     identity = config_identity(cfg)
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
@@ -118,18 +116,6 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
         writer.release_lease()
         raise
     return shards, writer, generation
-
-
-def resolve_job_generation(cfg: JobConfig, target_config) -> GenerationSettings:
-    """``generation:`` with the target checkpoint's ``generation_config`` defaults filled in
-    (logged once); raises ConfigError naming the setting for a bad value from either."""
-    checkpoint = checkpoint_generation_config(cfg.models.target, target_config, cfg.models.trust_remote_code)
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    try:
-        return resolve_generation_settings(cfg.generation.generation_settings(), checkpoint,
-                                           getattr(text, "vocab_size", None))
-    except ValueError as e:
-        raise ConfigError(f"generation: {e}") from None
 
 
 def init_ray(cfg: JobConfig) -> bool:
@@ -235,19 +221,18 @@ def _quiet_ray_data_console() -> None:
             handler.addFilter(_QuietRayData())
 
 
-def build_dataset(cfg: JobConfig, shards: list[Shard]):
-    """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA) for ``shards``."""
+def build_dataset(cfg: JobConfig, shards: list[Shard], generation: GenerationSettings | None = None,
+                  embedded: bool = False):
+    """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA, then the input's Hive
+    partition columns) for ``shards``: the read stage, then the :class:`Processor`."""
     import ray
-    from ray.data import ActorPoolStrategy, TaskPoolStrategy
-
-    from actors.generate import GenerateActor
+    from ray.data import TaskPoolStrategy
 
     _quiet_ray_data_console()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
     ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
     ctx.print_on_execution_start = False
-    ctx.wait_for_min_actors_s = cfg.compute.actor_start_timeout_s  # default -1: wait forever
 
     items = [s.to_dict() for s in shards]
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
@@ -260,36 +245,24 @@ def build_dataset(cfg: JobConfig, shards: list[Shard]):
         num_cpus=0,  # I/O: never waits behind actors that hold every CPU (see the module docstring)
         compute=TaskPoolStrategy(size=min(2, len(items))),  # shards read at a time (a task holds one shard's rows)
     )
-    ds = _zero_cpu(ds.repartition(target_num_rows_per_block=cfg.compute.rows_per_batch))
-    with warnings.catch_warnings():
-        # max_restarts / max_task_retries have no named parameter in map_batches (Ray 2.60)
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        ds = ds.map_batches(
-            GenerateActor,
-            fn_constructor_kwargs={"config": cfg.model_dump()},
-            batch_size=cfg.compute.rows_per_batch,
-            batch_format="pyarrow",
-            compute=ActorPoolStrategy(size=cfg.compute.num_actors),
-            num_gpus=cfg.compute.gpus_per_actor or None,
-            num_cpus=cfg.compute.cpus_per_actor,
-            # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
-            # actor every time would be retried forever)
-            max_restarts=cfg.compute.max_actor_restarts,
-            max_task_retries=cfg.compute.max_batch_retries,
-        )
-    return ds
+    # INPUT_SCHEMA's text and id columns; the job's own output columns
+    return Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
+                     embedded=embedded)(ds)
 
 
-def _zero_cpu(ds):
+def zero_cpu(ds):
     """Make the repartition stage ask for no CPU.  ``Dataset.repartition`` takes no resource
     arguments and its tasks default to 1 CPU, which an actor pool holding every CPU would
     never leave free (the job hung there); its logical operator carries the remote args."""
     args = getattr(getattr(getattr(ds, "_logical_plan", None), "dag", None), "ray_remote_args", None)
     if not isinstance(args, dict):
         raise RuntimeError("this Ray version's repartition operator has no ray_remote_args: "
-                           "pipeline.run._zero_cpu needs updating")
+                           "pipeline.run.zero_cpu needs updating")
     args["num_cpus"] = 0
     return ds
+
+
+_zero_cpu = zero_cpu
 
 
 @contextlib.contextmanager
@@ -401,8 +374,7 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
         first: tuple[float, int] | None = None  # (seconds to the first output batch, its new tokens)
         if total_rows:
             embedded = init_ray(cfg)
-            check_resource_plan(cfg, embedded)
-            ds = build_dataset(cfg, [s for s in todo if s.num_rows])
+            ds = build_dataset(cfg, [s for s in todo if s.num_rows], generation, embedded=embedded)
             describe = _stall_report(cfg, lambda: totals.rows, total_rows)
             with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
                 for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):

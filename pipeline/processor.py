@@ -1,0 +1,281 @@
+"""Speculative decoding as one stage of your own Ray Data pipeline.
+
+Modelled on Ray Data LLM's ``build_llm_processor``::
+
+    from pipeline.processor import build_processor
+
+    processor = build_processor("configs/summarize.yaml",
+                                preprocess=lambda row: {"messages": [{"role": "user", "content": row["body"]}]},
+                                postprocess=lambda row: {"doc": row["doc"], "summary": row["output_text"]})
+    ds = processor(ray.data.read_parquet("s3://lake/articles/"))  # lazy, like any Dataset
+    ds.write_parquet("s3://lake/summaries/")
+
+The config is a job config (a :class:`~pipeline.config.JobConfig`, a YAML path or a dict);
+its ``input:`` and ``output:`` sections are not used (the dataset is the input, the caller
+writes the output).  ``models``, ``method``, ``generation``, ``task``, ``compute`` and
+``audit`` mean what they mean for the job: ``compute.num_actors`` is Ray Data LLM's
+``concurrency``, ``compute.rows_per_batch`` its ``batch_size``, ``compute.gpus_per_actor``
+the GPUs of each actor.
+
+Rows in.  Each row (after ``preprocess``, whose returned dict is merged into the row, as in
+Ray Data LLM) gives its prompt as one of, in this order of precedence:
+
+- ``prompt_token_ids``: ``list[int]``, token ids of the target tokenizer, used as they are;
+- ``messages``: ``[{"role": ..., "content": ...}, ...]``, rendered with the target's chat
+  template (``add_generation_prompt=True``);
+- ``prompt``: ``str``, tokenized as it is (the tokenizer's special tokens added);
+- the text column (``input.text_column``, default ``text``): filled into the task's prompt
+  template, then the chat template when on, exactly as the job does.
+
+and optionally ``max_new_tokens`` (int > 0), ``seed`` (int: the row's sampling seed) and
+``stop`` (a string or a list: stop strings), which override ``generation:`` for that row.
+
+Rows out.  Every column of the row is kept, and these are added (a column of the same name
+is replaced): ``prompt`` (as the model saw it), ``output_text``, ``finish_reason``, the
+statistics record (``prompt_tokens``, ``new_tokens``, ``verify_steps``, ``draft_tokens``,
+``accepted_tokens``, ``acceptance_rate``, ``mean_accepted_length``, ``drafted_per_position``,
+``accepted_per_position``, ``draft_time_s``, ``prefill_time_s``, ``verify_time_s``,
+``wall_time_s``, ``draft_steps``, ``tokens_per_step``), ``method``, ``target_model``,
+``draft_model``, ``error`` and ``audit`` (see pipeline.write's OUTPUT_SCHEMA for types).
+A bad row (no usable prompt, a prompt longer than the context, a bad per-row setting, a
+``preprocess`` that raised on it) is not dropped: its ``error`` says why and its statistics
+are null.  ``postprocess`` is then called on every row, error rows included (check
+``row["error"]``), and its dict is the output row.
+
+Scheduling.  The actor pool is the job's: ``compute.num_actors`` actors, each with
+``compute.cpus_per_actor`` CPUs (its torch threads) and ``compute.gpus_per_actor`` GPUs,
+loading the model pair once, dead actors restarted (``compute.max_actor_restarts``) and
+their batches retried (``compute.max_batch_retries``).  The processor's own stages
+(preprocess, rebatching, postprocess) ask Ray for no CPU.  A pool that would hold every
+CPU of the cluster would starve the stages before it (a ``read_parquet`` task needs a CPU
+and would never get one): then each actor reserves ``(cluster CPUs - 1) / num_actors``
+CPUs from Ray instead, so one CPU stays free for them, and still runs
+``compute.cpus_per_actor`` threads.  A pool larger than the cluster is refused
+(:class:`pipeline.run.PlanError`) on a local Ray, logged on a cluster that may grow.
+
+The job (``jobs/summarize.py``) is this processor between its reader and its committer:
+read shards -> :class:`Processor` -> commit shard by shard (pipeline.run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from pipeline.config import ConfigError, JobConfig, load_config
+
+log = logging.getLogger("specbatch")
+
+RowFn = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def as_job_config(config: JobConfig | str | os.PathLike | dict[str, Any]) -> JobConfig:
+    """A :class:`JobConfig` from itself, a YAML file or a dict (validated as a file is;
+    relative paths in a dict resolve against the working directory).
+
+    Raises:
+        ConfigError: unreadable file, unknown key or bad value (the message names the key).
+    """
+    if isinstance(config, JobConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(Path(config))
+    if isinstance(config, dict):
+        from pydantic import ValidationError
+
+        from pipeline.config import _format_error
+
+        try:
+            return JobConfig.model_validate(config)
+        except ValidationError as e:
+            raise ConfigError(_format_error(e)) from None
+    raise ConfigError(f"a processor config is a JobConfig, a YAML path or a dict, got {type(config).__name__}")
+
+
+def check_generation(cfg: JobConfig):
+    """The checks of the model pair and the prompt that need no weights (pipeline.run's
+    preflight makes the same ones): paths, architectures, vocabularies, the prompt template
+    rendered once, the generation settings with the checkpoint's defaults.
+
+    Returns:
+        The resolved :class:`pipeline.engine.GenerationSettings`.
+
+    Raises:
+        ModelError, ConfigError (:class:`pipeline.config.JobRefused`), naming the key.
+    """
+    from pipeline.models import check_models
+    from pipeline.prompts import check_prompt
+
+    checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
+    check_prompt(checked["tokenizer"], cfg.task)
+    return resolve_job_generation(cfg, checked["target_config"])
+
+
+def resolve_job_generation(cfg: JobConfig, target_config):
+    """``generation:`` with the target checkpoint's ``generation_config`` defaults filled in
+    (logged once); raises ConfigError naming the setting for a bad value from either."""
+    from pipeline.engine.settings import resolve_generation_settings
+    from pipeline.models import checkpoint_generation_config
+
+    checkpoint = checkpoint_generation_config(cfg.models.target, target_config, cfg.models.trust_remote_code)
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    try:
+        return resolve_generation_settings(cfg.generation.generation_settings(), checkpoint,
+                                           getattr(text, "vocab_size", None))
+    except ValueError as e:
+        raise ConfigError(f"generation: {e}") from None
+
+
+def build_processor(config: JobConfig | str | os.PathLike | dict[str, Any], preprocess: RowFn | None = None,
+                    postprocess: RowFn | None = None) -> "Processor":
+    """A :class:`Processor` for ``config`` (see the module docstring for rows in and out).
+
+    The model pair, prompt template and generation settings are checked here, in the
+    driver, before any actor starts.
+
+    Args:
+        config: a :class:`JobConfig`, the path of a YAML job config, or a dict of one.
+        preprocess: ``row -> dict`` merged into the row before decoding (e.g. ``{"messages": [...]}``).
+        postprocess: ``output row -> dict``, the row written out.
+
+    Raises:
+        ConfigError, ModelError: a bad config or model (exit status 2 in a job).
+    """
+    cfg = as_job_config(config)
+    return Processor(cfg, preprocess, postprocess, generation=check_generation(cfg))
+
+
+class Processor:
+    """``Processor(ds) -> ds``: a lazy Ray Data stage that decodes every row of ``ds``.
+
+    Build it with :func:`build_processor`.  Calling it needs a running Ray (``ray.init()``,
+    or a cluster) and returns a new lazy Dataset: nothing runs until it is consumed
+    (``write_parquet``, ``iter_batches``, ``take``...).
+
+    Args:
+        config: the job config.
+        preprocess, postprocess: see :func:`build_processor`.
+        generation: the resolved generation settings (``None``: resolved here).
+        text_column, id_column: the fields of a row's text and id (default
+            ``input.text_column`` / ``input.id_column``).
+        columns: ``"processor"`` (every input column kept) or ``"job"`` (the job's
+            OUTPUT_SCHEMA; see :class:`actors.generate.GenerateActor`).
+        embedded: whether Ray's resources are all there will be (a pool larger than the
+            cluster is then refused, else only logged); ``None``: a one-node cluster not
+            named by ``RAY_ADDRESS``.
+    """
+
+    def __init__(self, config: JobConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None, *,
+                 generation=None, text_column: str | None = None, id_column: str | None = None,
+                 columns: str = "processor", embedded: bool | None = None):
+        self.config = config
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self.generation = generation if generation is not None else check_generation(config)
+        self.text_column = text_column or config.input.text_column
+        self.id_column = id_column or config.input.id_column
+        self.columns = columns
+        self.embedded = embedded
+
+    def __call__(self, ds):
+        import ray
+        from ray.data import ActorPoolStrategy
+
+        from actors.generate import GenerateActor
+        from pipeline.run import check_resource_plan, zero_cpu
+
+        cfg, c = self.config, self.config.compute
+        if not ray.is_initialized():
+            raise RuntimeError("the processor needs a running Ray: call ray.init() (or build the Dataset) first")
+        check_resource_plan(cfg, embedded=_is_local_cluster() if self.embedded is None else self.embedded)
+        ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
+        if self.preprocess is not None:
+            ds = ds.map_batches(_RowMap(self.preprocess, errors=True), batch_format="pyarrow", batch_size=None,
+                                num_cpus=0)
+        ds = zero_cpu(ds.repartition(target_num_rows_per_block=c.rows_per_batch))
+        with warnings.catch_warnings():
+            # max_restarts / max_task_retries have no named parameter in map_batches (Ray 2.60)
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            ds = ds.map_batches(
+                GenerateActor,
+                fn_constructor_kwargs={"config": cfg.model_dump(), "columns": self.columns,
+                                       "text_column": self.text_column, "id_column": self.id_column},
+                batch_size=c.rows_per_batch,
+                batch_format="pyarrow",
+                compute=ActorPoolStrategy(size=c.num_actors),
+                num_gpus=c.gpus_per_actor or None,
+                num_cpus=actor_cpus(cfg),
+                # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
+                # actor every time would be retried forever)
+                max_restarts=c.max_actor_restarts,
+                max_task_retries=c.max_batch_retries,
+            )
+        if self.postprocess is not None:
+            ds = ds.map_batches(_RowMap(self.postprocess, errors=False), batch_format="pyarrow", batch_size=None,
+                                num_cpus=0)
+        return ds
+
+
+def actor_cpus(cfg: JobConfig, cluster_cpus: float | None = None) -> float:
+    """The CPUs each actor reserves from Ray: ``compute.cpus_per_actor``, or less when the
+    pool would hold every CPU of the cluster, so that one stays free for the stages before
+    the pool (see the module docstring, Scheduling)."""
+    c = cfg.compute
+    if cluster_cpus is None:
+        import ray
+
+        cluster_cpus = ray.cluster_resources().get("CPU", 0)
+    if c.num_actors * c.cpus_per_actor < cluster_cpus or cluster_cpus <= 0:
+        return c.cpus_per_actor
+    share = max(0.0, (cluster_cpus - 1) / c.num_actors)
+    log.info("the actor pool (%d x %g CPUs) would hold all %g CPUs of the cluster: each actor reserves %.3g "
+             "so that one stays free for the stages before it (it still runs %g threads)",
+             c.num_actors, c.cpus_per_actor, cluster_cpus, share, c.cpus_per_actor)
+    return share
+
+
+def _is_local_cluster() -> bool:
+    """Whether Ray runs on this machine alone (its resources are all there will be)."""
+    import ray
+
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+    except Exception:  # noqa: BLE001
+        return False
+    return len(nodes) == 1 and not os.environ.get("RAY_ADDRESS")
+
+
+class _RowMap:
+    """``map_batches`` function applying a row function to every row of a batch.
+
+    With ``errors``, a row whose function raises (or returns no dict) is kept with its
+    ``input_error`` set (so the actor makes it an error row); without, the error
+    propagates.  Rows may gain different keys; missing ones are null.
+    """
+
+    def __init__(self, fn: RowFn, errors: bool):
+        self.fn, self.errors = fn, errors
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = []
+        for row in batch.to_pylist():
+            try:
+                got = self.fn(row)
+                if not isinstance(got, dict):
+                    raise TypeError(f"returned a {type(got).__name__}, not a dict")
+            except Exception as e:  # noqa: BLE001 - one bad row must not fail the dataset
+                if not self.errors:
+                    raise
+                rows.append({**row, "input_error": f"preprocess: {type(e).__name__}: {e}"})
+                continue
+            rows.append({**row, **got} if self.errors else got)
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        return pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
+
+
+__all__ = ["build_processor", "Processor", "as_job_config", "check_generation", "actor_cpus"]
