@@ -24,6 +24,7 @@ REQUIRED = {
     "pyarrow": "pyarrow",
     "fsspec": "fsspec",
     "s3fs": "s3fs",
+    "zstandard": "zstandard",
     "pydantic": "pydantic",
     "pyyaml": "yaml",
     "tqdm": "tqdm",
