@@ -122,6 +122,7 @@ def test_the_rayjob_validates_against_kuberays_documented_fields():
         _pod_template(group["template"])
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         gpus += group["replicas"] * int(limits.get("nvidia.com/gpu", 0))
+    assert f"FROM rayproject/ray:{ray.__version__}-" in (DEPLOY / "Dockerfile").read_text()  # the image's base
     for c in [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + \
              [g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]:
         assert f"ray{ray.__version__}" in c["image"], c["image"]
