@@ -31,14 +31,22 @@ from pipeline.config import ConfigError, load_config  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``jobs/tune.py`` (flags: :mod:`pipeline.flags`; defaults: ``TuneOptions``)."""
+    from pipeline.engine import METHODS
     from pipeline.flags import build_parser as build_job_parser
     from pipeline.tune.tuner import CLOCKS, TuneOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(TuneOptions)}
     defaults["batch_sizes"] = list(defaults["batch_sizes"])
     del defaults["methods"], defaults["max_draft"], defaults["adaptive"]  # None / a switch: said in their help
+    by_k: dict = {}
+    for m in METHODS.values():
+        if m.draft_length is not None:
+            by_k.setdefault(m.tune_k_max, []).append(m.name)
+    own = "the config's"
+    k_max = "; ".join(f"{k or own} for {', '.join(names)}" for k, names in by_k.items())
     return build_job_parser("tune", __doc__.split("\n")[0], defaults=defaults, choices={"clock": sorted(CLOCKS)},
                             notes={"config": "default: the built-in defaults",
+                                   "max_draft": f"default: {k_max}; the config's draft length when longer",
                                    "output": "tuned.yaml, tune_report.md, its plots and tune_report.json; "
                                              "default: out/tune/<config name>"})
 

@@ -6,7 +6,7 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
                 system_prompt, chat_template (auto | true | false)
     models:     target, drafter, gguf_file, drafter_gguf_file, dtype, device_map, trust_remote_code
-    method:     name (one of pipeline.engine.METHODS) + SpeculationSettings fields
+    method:     name (a method of pipeline.engine.METHODS) + SpeculationSettings fields
     generation: max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
                 repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens,
                 suppress_tokens, seed, eos_token_id, stop_strings (GenerationSettings'
@@ -45,11 +45,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
 from pipeline.paths import resolve_config_paths
-
-#: Methods that need ``models.drafter``.  Methods listed in DRAFTER_FREE_METHODS never
-#: load it even when one is configured; any other method gets the drafter when set.
-METHODS_NEEDING_DRAFTER = ("draft_model", "universal", "mtp_assistant")
-DRAFTER_FREE_METHODS = ("plain", "prompt_lookup", "early_exit", "mtp")
 
 DEFAULT_TEMPLATES = {
     "summarize": "Summarize the following article in a few sentences.\n\nArticle:\n{text}\n\nSummary:",
@@ -172,7 +167,7 @@ class ModelsConfig(_Section):
 
 
 class MethodConfig(BaseModel):
-    """``name`` (one of :data:`pipeline.engine.METHODS`) plus any SpeculationSettings field."""
+    """``name`` (a method of the table :data:`pipeline.engine.METHODS`) plus any SpeculationSettings field."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -436,14 +431,16 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _drafter(self) -> "JobConfig":
-        if self.method.name in METHODS_NEEDING_DRAFTER and not self.models.drafter:
+        if METHODS[self.method.name].needs_drafter and not self.models.drafter:
             raise ValueError(f"models.drafter is required by method {self.method.name!r}")
         return self
 
     @property
     def uses_drafter(self) -> bool:
-        """Whether the actors load ``models.drafter`` for this method."""
-        return bool(self.models.drafter) and self.method.name not in DRAFTER_FREE_METHODS
+        """Whether the actors load ``models.drafter``: it is set and the method drafts with it
+        (:attr:`pipeline.engine.methods.MethodSpec.needs_drafter`; the other methods never
+        load it, even when one is configured)."""
+        return bool(self.models.drafter) and METHODS[self.method.name].needs_drafter
 
     def resolved(self) -> dict[str, Any]:
         """The config as plain data, defaults filled in (goes into the run summary)."""

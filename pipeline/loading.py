@@ -23,8 +23,8 @@ import hashlib
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline.config import METHODS_NEEDING_DRAFTER, JobConfig
-from pipeline.engine import GenerationSettings, SpeculationSettings
+from pipeline.config import JobConfig
+from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
 from pipeline.models import LoadedModels, load_models
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ def load_job_models(cfg: JobConfig, device: str | None = None, any_drafter: bool
     Raises:
         OSError, ValueError: as :func:`pipeline.models.load_models` (transformers' loading errors).
     """
-    return load_models(cfg.models, bool(cfg.models.drafter) if any_drafter else cfg.uses_drafter, device)
+    return load_models(cfg.models, bool(cfg.models.drafter) if any_drafter else cfg.uses_drafter, device,
+                       method=cfg.method.name)
 
 
 def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, max_batch_size: int = 8,
@@ -80,7 +81,7 @@ def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, 
     from pipeline.engine import SpeculativeEngine
 
     spec = spec or SpeculationSettings()
-    drafts_with_model = spec.method in METHODS_NEEDING_DRAFTER
+    drafts_with_model = METHODS[spec.method].needs_drafter
     return SpeculativeEngine(
         models.target,
         spec,

@@ -155,10 +155,11 @@ def check_weight_files(path: str, key: str) -> None:
                              f"{type(e).__name__}: {e}") from None
 
 
-def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = None) -> dict[str, Any]:
+def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = None, pair: bool = True) -> dict[str, Any]:
     """Check the target (config, architecture, weight files, tokenizer) and, when used, the
-    drafter (config, architecture, weight files, vocabulary against the target's for
-    ``method``).
+    drafter (config, architecture, weight files, and with ``pair`` its fit to the target for
+    ``method``: :func:`check_vocabularies`; a drafter in a format of the method's own, such
+    as a draft head, by the method's :attr:`~pipeline.engine.methods.MethodSpec.check_drafter`).
 
     A GGUF checkpoint (``models.gguf_file``, ``models.drafter_gguf_file``) is checked the same
     way: the file exists, is a GGUF file, and transformers reads its config (and, for the
@@ -180,6 +181,14 @@ def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = Non
     if not cfg.gguf_file:
         check_weight_files(cfg.target, "models.target")
     drafter_config = drafter_tok = None
+    own_format = _method(method).check_drafter if uses_drafter and method is not None else None
+    if own_format is not None:  # a drafter that is not a causal-LM checkpoint: the method checks it
+        check_weight_files(cfg.drafter, "models.drafter")
+        try:
+            drafter_config = own_format(os.path.expanduser(cfg.drafter), target_config)
+        except ValueError as e:
+            raise ModelError(f"models.drafter: {e}") from None
+        uses_drafter = False  # no causal-LM config, tokenizer or pair check of its own
     if uses_drafter:
         drafter_config = check_model_path(cfg.drafter, "models.drafter", cfg.trust_remote_code,
                                           cfg.drafter_gguf_file, "models.drafter_gguf_file")
@@ -198,32 +207,27 @@ def check_models(cfg: ModelsConfig, uses_drafter: bool, method: str | None = Non
                                                         **_tokenizer_kwargs(cfg, cfg.drafter_gguf_file))
         except Exception:  # noqa: BLE001 - a drafter saved without a tokenizer shares the target's
             drafter_tok = None
-        check_vocabularies(method, target_config, drafter_config, tok, drafter_tok)
+        if pair:
+            check_vocabularies(method, target_config, drafter_config, tok, drafter_tok)
     return {"target_config": target_config, "drafter_config": drafter_config, "tokenizer": tok,
             "drafter_tokenizer": drafter_tok}
 
 
 def check_vocabularies(method: str | None, target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:
-    """The drafter's vocabulary against the target's, from the configs and tokenizers alone.
+    """The drafter against the target for ``method``, from the configs and tokenizers alone:
+    the method's own pair check (:attr:`pipeline.engine.methods.MethodSpec.check_pair`;
+    a draft model's ids must map onto the target's tokenizer and mean the same, an MTP
+    assistant's vocabulary must be the target's, ...).  A method without one, or no
+    method, checks nothing.
 
     Raises:
-        ModelError: ``draft_model``: the drafter's ids cannot map onto the target's
-            tokenizer, or the two tokenizers disagree on a shared id (the engine's own
-            check); ``mtp_assistant``: the vocabulary sizes differ.
+        ModelError: the pair does not fit the method (saying why).
     """
-    from types import SimpleNamespace
-
-    from pipeline.engine.proposers.draft_model import text_config
-    from pipeline.engine.proposers.vocab import check_shared_vocabulary
-
-    target, drafter = SimpleNamespace(config=target_config), SimpleNamespace(config=drafter_config)
+    spec = _method(method) if method is not None else None
+    if spec is None or spec.check_pair is None:
+        return
     try:
-        if method == "draft_model":
-            check_shared_vocabulary(target, drafter, tokenizer, drafter_tokenizer)
-        elif method == "mtp_assistant":
-            t, d = text_config(target).vocab_size, text_config(drafter).vocab_size
-            if t != d:
-                raise ValueError(f"assistant vocabulary {d} != target vocabulary {t}")
+        spec.check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer)
     except ValueError as e:
         raise ModelError(f"models.drafter does not fit models.target for method {method!r}: {e}") from None
 
@@ -267,8 +271,20 @@ def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None) -> LoadedModels:
-    """Load tokenizer, target and (when used) drafter, in eval mode.
+def _method(name: str):
+    """The method table's spec of ``name`` (an unknown name has no special checks: the
+    config refuses it)."""
+    from pipeline.engine import METHODS
+    from pipeline.engine.methods import MethodSpec
+
+    return METHODS.get(name) or MethodSpec(name)
+
+
+def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None,
+                method: str | None = None) -> LoadedModels:
+    """Load tokenizer, target and (when used) drafter, in eval mode (a drafter in a format of
+    ``method``'s own, such as a draft head: by its
+    :attr:`~pipeline.engine.methods.MethodSpec.load_drafter`, onto the loaded target).
 
     ``models.dtype: auto`` is the checkpoint's dtype on a GPU and float32 on the CPU;
     ``models.device_map`` (default: the device) goes to ``from_pretrained``.  A GGUF
@@ -298,6 +314,9 @@ def load_models(cfg: ModelsConfig, uses_drafter: bool, device: str | None = None
     tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.target), **_tokenizer_kwargs(cfg, cfg.gguf_file))
     target = _load(cfg.target, cfg.gguf_file)
     drafter = drafter_tokenizer = None
+    own_format = _method(method).load_drafter if uses_drafter and cfg.drafter and method is not None else None
+    if own_format is not None:
+        return LoadedModels(target, own_format(os.path.expanduser(cfg.drafter), target), tokenizer, None, device)
     if uses_drafter and cfg.drafter:
         drafter = _load(cfg.drafter, cfg.drafter_gguf_file)
         try:

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-#: Methods the engine knows.  ``plain`` is target-only decoding (the baseline); each
-#: other name has a proposer in ``pipeline/engine/proposers/`` (see ``PROPOSERS``).
-METHODS = ("plain", "draft_model", "prompt_lookup", "early_exit", "mtp", "universal", "mtp_assistant")
 SCHEDULES = ("constant", "heuristic")
+#: SpeculationSettings fields that are a positive integer when set, and what they count
+_POSITIVE_OR_UNSET = {"assistant_early_exit": "layers that draft", "num_mtp_layers": "MTP layers to chain"}
+#: the static ensemble verification weight: a setting of the methods with draft logits
+_ENSEMBLE_FIELD = "assistant_ensemble_weight"
 
 #: Values of settings that neither the caller nor the checkpoint set.  ``max_new_tokens``
 #: differs from ``generate()``, whose library default is ``max_length=20`` (prompt included).
@@ -234,7 +235,7 @@ class SpeculationSettings:
     """Which proposer drafts, and how many tokens.
 
     Attributes:
-        method: one of :data:`METHODS`.
+        method: a name in the method table (:data:`pipeline.engine.proposers.METHODS`).
         num_assistant_tokens: draft length ``k`` (tokens per draft, > 0); with the
             ``heuristic`` schedule, the starting length.
         num_assistant_tokens_schedule: ``constant`` keeps ``k``; ``heuristic`` (as in
@@ -267,8 +268,18 @@ class SpeculationSettings:
     assistant_early_exit: int | None = None
 
     def validate(self) -> "SpeculationSettings":
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        """Check every value and the method's own rules (its
+        :class:`~pipeline.engine.methods.MethodSpec`); returns ``self``.
+
+        Raises:
+            ValueError: an unknown method, a value out of range, a parameter of another
+                method, or a parameter the method requires left unset (naming it).
+        """
+        from .proposers import METHODS
+
+        method = METHODS.get(self.method)
+        if method is None:
+            raise ValueError(f"method must be one of {tuple(METHODS)}, got {self.method!r}")
         if not isinstance(self.num_assistant_tokens, int) or self.num_assistant_tokens <= 0:
             raise ValueError(
                 f"num_assistant_tokens (draft length k) must be a positive integer, got {self.num_assistant_tokens!r}"
@@ -292,35 +303,31 @@ class SpeculationSettings:
         if w is not None:
             if not isinstance(w, (int, float)) or math.isnan(w) or not (0 < w < 1):
                 raise ValueError(f"assistant_ensemble_weight must be in (0, 1), got {w!r}")
-            if self.method in ("plain", "prompt_lookup"):
-                raise ValueError(
-                    f"assistant_ensemble_weight needs draft logits; method {self.method!r} has none"
-                )
-            if self.method == "universal":
-                raise ValueError(
-                    "assistant_ensemble_weight needs draft logits in the target's vocabulary; "
-                    "method 'universal' (different tokenizers) has none"
-                )
-        e = self.assistant_early_exit
-        if self.method == "early_exit":
-            if isinstance(e, bool) or not isinstance(e, int) or e < 1:
-                raise ValueError(
-                    f"assistant_early_exit (layers that draft) must be a positive integer for method "
-                    f"'early_exit', got {e!r}"
-                )
-        elif e is not None:
-            raise ValueError(f"assistant_early_exit is a setting of method 'early_exit', not of {self.method!r}")
-        m = self.num_mtp_layers
-        if m is not None:
-            if self.method != "mtp":
-                raise ValueError(f"num_mtp_layers is a setting of method 'mtp', not of {self.method!r}")
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"num_mtp_layers (MTP layers to chain) must be a positive integer or None, got {m!r}")
+            if not method.draft_logits:
+                raise ValueError(f"{_ENSEMBLE_FIELD} needs draft logits in the target's vocabulary; method "
+                                 f"{self.method!r} has none")
+        for f in dataclasses.fields(self):  # a method's own settings: unset (None) unless it takes them
+            owners = [m for m, spec in METHODS.items() if f.name in spec.params]
+            if f.default is not None or not owners:
+                continue
+            v = getattr(self, f.name)
+            if v is None:
+                if f.name in method.required:
+                    what = f" ({_POSITIVE_OR_UNSET[f.name]})" if f.name in _POSITIVE_OR_UNSET else ""
+                    raise ValueError(f"{f.name}{what} must be set for method {self.method!r}, got None")
+                continue
+            if f.name not in method.params:
+                raise ValueError(f"{f.name} is a setting of method {' / '.join(map(repr, owners))}, not of {self.method!r}")
+        for name, what in _POSITIVE_OR_UNSET.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} ({what}) must be a positive integer, got {v!r}")
         return self
 
     @property
     def draft_length(self) -> int:
-        """The draft length the method starts with (``k``)."""
-        if self.method == "prompt_lookup":
-            return self.prompt_lookup_num_tokens
-        return self.num_assistant_tokens
+        """The draft length the method starts with (``k``: its spec's draft-length field;
+        ``num_assistant_tokens`` for a method that drafts nothing)."""
+        from .proposers import METHODS
+
+        return getattr(self, METHODS[self.method].draft_length or "num_assistant_tokens")

@@ -116,7 +116,8 @@ def preflight(cfg: JobConfig) -> None:
     """
     from pipeline.models import check_models
 
-    checked = check_models(cfg.models, cfg.uses_drafter)
+    # the drafter's format by its method; the pair itself is checked when the replica builds its engine
+    checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name, pair=False)
     tok = checked["tokenizer"]
     if cfg.serve.chat_template is None and not getattr(tok, "chat_template", None):
         log.warning("the target's tokenizer has no chat template and serve.chat_template is unset: "

@@ -15,8 +15,9 @@ the chat template), ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``s
 vLLM accepts them: the other :class:`~pipeline.engine.GenerationSettings` fields under
 their own names (``top_k``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``,
 ``bad_words_ids``, ``min_new_tokens``, ``suppress_tokens``), ``include_stop_str_in_output``,
-``add_special_tokens``, ``return_token_ids``, and the method's draft length
-(``num_assistant_tokens``, or ``prompt_lookup_num_tokens`` for ``prompt_lookup``: 1 ..
+``add_special_tokens``, ``return_token_ids``, and the method's draft length under the
+name of its SpeculationSettings field (:data:`DRAFT_LENGTH_FIELDS`, from the method table:
+``num_assistant_tokens``, or ``prompt_lookup_num_tokens`` for ``prompt_lookup``; 1 ..
 the server's, a request may draft less, never more).
 
 A field a request leaves unset takes the job config's ``generation:`` value, then the
@@ -37,7 +38,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from pipeline.engine import GenerationSettings, RowStats
+from pipeline.engine import METHODS, GenerationSettings, RowStats
 from pipeline.engine.stats import COLUMNS as STAT_COLUMNS
 
 #: GenerationSettings fields a request sets under an OpenAI name (or never)
@@ -49,8 +50,8 @@ EXTRA_SAMPLING_FIELDS = tuple(
     if f.name not in _OPENAI_NAMES and f.name not in _NOT_PER_REQUEST
     and f.name not in ("temperature", "top_p", "seed")
 )
-#: the request field of each method's draft length
-DRAFT_LENGTH_FIELDS = ("num_assistant_tokens", "prompt_lookup_num_tokens")
+#: the request fields of the methods' draft lengths (their SpeculationSettings names, from the method table)
+DRAFT_LENGTH_FIELDS = tuple(dict.fromkeys(m.draft_length for m in METHODS.values() if m.draft_length))
 #: OpenAI fields the server does not implement, accepted only at values that change nothing
 #: (some clients always send them); any other value is a 400 naming the field
 NOOP_FIELDS = {
@@ -81,8 +82,10 @@ class StreamOptions(_Strict):
 
 
 def _settings_fields() -> dict[str, Any]:
+    """The GenerationSettings extensions and the draft-length fields, each ``None`` when unset."""
     hints = typing.get_type_hints(GenerationSettings)
-    return {name: (hints[name], None) for name in EXTRA_SAMPLING_FIELDS}
+    return {**{name: (hints[name], None) for name in EXTRA_SAMPLING_FIELDS},
+            **{name: (int | None, None) for name in DRAFT_LENGTH_FIELDS}}
 
 
 class _SamplingBase(_Strict):
@@ -101,8 +104,6 @@ class _SamplingBase(_Strict):
     include_stop_str_in_output: bool = False
     add_special_tokens: bool | None = None
     return_token_ids: bool = False
-    num_assistant_tokens: int | None = None
-    prompt_lookup_num_tokens: int | None = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None

@@ -13,7 +13,7 @@ import sys
 from typing import Any, AsyncIterator
 
 from pipeline.config import JobConfig
-from pipeline.engine import GenerationResult, GenerationSettings, RowStats
+from pipeline.engine import METHODS, GenerationResult, GenerationSettings, RowStats
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.loading import limit_cpu_threads, load_engine, process_cpus, row_settings
 from pipeline.paths import looks_local
@@ -122,7 +122,7 @@ class OpenAIServer:
         given = {f: getattr(req, f) for f in DRAFT_LENGTH_FIELDS if getattr(req, f) is not None}
         if not given:
             return None
-        own = "prompt_lookup_num_tokens" if self.method == "prompt_lookup" else "num_assistant_tokens"
+        own = METHODS[self.method].draft_length
         for field, value in given.items():
             if self.draft_length is None:
                 raise APIError(f"{field}: this server runs method {self.method!r}, which drafts nothing", param=field)

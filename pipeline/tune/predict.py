@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.engine import cost_model
+from pipeline.engine.methods import PLAIN
 
 
 @dataclass
@@ -167,7 +168,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        k = f" k={self.k}" if self.method != "plain" else ""
+        k = f" k={self.k}" if self.method != PLAIN else ""
         extra = ""
         if self.params.get("num_assistant_tokens_schedule", "constant") != "constant":
             extra += f" schedule={self.params['num_assistant_tokens_schedule']}"
@@ -212,7 +213,7 @@ def rank_candidates(models: list[MethodModel], rows: list[PilotRow], batch_sizes
         sizes = [b for b in batch_sizes if m.max_rows is None or b <= m.max_rows] or [1]
         for b in sizes:
             per_batch = default_rows_per_batch(b, configured_rows_per_batch)
-            for k in (range(1, m.k_max + 1) if m.method != "plain" else [0]):
+            for k in (range(1, m.k_max + 1) if m.method != PLAIN else [0]):
                 s = predict_seconds(m, rows, k, b, per_batch)
                 rate = total_tokens / s if s else 0.0
                 out.append(Candidate(m.method, k, b, per_batch, predicted_s=s, predicted_tokens_per_s=rate,

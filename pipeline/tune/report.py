@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import load_config
+from pipeline.engine.methods import PLAIN
 from pipeline.report import _plt
 from pipeline.tune.predict import Candidate
 from pipeline.tune.tuner import REFERENCE_ROWS, TuneResult
@@ -61,7 +62,7 @@ def plot_acceptance(result: TuneResult, path: Path) -> None:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, run in result.pilots.items():
-        if name == "plain" or not run.stats.drafted_per_position:
+        if name == PLAIN or not run.stats.drafted_per_position:
             continue
         alpha = run.stats.token_acceptance_by_position
         xs = list(range(1, len(alpha) + 1))
@@ -90,7 +91,7 @@ def plot_predicted_by_k(result: TuneResult, path: Path) -> None:
             continue
         best_b = max(own, key=lambda c: c.predicted_tokens_per_s).batch_size
         pts = sorted((c.k, c.predicted_tokens_per_s) for c in own if c.batch_size == best_b)
-        if m.method == "plain":
+        if m.method == PLAIN:
             ax.axhline(pts[0][1], color="grey", linestyle="--", label=f"plain B={best_b}")
         else:
             ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=f"{m.method} B={best_b}")
@@ -104,7 +105,7 @@ def plot_predicted_by_k(result: TuneResult, path: Path) -> None:
 def plot_verify_cost(result: TuneResult, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for b, row in sorted(result.profiles["plain"].verify_s.items()):
+    for b, row in sorted(result.profiles[PLAIN].verify_s.items()):
         ns = sorted(row)
         ax.plot(ns, [row[n] * 1e3 for n in ns], marker="o", label=f"B={b}")
     ax.set_xlabel("tokens verified per row n (= draft length + 1)")
@@ -228,7 +229,7 @@ def markdown(result: TuneResult) -> str:
               "| method | K | draft tokens | acceptance rate | mean accepted length | tokens/step | steps with a draft "
               "| per-token α by position |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, run in result.pilots.items():
-        if name == "plain":
+        if name == PLAIN:
             continue
         st = run.stats
         lines.append(f"| {name} | {run.k} | {st.draft_tokens} | {_fmt(st.acceptance_rate, '.3f')} | "
@@ -237,7 +238,7 @@ def markdown(result: TuneResult) -> str:
                      + ", ".join(_fmt(a, ".2f") for a in st.token_acceptance_by_position) + " |")
     lines += ["", "![acceptance by position](tune_acceptance_by_position.png)", ""]
 
-    grid = result.profiles["plain"].verify_s
+    grid = result.profiles[PLAIN].verify_s
     widths = sorted({n for row in grid.values() for n in row})
     lines += ["## Measured costs", "",
               "Target verification pass t(n, B), ms (n tokens verified per row, B rows; median of "

@@ -33,7 +33,8 @@ from typing import Any, Callable
 import yaml
 
 from pipeline.config import ConfigError, JobConfig, apply_overrides
-from pipeline.engine import SpeculationSettings, SpeculativeEngine
+from pipeline.engine import METHODS, SpeculationSettings, SpeculativeEngine
+from pipeline.engine.methods import CONFIDENCE_FIELD, PLAIN, SCHEDULE_FIELD
 from pipeline.engine.cost_model import reach_from_counts
 from pipeline.engine.profile import EngineProfile, profile_engine
 from pipeline.loading import build_engine, generation_settings, limit_cpu_threads, load_job_models, process_cpus
@@ -51,13 +52,11 @@ from pipeline.tune.predict import (
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-#: the longest draft tried when the config asks for less: model drafters, prompt lookup
-DEFAULT_K_MAX = {"prompt_lookup": 10}
-DEFAULT_K_MAX_DRAFTER = 8
 #: the batch-size sweep stops where a plain pass costs this much more per row than at a smaller batch
 BATCH_STOP_RATIO = 1.25
-#: methods whose drafts can stop early per row (transformers' heuristic schedule, confidence threshold)
-ADAPTIVE_METHODS = ("draft_model", "early_exit")
+#: the per-row adaptive knobs off, so that every step drafts k (a candidate's own settings; the
+#: adaptive ones are measured as variants of the chosen candidate): by knob, its fixed value
+FIXED_DRAFT_LENGTH = {SCHEDULE_FIELD: "constant", CONFIDENCE_FIELD: 0.0}
 #: transformers' default ``assistant_confidence_threshold``
 CONFIDENCE_THRESHOLD = 0.4
 #: an adaptive variant replaces the chosen fixed draft length only when measured this much faster
@@ -72,15 +71,18 @@ class MethodChoice:
 
     Attributes:
         method: the method name.
-        k_param: the SpeculationSettings field of its draft length (``None`` for plain).
         k_max: the longest draft tried (``K``).
         params: its other SpeculationSettings fields (kept in the tuned config).
     """
 
     method: str
-    k_param: str | None = None
     k_max: int = 0
     params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def k_param(self) -> str | None:
+        """The SpeculationSettings field of its draft length (``None``: it drafts nothing)."""
+        return METHODS[self.method].draft_length
 
     def speculation(self, k: int) -> SpeculationSettings:
         kw = dict(self.params)
@@ -166,43 +168,38 @@ class TuneResult:
 
     def baseline(self) -> Candidate | None:
         """The best plain candidate (confirmed when it could be)."""
-        plain = [c for c in self.confirmed if c.method == "plain"] or [c for c in self.candidates if c.method == "plain"]
+        plain = [c for c in self.confirmed if c.method == PLAIN] or [c for c in self.candidates if c.method == PLAIN]
         return plain[0] if plain else None
 
 
 def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[MethodChoice], list[str]]:
     """The methods the configured models allow, and notes on the ones left out.
 
-    ``plain`` and ``prompt_lookup`` always; ``draft_model`` when ``models.drafter`` shares the
-    target's vocabulary, else ``universal``; ``early_exit`` when the config's method is
-    ``early_exit`` or the target's config names its LayerSkip exit (``early_exit_layer``);
-    ``mtp`` / ``mtp_assistant`` when the config's method is one of them.
+    Each method of the table decides from its spec
+    (:meth:`pipeline.engine.methods.MethodSpec.candidate_params`): plain decoding and the
+    methods that need nothing the models may lack always; a model drafter when
+    ``models.drafter`` fits it; a method that drafts from the target's own layers when the
+    target names them; any other only when the config's method is that one.  Each is tried
+    at draft lengths 1 .. ``K`` (``--max-draft``, else the method's default longest draft,
+    or the config's when longer) with its per-row adaptive knobs off.
     """
     notes: list[str] = []
     spec = cfg.method.speculation_settings()
-    k_drafter = options.max_draft or max(DEFAULT_K_MAX_DRAFTER, spec.num_assistant_tokens)
-    fixed = {"num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-    out = [MethodChoice("plain"),
-           MethodChoice("prompt_lookup", "prompt_lookup_num_tokens",
-                        options.max_draft or max(DEFAULT_K_MAX["prompt_lookup"], spec.prompt_lookup_num_tokens),
-                        {"max_matching_ngram_size": spec.max_matching_ngram_size})]
-    if loaded.drafter is not None:
-        from pipeline.engine.proposers.vocab import check_shared_vocabulary
-
+    out: list[MethodChoice] = []
+    for method in METHODS.values():
         try:
-            check_shared_vocabulary(loaded.target, loaded.drafter, loaded.tokenizer, loaded.drafter_tokenizer)
-            out.append(MethodChoice("draft_model", "num_assistant_tokens", k_drafter, dict(fixed)))
+            params = method.candidate_params(spec, loaded)
         except ValueError as e:
-            notes.append(f"draft_model left out ({e}); the drafter drafts through universal assisted decoding")
-            out.append(MethodChoice("universal", "num_assistant_tokens", k_drafter, {}))
-    layers = spec.assistant_early_exit if spec.method == "early_exit" else None
-    if layers is None:
-        layers = getattr(loaded.target.config, "early_exit_layer", None)
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        out.append(MethodChoice("early_exit", "num_assistant_tokens", k_drafter, {"assistant_early_exit": layers, **fixed}))
-    if spec.method in ("mtp", "mtp_assistant"):
-        params = {"num_mtp_layers": spec.num_mtp_layers} if spec.method == "mtp" and spec.num_mtp_layers else {}
-        out.append(MethodChoice(spec.method, "num_assistant_tokens", options.max_draft or spec.num_assistant_tokens, params))
+            notes.append(f"{method.name} left out: {e}")
+            continue
+        if params is None:
+            continue
+        fixed = {k: v for k, v in FIXED_DRAFT_LENGTH.items()
+                 if (k == SCHEDULE_FIELD and method.adaptive) or k in method.params}
+        k_max = 0
+        if method.draft_length is not None:
+            k_max = options.max_draft or max(method.tune_k_max or 0, getattr(spec, method.draft_length))
+        out.append(MethodChoice(method.name, k_max, {**params, **fixed}))
     if options.methods:
         known = {c.method for c in out}
         unknown = [m for m in options.methods if m not in known]
@@ -228,7 +225,7 @@ def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineP
     for s in profile.steps:
         by_rows.setdefault(s.rows, []).append(s)
     m.verify = target_grid
-    if choice.method != "plain" and pilot is not None:
+    if choice.method != PLAIN and pilot is not None:
         steps = pilot.stats.verify_steps
         m.reach = reach_from_counts(pilot.stats.accepted_per_position, steps)[: choice.k_max]
         m.draft_rate = pilot.stats.draft_steps / steps if steps else 0.0
@@ -282,13 +279,14 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         mark[0], mark[1] = now, wall
 
     machine = {"cpu_count": os.cpu_count(), "load_average_start": _load(), "clock": options.clock}
-    check_models(cfg.models, bool(cfg.models.drafter))  # a bad path fails before any weights load
+    # a bad path fails before any weights load; the pair is each method's to judge (allowed_methods)
+    check_models(cfg.models, bool(cfg.models.drafter), method=cfg.method.name, pair=False)
     limit_cpu_threads(process_cpus(cfg))  # the actor's threads
     loaded = load_job_models(cfg, any_drafter=True)  # every method the models allow is tried
     machine.update(device=loaded.device, torch_threads=torch.get_num_threads(), torch=torch.__version__)
     choices, notes = allowed_methods(cfg, loaded, options)
     generation = generation_settings(cfg, loaded.target)
-    plain_engine = _engine(MethodChoice("plain"), 0, max(options.batch_sizes), loaded, clock)
+    plain_engine = _engine(MethodChoice(PLAIN), 0, max(options.batch_sizes), loaded, clock)
     stage("load")
 
     pilot = read_pilot(cfg, loaded.tokenizer, options.rows, plain_engine.context, clock)
@@ -297,7 +295,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         f"input: {pilot.corpus_rows} rows")
     engines: dict[str, SpeculativeEngine] = {}
     pilots: dict[str, PilotRun] = {}
-    for choice in [c for c in choices if c.method != "plain"]:
+    for choice in [c for c in choices if c.method != PLAIN]:
         try:
             engines[choice.method] = _engine(choice, choice.k_max, options.pilot_batch_size, loaded, clock)
         except ValueError as e:
@@ -307,11 +305,11 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
                                               options.pilot_batch_size, clock)
         log(f"pilot {choice.method} k={choice.k_max}: {p.stats.new_tokens} tokens in {p.seconds:.1f} s, "
             f"acceptance {p.stats.accepted_tokens}/{p.stats.draft_tokens}")
-    choices = [c for c in choices if c.method == "plain" or c.method in pilots]
+    choices = [c for c in choices if c.method == PLAIN or c.method in pilots]
     if not choices:
         raise ConfigError("no method to tune: " + "; ".join(notes))
     if not pilots:
-        pilots["plain"] = run_pilot(plain_engine, pilot.prompts, settings, options.pilot_batch_size, clock)
+        pilots[PLAIN] = run_pilot(plain_engine, pilot.prompts, settings, options.pilot_batch_size, clock)
     runs = list(pilots.values())
     reference = runs[0].results
     mismatches = {} if generation.do_sample else _mismatches(pilots, notes)
@@ -323,16 +321,16 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     prompts = [pilot.prompts[i] + reference[i].token_ids[: len(reference[i].token_ids) // 2] for i in ok]
     prompts = prompts[: max(options.batch_sizes)]  # mid-generation contexts
     log(f"profile: target t(n, B) for n = 1..{k_top + 1}, B in {list(options.batch_sizes)}")
-    profiles = {"plain": profile_engine(plain_engine, prompts, list(options.batch_sizes),
+    profiles = {PLAIN: profile_engine(plain_engine, prompts, list(options.batch_sizes),
                                         widths=list(range(1, k_top + 2)), repeats=options.repeats, settings=generation,
                                         stop_ratio=BATCH_STOP_RATIO)}
     plain_engine = None  # its caches (max(B) rows) are not needed any more
-    grid = profiles["plain"].verify_s
+    grid = profiles[PLAIN].verify_s
     sizes = sorted(grid)
     notes += _pruned_note(grid, options.batch_sizes)
-    models = [_method_model(MethodChoice("plain"), None, profiles["plain"], grid, False, None)]
+    models = [_method_model(MethodChoice(PLAIN), None, profiles[PLAIN], grid, False, None)]
     for choice in choices:
-        if choice.method == "plain":
+        if choice.method == PLAIN:
             continue
         engine = engines.pop(choice.method)  # dropped after its profile, with its caches
         ks = sorted({1, math.ceil(choice.k_max / 2), choice.k_max})
@@ -340,8 +338,8 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
         profiles[choice.method] = profile_engine(engine, prompts, sizes, draft_lengths=ks,
                                                  repeats=options.repeats, settings=generation)
         models.append(_method_model(choice, pilots[choice.method], profiles[choice.method], grid,
-                                    engine.uses_target_hook, getattr(engine.proposer, "max_rows", None)))
-    if not any(c.method == "plain" for c in choices):
+                                    engine.uses_target_hook, METHODS[choice.method].max_rows))
+    if not any(c.method == PLAIN for c in choices):
         models = models[1:]
     stage("profile")
 
@@ -359,7 +357,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
                           [settings[i] for i in subset], sum(pilot.build_s[i] for i in subset),
                           None if generation.do_sample else [reference[i].token_ids for i in subset], log)
     confirmed = candidates[: options.confirm]
-    plain = next((c for c in candidates if c.method == "plain"), None)
+    plain = next((c for c in candidates if c.method == PLAIN), None)
     if plain is not None and plain not in confirmed:
         confirmed.append(plain)
     part = rows[: len(subset)]
@@ -368,7 +366,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
             factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
         bench.run(cand)
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
-    if options.adaptive and chosen.method in ADAPTIVE_METHODS and chosen.measured_tokens_per_s:
+    if options.adaptive and METHODS[chosen.method].adaptive and chosen.measured_tokens_per_s:
         variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max)
         for v in variants:
             bench.run(v)
@@ -453,12 +451,15 @@ class _Confirmation:
 
 
 def _adaptive_variants(chosen: Candidate, k_max: int) -> list[Candidate]:
-    """Per-row adaptive draft lengths of the chosen drafter: transformers' heuristic schedule
-    from its k, and a confidence threshold at ``K``.  Not modelled: their prediction is the
-    chosen one's scaled by the measured ratio (filled in by :func:`_keep_adaptive`)."""
+    """Per-row adaptive draft lengths of the chosen method: transformers' heuristic schedule
+    from its k, and (for a method that takes it) a confidence threshold at ``K``.  Not
+    modelled: their prediction is the chosen one's scaled by the measured ratio (filled in
+    by :func:`_keep_adaptive`)."""
+    knobs = [(chosen.k, {SCHEDULE_FIELD: "heuristic"})]
+    if CONFIDENCE_FIELD in METHODS[chosen.method].params:
+        knobs.append((k_max, {CONFIDENCE_FIELD: CONFIDENCE_THRESHOLD}))
     return [Candidate(chosen.method, k, chosen.batch_size, chosen.rows_per_batch, params={**chosen.params, **extra})
-            for k, extra in ((chosen.k, {"num_assistant_tokens_schedule": "heuristic"}),
-                             (k_max, {"assistant_confidence_threshold": CONFIDENCE_THRESHOLD}))]
+            for k, extra in knobs]
 
 
 def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str]) -> Candidate:

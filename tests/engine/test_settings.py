@@ -131,6 +131,10 @@ def test_empty_prompt(llama_pair):
 
 def test_every_method_has_a_proposer():
     from pipeline.engine import METHODS
-    from pipeline.engine.proposers import PROPOSERS
+    from pipeline.engine.methods import PLAIN
 
-    assert set(METHODS) == {"plain"} | set(PROPOSERS)
+    assert [name for name, m in METHODS.items() if m.build is None] == [PLAIN]
+    for name, m in METHODS.items():
+        if m.build is not None:  # its proposer class carries its adaptive flag and row limit
+            assert isinstance(m.proposer, type) and m.draft_length is not None, name
+            assert isinstance(m.proposer.adaptive, bool) and hasattr(m.proposer, "max_rows"), name

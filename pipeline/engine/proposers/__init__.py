@@ -1,84 +1,49 @@
-"""Drafting methods, one per file, all following :class:`base.Proposer`.
+"""Drafting methods, one per file, all following :class:`base.Proposer`, and the method
+table :data:`METHODS`: one :class:`~pipeline.engine.methods.MethodSpec` line per method
+(``SpeculationSettings.method``), which everything that depends on a method reads.
 
-``PROPOSERS`` maps a method name (``SpeculationSettings.method``) to a factory
-``(engine_inputs) -> Proposer``; adding a method is one file plus one line here.
+Adding a method is one file here (its proposer and a ``build(inputs)`` factory, plus its
+pair check and tuner candidacy where it needs them) and one line in :data:`METHODS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
-from .base import Draft, DraftRequest, Proposer, empty_draft
-from .draft_model import DraftModelProposer, text_config
+from ..methods import CONFIDENCE_FIELD, PLAIN, MethodSpec, always_tried
+from . import draft_model, early_exit, mtp, mtp_assistant, prompt_lookup, universal
+from .base import Draft, DraftRequest, Proposer, ProposerInputs, empty_draft
+from .draft_model import DraftModelProposer
 from .prompt_lookup import PromptLookupProposer
 
-
-@dataclass
-class ProposerInputs:
-    """Everything a factory may need to build a proposer for one engine."""
-
-    target: Any
-    spec: Any  # SpeculationSettings
-    drafter: Any = None
-    tokenizer: Any = None
-    drafter_tokenizer: Any = None
-
-
-def _draft_model(inputs: ProposerInputs) -> Proposer:
-    if inputs.drafter is None:
-        raise ValueError("method 'draft_model' needs a drafter (drafter=...)")
-    from .vocab import check_shared_vocabulary
-
-    check_shared_vocabulary(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
-    return DraftModelProposer(
-        inputs.drafter, text_config(inputs.target).vocab_size, inputs.spec.assistant_confidence_threshold
-    )
+#: the method table, by name (in the order methods are listed to users)
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
+    MethodSpec(PLAIN, draft_length=None, tune_candidate=always_tried),
+    MethodSpec("draft_model", draft_model.build, draft_model.DraftModelProposer, needs_drafter=True,
+               params=(CONFIDENCE_FIELD,), draft_logits=True, check_pair=draft_model.check_pair,
+               tune_candidate=draft_model.tune_candidate),
+    MethodSpec("prompt_lookup", prompt_lookup.build, prompt_lookup.PromptLookupProposer,
+               draft_length="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
+               tune_candidate=always_tried, tune_k_max=10),
+    MethodSpec("early_exit", early_exit.build, early_exit.EarlyExitProposer,
+               params=("assistant_early_exit", CONFIDENCE_FIELD), required=("assistant_early_exit",),
+               draft_logits=True, tune_candidate=early_exit.tune_candidate),
+    MethodSpec("mtp", mtp.build, mtp.MTPProposer, params=("num_mtp_layers",), draft_logits=True, tune_k_max=None),
+    MethodSpec("universal", universal.build, universal.UniversalProposer, needs_drafter=True,
+               tune_candidate=universal.tune_candidate),
+    MethodSpec("mtp_assistant", mtp_assistant.build, mtp_assistant.MTPAssistantProposer, needs_drafter=True,
+               draft_logits=True, check_pair=mtp_assistant.check_pair, tune_k_max=None),
+)}
 
 
-def _prompt_lookup(inputs: ProposerInputs) -> Proposer:
-    return PromptLookupProposer(inputs.spec.max_matching_ngram_size)
+def method_spec(name: str) -> MethodSpec:
+    """The spec of method ``name``.
 
-
-def _early_exit(inputs: ProposerInputs) -> Proposer:
-    from .early_exit import EarlyExitProposer
-
-    return EarlyExitProposer(inputs.target, inputs.spec.assistant_early_exit, inputs.spec.assistant_confidence_threshold)
-
-
-def _mtp(inputs: ProposerInputs) -> Proposer:
-    from .mtp import MTPProposer, load_mtp
-
-    # drafter=: an already loaded MtpModel (else loaded from the target's checkpoint)
-    if inputs.drafter is not None and type(inputs.drafter).__name__ != "MtpModel":
-        raise ValueError(
-            "method 'mtp' drafts with the MTP layers of the target's checkpoint; drafter= must be None "
-            f"(or their MtpModel), got {type(inputs.drafter).__name__}"
-        )
-    mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
-    return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
-
-
-def _universal(inputs: ProposerInputs) -> Proposer:
-    from .universal import UniversalProposer
-
-    return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
-
-
-def _mtp_assistant(inputs: ProposerInputs) -> Proposer:
-    from .mtp_assistant import MTPAssistantProposer
-
-    return MTPAssistantProposer(inputs.target, inputs.drafter)
-
-
-PROPOSERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
-    "draft_model": _draft_model,
-    "prompt_lookup": _prompt_lookup,
-    "universal": _universal,
-    "early_exit": _early_exit,
-    "mtp": _mtp,
-    "mtp_assistant": _mtp_assistant,
-}
+    Raises:
+        ValueError: an unknown method (naming the known ones).
+    """
+    spec = METHODS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    return spec
 
 
 def build_proposer(inputs: ProposerInputs) -> Proposer | None:
@@ -87,15 +52,11 @@ def build_proposer(inputs: ProposerInputs) -> Proposer | None:
     Raises:
         ValueError: an unknown method, or a method without what it needs.
     """
-    method = inputs.spec.method
-    if method == "plain":
-        return None
-    if method not in PROPOSERS:
-        raise ValueError(f"unknown method {method!r}; known: plain, {', '.join(sorted(PROPOSERS))}")
-    return PROPOSERS[method](inputs)
+    spec = method_spec(inputs.spec.method)
+    return spec.build(inputs) if spec.build is not None else None
 
 
 __all__ = [
-    "Draft", "DraftRequest", "Proposer", "ProposerInputs", "PROPOSERS", "build_proposer", "empty_draft",
-    "DraftModelProposer", "PromptLookupProposer",
+    "Draft", "DraftRequest", "Proposer", "ProposerInputs", "METHODS", "MethodSpec", "method_spec", "build_proposer",
+    "empty_draft", "DraftModelProposer", "PromptLookupProposer",
 ]

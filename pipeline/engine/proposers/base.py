@@ -17,11 +17,23 @@ It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..sampling import LogitsShaper
+
+
+@dataclass
+class ProposerInputs:
+    """Everything a method's ``build`` (:attr:`pipeline.engine.methods.MethodSpec.build`)
+    may need to build a proposer for one engine."""
+
+    target: Any
+    spec: Any  # SpeculationSettings
+    drafter: Any = None
+    tokenizer: Any = None
+    drafter_tokenizer: Any = None
 
 
 @dataclass

@@ -116,3 +116,44 @@ class DraftModelProposer:
                     feeds[i] = self._feedable(tok)
             active = still
         return drafting.drafts()
+
+
+def build(inputs) -> DraftModelProposer:
+    """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`).
+
+    Raises:
+        ValueError: no drafter, a drafter whose vocabulary does not map onto the target's,
+            or one whose architecture the engine cannot roll back.
+    """
+    if inputs.drafter is None:
+        raise ValueError("method 'draft_model' needs a drafter (drafter=...)")
+    from .vocab import check_shared_vocabulary
+
+    check_shared_vocabulary(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+    return DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
+                              inputs.spec.assistant_confidence_threshold)
+
+
+def check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:
+    """The driver's check, from configs and tokenizers alone: the drafter's ids map onto the
+    target's tokenizer and mean the same (the engine's own check); raises ``ValueError``."""
+    from types import SimpleNamespace
+
+    from .vocab import check_shared_vocabulary
+
+    check_shared_vocabulary(SimpleNamespace(config=target_config), SimpleNamespace(config=drafter_config),
+                            tokenizer, drafter_tokenizer)
+
+
+def tune_candidate(settings, models) -> dict | None:
+    """The tuner tries it when a drafter is loaded that shares the target's vocabulary.
+
+    Raises:
+        ValueError: a drafter is loaded but does not share the target's vocabulary (why).
+    """
+    if models.drafter is None:
+        return None
+    from .vocab import check_shared_vocabulary
+
+    check_shared_vocabulary(models.target, models.drafter, models.tokenizer, models.drafter_tokenizer)
+    return {}

@@ -209,3 +209,24 @@ class EarlyExitProposer(DraftModelProposer):
             self.pending[s] = None
         with self.views.deep():
             return runner.forward(slots, hidden, starts, logits_to_keep=logits_to_keep).logits
+
+
+def build(inputs) -> EarlyExitProposer:
+    """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`).
+
+    Raises:
+        ValueError: ``assistant_early_exit`` outside ``1 .. num_hidden_layers - 1``, or a
+            target whose layers the engine cannot split.
+    """
+    return EarlyExitProposer(inputs.target, inputs.spec.assistant_early_exit, inputs.spec.assistant_confidence_threshold)
+
+
+def tune_candidate(settings, models) -> dict | None:
+    """The tuner tries it with the job's exit layer (``assistant_early_exit``), else with the
+    one the target's config names (``early_exit_layer``: a LayerSkip checkpoint)."""
+    layers = settings.assistant_early_exit
+    if layers is None:
+        layers = getattr(models.target.config, "early_exit_layer", None)
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        return {"assistant_early_exit": layers}
+    return None

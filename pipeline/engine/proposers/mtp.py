@@ -324,3 +324,21 @@ class MTPProposer:
         if self.mtp.use_shared_post_norm:
             hidden = self.mtp.shared_post_norm(hidden)
         return hidden
+
+
+def build(inputs) -> MTPProposer:
+    """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`):
+    ``drafter=`` is an already loaded :class:`MtpModel`, else the MTP layers are loaded
+    from the target's checkpoint (:func:`load_mtp`).
+
+    Raises:
+        ValueError: a ``drafter=`` that is not an ``MtpModel``, or a checkpoint without
+            MTP layers.
+    """
+    if inputs.drafter is not None and type(inputs.drafter).__name__ != "MtpModel":
+        raise ValueError(
+            "method 'mtp' drafts with the MTP layers of the target's checkpoint; drafter= must be None "
+            f"(or their MtpModel), got {type(inputs.drafter).__name__}"
+        )
+    mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
+    return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)

@@ -167,3 +167,16 @@ class MTPAssistantProposer:
             live = [live[p] for p in keep]
             token, hidden = chosen[keep].view(-1, 1), hidden[keep]
         return drafting.drafts()
+
+
+def build(inputs) -> MTPAssistantProposer:
+    """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
+    return MTPAssistantProposer(inputs.target, inputs.drafter)
+
+
+def check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:
+    """The driver's check, from the configs alone: the assistant's vocabulary is the
+    target's; raises ``ValueError``."""
+    t, d = text_config(target_config).vocab_size, text_config(drafter_config).vocab_size
+    if t != d:
+        raise ValueError(f"assistant vocabulary {d} != target vocabulary {t}")

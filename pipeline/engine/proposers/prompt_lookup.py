@@ -45,3 +45,8 @@ class PromptLookupProposer(NoState):
             tokens = lookup(r.sequence[0], r.k, self.max_ngram)
             out.append(Draft(tokens=tokens) if tokens.numel() else empty_draft(r.sequence.device))
         return out
+
+
+def build(inputs) -> PromptLookupProposer:
+    """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
+    return PromptLookupProposer(inputs.spec.max_matching_ngram_size)

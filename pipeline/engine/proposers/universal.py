@@ -167,3 +167,22 @@ class UniversalProposer:
         if not ids:
             return empty_draft(device)
         return Draft(tokens=torch.tensor(ids, dtype=torch.long, device=device))
+
+
+def build(inputs) -> UniversalProposer:
+    """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
+    return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+
+
+def tune_candidate(settings, models) -> dict | None:
+    """The tuner tries it when a drafter is loaded whose vocabulary the target's does not
+    share (a shared one drafts as a draft model, without re-tokenising)."""
+    if models.drafter is None:
+        return None
+    from .vocab import check_shared_vocabulary
+
+    try:
+        check_shared_vocabulary(models.target, models.drafter, models.tokenizer, models.drafter_tokenizer)
+    except ValueError:
+        return {}
+    return None
