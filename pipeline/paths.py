@@ -27,6 +27,7 @@ PATH_KEYS: dict[tuple[str, str], str] = {
     ("models", "target"): "model",
     ("models", "drafter"): "model",
     ("serve", "chat_template"): "file",
+    ("method", "draft_vocab"): "file",
 }
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "heuristic")
 #: SpeculationSettings fields that are a positive integer when set, and what they count
-_POSITIVE_OR_UNSET = {"assistant_early_exit": "layers that draft", "num_mtp_layers": "MTP layers to chain"}
+_POSITIVE_OR_UNSET = {"assistant_early_exit": "layers that draft", "num_mtp_layers": "MTP layers to chain",
+                     "draft_vocab_size": "draft-vocabulary ids kept"}
 #: the static ensemble verification weight: a setting of the methods with draft logits
 _ENSEMBLE_FIELD = "assistant_ensemble_weight"
 
@@ -255,6 +256,13 @@ class SpeculationSettings:
         assistant_early_exit: method ``early_exit`` only: the number ``L`` of the
             target's first layers that draft (with its final norm and LM head); must be
             in ``1 .. num_hidden_layers - 1`` (checked when the engine is built).
+        draft_vocab: method ``draft_model``: a reduced draft vocabulary (FR-Spec, Zhao et
+            al. 2025) -- a draft-head folder (its ``draft_vocab``) or a JSON file holding a
+            list of token ids, most frequent first.  The drafter computes only those rows of
+            its LM head and ``q`` is zero elsewhere; the target verifies over its full
+            vocabulary, so greedy output is unchanged and sampling stays exact.
+        draft_vocab_size: methods ``draft_model`` (with ``draft_vocab``) and ``eagle``: use
+            only the first ``N`` ids of the draft vocabulary (``None``: all of them).
     """
 
     method: str = "plain"
@@ -266,6 +274,8 @@ class SpeculationSettings:
     assistant_ensemble_weight: float | None = None
     num_mtp_layers: int | None = None
     assistant_early_exit: int | None = None
+    draft_vocab: str | None = None
+    draft_vocab_size: int | None = None
 
     def validate(self) -> "SpeculationSettings":
         """Check every value and the method's own rules (its
@@ -318,6 +328,9 @@ class SpeculationSettings:
                 continue
             if f.name not in method.params:
                 raise ValueError(f"{f.name} is a setting of method {' / '.join(map(repr, owners))}, not of {self.method!r}")
+        if self.draft_vocab is not None and (not isinstance(self.draft_vocab, str) or not self.draft_vocab.strip()):
+            raise ValueError(f"draft_vocab must be a path (a draft-head folder or a JSON list of token ids), got "
+                             f"{self.draft_vocab!r}")
         for name, what in _POSITIVE_OR_UNSET.items():
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

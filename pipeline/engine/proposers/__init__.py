@@ -9,7 +9,7 @@ pair check and tuner candidacy where it needs them) and one line in :data:`METHO
 from __future__ import annotations
 
 from ..methods import CONFIDENCE_FIELD, PLAIN, MethodSpec, always_tried
-from . import draft_model, early_exit, mtp, mtp_assistant, prompt_lookup, universal
+from . import draft_model, eagle, early_exit, mtp, mtp_assistant, prompt_lookup, universal
 from .base import Draft, DraftRequest, Proposer, ProposerInputs, empty_draft
 from .draft_model import DraftModelProposer
 from .prompt_lookup import PromptLookupProposer
@@ -18,7 +18,7 @@ from .prompt_lookup import PromptLookupProposer
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(PLAIN, draft_length=None, tune_candidate=always_tried),
     MethodSpec("draft_model", draft_model.build, draft_model.DraftModelProposer, needs_drafter=True,
-               params=(CONFIDENCE_FIELD,), draft_logits=True, check_pair=draft_model.check_pair,
+               params=(CONFIDENCE_FIELD, "draft_vocab", "draft_vocab_size"), draft_logits=True, check_pair=draft_model.check_pair,
                tune_candidate=draft_model.tune_candidate),
     MethodSpec("prompt_lookup", prompt_lookup.build, prompt_lookup.PromptLookupProposer,
                draft_length="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
@@ -31,6 +31,9 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                tune_candidate=universal.tune_candidate),
     MethodSpec("mtp_assistant", mtp_assistant.build, mtp_assistant.MTPAssistantProposer, needs_drafter=True,
                draft_logits=True, check_pair=mtp_assistant.check_pair, tune_k_max=None),
+    MethodSpec("eagle", eagle.build, eagle.EagleProposer, needs_drafter=True, params=("draft_vocab_size",),
+               draft_logits=True, check_drafter=eagle.check_drafter, load_drafter=eagle.load_drafter,
+               tune_candidate=eagle.tune_candidate),
 )}
 
 

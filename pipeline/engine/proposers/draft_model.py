@@ -13,6 +13,13 @@ ids beyond the drafter's vocabulary (padding) are fed to the drafter as its last
 
 A drafter whose context is shorter than the target's drafts only while the row fits in
 it; past that the row's steps are plain target steps (the output is unchanged).
+
+Reduced draft vocabulary (``draft_vocab``; FR-Spec, Zhao et al. 2025, arXiv 2502.14856):
+the drafter runs its decoder and only the ``N`` rows of its LM head for those ids
+(:class:`ReducedHeadLM`); the logits are scattered into a ``-inf`` row of the target's
+width, so ``q`` is zero outside the set.  In a small drafter with a large vocabulary the
+LM head is most of the cost (SmolLM2's drafter: 49,152 x 192 of its 10.5 M weights).
+Verification stays over the full vocabulary: greedy output is unchanged, sampling exact.
 """
 
 from __future__ import annotations
@@ -23,6 +30,71 @@ from ..runner import ModelRunner, model_layout, prefill, text_config
 from .base import Draft, DraftRequest, Drafting, draft_tokens
 
 
+class _Logits:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class ReducedHeadLM(torch.nn.Module):
+    """A causal LM's decoder followed by only the rows ``ids`` of its LM head.
+
+    Called like the model (``input_ids``/``inputs_embeds``, ``position_ids``,
+    ``attention_mask``, ``cache``, ``use_cache``, ``logits_to_keep``); ``logits`` is
+    ``(b, logits_to_keep, N)`` for the ids in order.  The decoder and the row copy share the
+    model's config (``config``), so the runner's masks and kernels treat it as the model.
+
+    Args:
+        model: a causal LM (``get_decoder()`` and ``get_output_embeddings()``).
+        ids: ``(N,)`` int64 token ids below the model's vocabulary size.
+
+    Raises:
+        ValueError: ids outside the vocabulary, or a model whose logits are not its
+            decoder's last hidden state times its output layer (a probe pass compares them).
+    """
+
+    def __init__(self, model, ids: torch.Tensor):
+        super().__init__()
+        self.config = model.config
+        self.body = model.get_decoder()
+        head = model.get_output_embeddings()
+        vocab = text_config(model).vocab_size
+        ids = torch.as_tensor(ids, dtype=torch.long).view(-1)
+        if head is None or int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise ValueError(f"draft_vocab: ids must lie in 0 .. {vocab - 1} and the drafter needs an output layer")
+        w = head.weight.detach()
+        self.head = torch.nn.Linear(w.shape[1], ids.numel(), bias=head.bias is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(w.index_select(0, ids.to(w.device)))
+            if head.bias is not None:
+                self.head.bias.copy_(head.bias.detach().index_select(0, ids.to(w.device)))
+        self.softcap = getattr(text_config(model), "final_logit_softcapping", None)
+        self.register_buffer("ids", ids.to(w.device), persistent=False)
+        self._probe(model)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def forward(self, logits_to_keep: int = 1, **kwargs):
+        h = self.body(**kwargs).last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.head(h)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return _Logits(logits)
+
+    @torch.no_grad()
+    def _probe(self, model) -> None:
+        ids = torch.arange(4, device=self.device).view(1, -1) % text_config(model).vocab_size
+        full = model(input_ids=ids).logits[0, :, self.ids]
+        mine = self.forward(logits_to_keep=0, input_ids=ids).logits[0]
+        tol = 1e-3 if full.dtype in (torch.float16, torch.bfloat16) else 1e-5
+        if not torch.allclose(full.float(), mine.float(), rtol=tol, atol=tol * float(full.abs().max().clamp_min(1))):
+            raise ValueError(f"draft_vocab: {type(model).__name__}'s logits are not its decoder's output times its LM "
+                             "head (a scaled or extra output stage), so its head cannot be reduced")
+
+
 class DraftModelProposer:
     """Args:
         drafter: a causal LM (``PreTrainedModel``) sharing the target's tokenizer.
@@ -30,16 +102,25 @@ class DraftModelProposer:
         confidence_threshold: stop drafting a row after a token whose drafter probability
             is below this (transformers' ``assistant_confidence_threshold``; 0 disables).
         method: the method name (for error messages).
+        draft_vocab: ``(N,)`` int64 token ids of a reduced draft vocabulary (``None``: the
+            drafter's whole vocabulary); see the module docstring.
 
     Raises:
-        ValueError: a drafter whose architecture the engine cannot roll back.
+        ValueError: a drafter whose architecture the engine cannot roll back, or a
+            ``draft_vocab`` it cannot use.
     """
 
     adaptive = True
     max_rows = None
 
-    def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0, method: str = "draft_model"):
+    def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0, method: str = "draft_model",
+                 draft_vocab: torch.Tensor | None = None):
         self.model = drafter
+        self.reduced = None
+        if draft_vocab is not None:
+            if int(draft_vocab.max()) >= min(target_vocab_size, text_config(drafter).vocab_size):
+                raise ValueError("draft_vocab has ids outside the vocabulary the drafter and the target share")
+            self.reduced = ReducedHeadLM(drafter, draft_vocab)
         self.layout = model_layout(drafter, "drafter", method)
         self.context = self.layout.context
         self.device = drafter.device
@@ -55,7 +136,7 @@ class DraftModelProposer:
         self.seen = [0] * max_rows
 
     def _forward(self, slots, tokens, starts, logits_to_keep=1):
-        return self.runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
+        return self.runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, model=self.reduced).logits
 
     def admit(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
         fits = [(s, p) for s, p in zip(slots, prompts) if self.context is None or p.shape[1] - 1 <= self.context]
@@ -79,7 +160,12 @@ class DraftModelProposer:
         return ids
 
     def _to_target_width(self, logits: torch.Tensor) -> torch.Tensor:
-        """``(b, V_draft)`` -> ``(b, V_target)``: drop ids the target lacks, pad with -inf."""
+        """``(b, V_draft)`` (or ``(b, N)`` of a reduced head) -> ``(b, V_target)``: drop ids the
+        target lacks, pad with -inf."""
+        if self.reduced is not None:
+            full = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"))
+            full[:, self.reduced.ids] = logits
+            return full
         if self.draft_vocab == self.target_vocab:
             return logits
         if self.draft_vocab > self.target_vocab:
@@ -123,15 +209,20 @@ def build(inputs) -> DraftModelProposer:
 
     Raises:
         ValueError: no drafter, a drafter whose vocabulary does not map onto the target's,
-            or one whose architecture the engine cannot roll back.
+            one whose architecture the engine cannot roll back, or a ``draft_vocab`` it cannot
+            use (``draft_vocab_size`` without ``draft_vocab``, a missing or malformed list).
     """
     if inputs.drafter is None:
         raise ValueError("method 'draft_model' needs a drafter (drafter=...)")
-    from .vocab import check_shared_vocabulary
+    from .vocab import check_shared_vocabulary, read_draft_vocab
 
     check_shared_vocabulary(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+    spec = inputs.spec
+    if spec.draft_vocab_size is not None and spec.draft_vocab is None:
+        raise ValueError("draft_vocab_size needs draft_vocab (the ids, most frequent first) for method 'draft_model'")
+    ids = read_draft_vocab(spec.draft_vocab, spec.draft_vocab_size) if spec.draft_vocab is not None else None
     return DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
-                              inputs.spec.assistant_confidence_threshold)
+                              spec.assistant_confidence_threshold, draft_vocab=ids)
 
 
 def check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:
