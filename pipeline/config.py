@@ -21,7 +21,8 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
     audit:      fraction, seed (re-decode a sample with plain decoding, count mismatches)
     ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
     serve:      host, port, num_replicas, gpus_per_replica, cpus_per_replica, max_batch_size,
-                max_ongoing_requests, model_name, chat_template (the online server, jobs/serve.py)
+                max_ongoing_requests, model_name, chat_template, max_request_bytes, max_tokens_cap,
+                max_rows_per_request, api_key (the online server, jobs/serve.py)
 
 Every section refuses unknown keys and bad values; :class:`ConfigError` names the
 offending key as a dotted path (``generation.temperature``).  Method parameters are a
@@ -385,6 +386,14 @@ class ServeConfig(_Section):
     ``model_name``: the ``model`` clients send and ``/v1/models`` lists (unset: the target's
     folder name for a local model, e.g. ``SmolLM2-135M-Instruct``; the hub id for a hub model).  ``chat_template``: a Jinja chat template, or the path of a file holding one,
     for ``/v1/chat/completions`` when the target's tokenizer has none (unset: the tokenizer's).
+
+    Limits of one request (each refused with a 4xx in OpenAI's error shape, before any
+    tokenizing or decoding): ``max_request_bytes``, the body's size (413);
+    ``max_tokens_cap``, the most new tokens a choice may ask for (``max_tokens``; unset:
+    the model's context bounds it); ``max_rows_per_request``, prompts x ``n``.
+    ``api_key``: when set (or the ``SPECBATCH_API_KEY`` environment variable, or
+    ``jobs/serve.py --api-key``), every ``/v1/`` request must send ``Authorization: Bearer
+    <key>`` (401 otherwise, as vLLM's ``--api-key``); ``/health`` stays open.
     """
 
     host: str = "127.0.0.1"
@@ -396,6 +405,23 @@ class ServeConfig(_Section):
     max_ongoing_requests: int = Field(64, ge=1)
     model_name: str | None = None
     chat_template: str | None = None
+    max_request_bytes: int = Field(2**20, ge=1)
+    max_tokens_cap: int | None = Field(None, ge=1)
+    max_rows_per_request: int = Field(64, ge=1)
+    api_key: str | None = None
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("serve.api_key must be a non-empty string, or null (no authentication)")
+        return v
+
+    def effective_api_key(self) -> str | None:
+        """``api_key``, else the ``SPECBATCH_API_KEY`` environment variable, else None."""
+        import os
+
+        return self.api_key or os.environ.get("SPECBATCH_API_KEY") or None
 
     @field_validator("chat_template")
     @classmethod
@@ -448,6 +474,8 @@ class JobConfig(_Section):
         d["task"]["prompt_template"] = self.task.template
         d["output"]["storage_options"] = _redact(d["output"]["storage_options"])
         d["input"]["storage_options"] = _redact(d["input"]["storage_options"])
+        if d["serve"].get("api_key"):
+            d["serve"]["api_key"] = "***"
         return d
 
 

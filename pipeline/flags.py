@@ -108,6 +108,8 @@ FLAGS: dict[str, Flag] = _flags(
     Flag("--num-replicas", "serve.num_replicas", key="serve.num_replicas", type=int),
     Flag("--gpus-per-replica", "serve.gpus_per_replica", key="serve.gpus_per_replica", type=float),
     Flag("--model-name", "serve.model_name", key="serve.model_name"),
+    Flag("--api-key", "require 'Authorization: Bearer KEY' on /v1/ (serve.api_key; default: $SPECBATCH_API_KEY)",
+         key="serve.api_key", metavar="KEY"),
     # the tuner (pipeline.tune.tuner.TuneOptions fields)
     Flag("--rows", "pilot rows: the first N rows of the input", type=int),
     Flag("--batch-sizes", "batch sizes to consider", type=int, nargs="+", metavar="B"),
@@ -139,7 +141,7 @@ JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "summarize": _BATCH_JOB,
     "translate": _BATCH_JOB,
     "serve": ("config", "overrides", "host", "port", "method", "target", "drafter", "num_replicas",
-              "gpus_per_replica", "max_batch_size", "model_name", "print_config"),
+              "gpus_per_replica", "max_batch_size", "model_name", "api_key", "print_config"),
     "tune": ("config", "overrides", "rows", "output", "batch_sizes", "methods", "max_draft", "pilot_batch_size",
              "repeats", "confirm", "confirm_rows", "adaptive", "clock"),
     "report": ("output", "baseline", "title", "storage_options", "endpoint_url"),

@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from pipeline.config import ConfigError, JobConfig, load_config
 from pipeline.flags import build_parser as build_job_parser
@@ -30,13 +32,36 @@ log = logging.getLogger("specbatch.serve")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def build_app(server: OpenAIServer):
-    """The FastAPI app of ``server``: the four endpoints, OpenAI-shaped errors."""
+def build_app(server: OpenAIServer, api_key: str | None = None, max_request_bytes: int = 2**20):
+    """The FastAPI app of ``server``: the four endpoints, OpenAI-shaped errors.
+
+    Args:
+        api_key: when set, every ``/v1/`` route needs ``Authorization: Bearer <api_key>``
+            (FastAPI's ``HTTPBearer``; compared in constant time), else a 401 in OpenAI's
+            error shape (``code: invalid_api_key``), as vLLM's ``--api-key``; ``/health``
+            stays open (load balancers and Serve's probes call it).
+        max_request_bytes: a request body larger than this is refused with a 413 before it
+            is read in full (by its ``Content-Length``, or while it streams in), so it is
+            never parsed or tokenized.
+    """
     app = FastAPI(title="specbatch", description="OpenAI-style completions on a speculative-decoding engine")
+    bearer = HTTPBearer(auto_error=False)
+
+    async def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if api_key is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise APIError("Incorrect API key provided: send it as 'Authorization: Bearer <key>'" if given else
+                           "Missing API key: send it as 'Authorization: Bearer <key>'", status=401,
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):
@@ -44,23 +69,39 @@ def build_app(server: OpenAIServer):
         body = APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").body()
         return JSONResponse(body, status_code=500)
 
+    async def read_body(request: Request) -> bytes:
+        too_big = APIError(f"the request body is larger than this server accepts (serve.max_request_bytes="
+                           f"{max_request_bytes} bytes)", status=413)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def respond(handler, request: Request):
-        out = await handler(await request.body())
+        out = await handler(await read_body(request))
         if isinstance(out, dict):
             return JSONResponse(out)
         return StreamingResponse(out, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         return await respond(server.completions, request)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         return await respond(server.chat_completions, request)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return server.models()
+
+    app.include_router(v1)
 
     @app.get("/health")
     async def health():
@@ -80,10 +121,12 @@ def _deployment():
         """One replica: the job config's model pair and method, one engine loop."""
 
         def __init__(self, config: dict[str, Any]):
-            self.server = OpenAIServer.from_config(JobConfig.model_validate(config))
+            self.cfg = JobConfig.model_validate(config)
+            self.server = OpenAIServer.from_config(self.cfg)
 
         def __serve_build_asgi_app__(self):
-            return build_app(self.server)
+            return build_app(self.server, api_key=self.cfg.serve.api_key,
+                             max_request_bytes=self.cfg.serve.max_request_bytes)
 
         def check_health(self) -> None:
             self.server.check_health()
@@ -93,9 +136,11 @@ def _deployment():
 
 def absolute_paths(cfg: JobConfig, base: Path | None = None) -> JobConfig:
     """``cfg`` with local model and template paths made absolute (replicas may start in
-    another directory); hub ids are left as they are."""
+    another directory; hub ids are left as they are) and the API key resolved
+    (``serve.api_key`` or ``SPECBATCH_API_KEY``)."""
     base = base or Path.cwd()
     cfg = cfg.model_copy(deep=True)
+    cfg.serve.api_key = cfg.serve.effective_api_key()  # SPECBATCH_API_KEY of this process: replicas may lack it
     if cfg.serve.model_name is None:
         cfg.serve.model_name = served_model_name(cfg)
     for key in ("target", "drafter"):
@@ -162,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     """``jobs/serve.py``: load and check the config, start Serve (embedded Ray unless
     ``ray.address`` / ``RAY_ADDRESS``), deploy, and serve until interrupted.
 
+    What listens: Serve's HTTP proxy on ``serve.host:serve.port`` (127.0.0.1 by default;
+    ``serve.api_key`` guards ``/v1/``).  An embedded Ray also listens, on every interface
+    and on ports it picks: its GCS, raylet, object manager, worker and agent ports (Ray
+    2.60 with the dashboard off, as :func:`pipeline.run.init_ray` starts it), guarded by
+    Ray's token authentication (on by default; ``RAY_AUTH_MODE=disabled`` turns it off,
+    which no shared machine should do).  Keep such a machine behind a firewall that admits
+    only the Serve port, or run the server on a Ray cluster set up as Ray's security guide
+    says.
+
     Exit status: 0 after Ctrl-C, 2 for a bad config or model path (before Ray starts).
     """
     args = build_parser().parse_args(argv)
@@ -184,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.run import init_ray
 
+    if cfg.serve.effective_api_key() is None and cfg.serve.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who reaches port %d can use the model; set "
+                    "--api-key (serve.api_key, or SPECBATCH_API_KEY)", cfg.serve.host, cfg.serve.port)
     init_ray(cfg)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     serve.run(build_application(cfg), name="specbatch", route_prefix="/")

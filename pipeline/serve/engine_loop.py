@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
 import threading
 from typing import Any, AsyncIterator, Callable
 
@@ -23,14 +24,37 @@ from pipeline.serve.streaming import TextStream
 log = logging.getLogger("specbatch.serve")
 
 
+@dataclasses.dataclass
+class _Entry:
+    """One submitted row: what it was submitted with, and what it delivered so far (so a
+    replay after a failed step can continue it without sending a token twice)."""
+
+    prompt: list[int]
+    settings: GenerationSettings
+    draft_length: int | None
+    on_tokens: Callable | None
+    on_done: Callable | None
+    scheduler: Scheduler | None = None
+    ticket: int | None = None
+    delivered: list[int] = dataclasses.field(default_factory=list)
+    cursor: int = 0  # tokens of the current run reproduced or delivered
+    diverged: bool = False
+    cancelled: bool = False  # cancel() was called
+
+
 class EngineLoop:
     """One :class:`Scheduler` on ``engine``, stepped by one background thread while rows
     are waiting or in flight; :meth:`submit` and :meth:`cancel` may be called from any thread.
 
-    Callbacks run on the stepping thread.  Should a step raise, every row of that
-    scheduler gets a failed result (``error`` = ``"EngineError: ..."``) and a fresh
-    scheduler takes the next rows (the engine's caches need no clearing: a new row
-    overwrites its slot's positions before it reads them).
+    Callbacks run on the stepping thread.  A step that raises fails only the row it fails
+    on: the rows of that step are run again, each alone, from their start, in a fresh
+    scheduler (the engine's caches need no clearing: a new row overwrites its slot's
+    positions before it reads them); a row that fails alone gets a failed result
+    (``error`` = ``"EngineError: ..."``), the others go on and end as they would have.
+    The tokens a row had streamed are not sent again: its replay must reproduce them
+    (greedy rows and seeded rows do; a sampled row without a seed gets a random seed at
+    submission for this), else the row fails, saying so.  Then the loop goes back to
+    batching.
     """
 
     def __init__(self, engine, max_batch_size: int | None = None):
@@ -40,10 +64,11 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._ids = itertools.count()
-        self._rows: dict[int, tuple[Scheduler, int, Callable | None]] = {}  # id -> (scheduler, ticket, on_done)
+        self._rows: dict[int, _Entry] = {}
         self._stop = False
         self.steps = 0
-        self.failures = 0
+        self.failures = 0  # steps that raised
+        self.failed_rows = 0  # rows that failed alone after a step raised
         self.peak_in_flight = 0  # most rows one step advanced together
         self.cancelled = 0  # rows stopped by cancel() before their end
         self._thread = threading.Thread(target=self._run, name="specbatch-engine-loop", daemon=True)
@@ -60,28 +85,63 @@ class EngineLoop:
         Raises:
             ValueError: a bad draft length.
         """
+        if settings.do_sample and settings.seed is None:  # a fresh generator, but one a replay can repeat
+            settings = dataclasses.replace(settings, seed=secrets.randbits(63))
+        entry = _Entry(list(prompt), settings, draft_length, on_tokens, on_done)
         with self._lock:
             row_id = next(self._ids)
-
-            def done(result, row_id=row_id):
-                with self._lock:
-                    entry = self._rows.pop(row_id, None)
-                    self.cancelled += result.finish_reason == "cancelled"
-                if entry is not None and on_done is not None:
-                    on_done(result)
-
-            ticket = self.scheduler.submit(prompt, settings, on_tokens=on_tokens, on_done=done, resolved=True,
-                                           draft_length=draft_length)
-            self._rows[row_id] = (self.scheduler, ticket, on_done)
+            self._queue(row_id, entry, self.scheduler)
         self._wake.set()
         return row_id
+
+    def _queue(self, row_id: int, entry: _Entry, scheduler: Scheduler) -> None:
+        """Submit ``entry`` (again) to ``scheduler`` (under the lock)."""
+        entry.cursor = 0
+        entry.scheduler = scheduler
+        self._rows[row_id] = entry
+        entry.ticket = scheduler.submit(entry.prompt, entry.settings, on_tokens=lambda ids: self._deliver(entry, ids),
+                                        on_done=lambda result: self._done(row_id, result), resolved=True,
+                                        draft_length=entry.draft_length)
+        if entry.cancelled:
+            scheduler.cancel(entry.ticket)
+
+    def _deliver(self, entry: _Entry, ids) -> None:
+        ids = list(ids)
+        overlap = min(len(ids), len(entry.delivered) - entry.cursor)
+        if overlap > 0:  # a replay: these were sent already, and must be the same
+            if ids[:overlap] != entry.delivered[entry.cursor:entry.cursor + overlap]:
+                entry.diverged = True
+                entry.scheduler.cancel(entry.ticket)
+                return
+            entry.cursor += overlap
+            ids = ids[overlap:]
+        if ids and not entry.diverged:
+            entry.delivered.extend(ids)
+            entry.cursor += len(ids)
+            if entry.on_tokens is not None:
+                entry.on_tokens(ids)
+
+    def _done(self, row_id: int, result: GenerationResult) -> None:
+        with self._lock:
+            entry = self._rows.pop(row_id, None)
+        if entry is None:
+            return
+        if entry.diverged:
+            self.failed_rows += 1
+            result = GenerationResult.failed("EngineError: an engine step failed while this row was in flight, and "
+                                             "its replay did not reproduce the tokens already sent")
+        else:
+            self.cancelled += result.finish_reason == "cancelled"
+        if entry.on_done is not None:
+            entry.on_done(result)
 
     def cancel(self, row_id: int) -> None:
         with self._lock:
             entry = self._rows.get(row_id)
-        if entry is not None:
-            entry[0].cancel(entry[1])
-            self._wake.set()
+            if entry is not None:
+                entry.cancelled = True
+                entry.scheduler.cancel(entry.ticket)
+        self._wake.set()
 
     @property
     def rows(self) -> int:
@@ -106,20 +166,38 @@ class EngineLoop:
                     self.steps += 1
                     self.peak_in_flight = max(self.peak_in_flight, self.scheduler.in_flight + len(done))
                 except Exception as e:  # noqa: BLE001 - the replica must outlive a failed step
-                    log.exception("engine step failed; failing its rows and starting a fresh scheduler")
-                    self._fail_all(f"EngineError: {type(e).__name__}: {e}")
+                    log.warning("engine step failed (%s: %s); running its rows again one by one", type(e).__name__, e)
+                    self._isolate()
 
-    def _fail_all(self, error: str) -> None:
+    def _isolate(self) -> None:
+        """After a failed step: every row of the failed scheduler runs again alone, to its
+        end or to the error it fails with by itself; new rows wait in a fresh scheduler."""
+        import torch
+
         self.failures += 1
         with self._lock:
             failed = self.scheduler
-            victims = [(rid, cb) for rid, (sch, _, cb) in self._rows.items() if sch is failed]
-            for rid, _ in victims:
-                del self._rows[rid]
+            victims = [(rid, e) for rid, e in self._rows.items() if e.scheduler is failed]
             self.scheduler = Scheduler(self.engine, self.max_batch_size)
-        for _, on_done in victims:
-            if on_done is not None:
-                on_done(GenerationResult.failed(error))
+        for rid, entry in victims:
+            alone = Scheduler(self.engine, self.max_batch_size)
+            with self._lock:
+                if rid not in self._rows:
+                    continue
+                self._queue(rid, entry, alone)
+            try:
+                with torch.inference_mode():
+                    while alone.busy and not self._stop:
+                        alone.step()
+                        self.steps += 1
+            except Exception as e:  # noqa: BLE001 - this row fails by itself
+                log.exception("engine step failed on one row alone: failing that row")
+                with self._lock:
+                    entry = self._rows.pop(rid, None)
+                if entry is not None:
+                    self.failed_rows += 1
+                    if entry.on_done is not None:
+                        entry.on_done(GenerationResult.failed(f"EngineError: {type(e).__name__}: {e}"))
 
 
 @dataclasses.dataclass

@@ -74,7 +74,18 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities are refused for every float field (JSON's NaN / Infinity literals)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+#: ``seed``: what ``torch.Generator.manual_seed`` takes (a 64-bit value, signed or not)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+#: every other integer reaching the engine is a signed 64-bit value
+INT64_MAX = 2**63 - 1
+#: integer fields (and lists of them) range-checked at the request
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "no_repeat_ngram_size", "min_new_tokens",
+               "num_assistant_tokens", "prompt_lookup_num_tokens")
+_ID_LIST_FIELDS = ("bad_words_ids", "suppress_tokens")
 
 
 class StreamOptions(_Strict):
@@ -119,6 +130,30 @@ class _SamplingBase(_Strict):
         if v not in NOOP_FIELDS[info.field_name]:
             raise ValueError(f"{info.field_name} is not supported by this server (only its no-op value "
                              f"{NOOP_FIELDS[info.field_name][1]!r})")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        low, high = SEED_RANGE
+        if v is not None and not low <= v <= high:
+            raise ValueError(f"seed must be a 64-bit integer ({low} .. {high}), got {v}")
+        return v
+
+    @field_validator(*_INT_FIELDS, check_fields=False)
+    @classmethod
+    def _int64(cls, v, info):
+        if v is not None and not -INT64_MAX - 1 <= v <= INT64_MAX:
+            raise ValueError(f"{info.field_name} must be a 64-bit integer, got {v}")
+        return v
+
+    @field_validator(*_ID_LIST_FIELDS, check_fields=False)
+    @classmethod
+    def _id_lists(cls, v, info):
+        flat = [i for x in (v or []) for i in (x if isinstance(x, list) else [x])]
+        big = [i for i in flat if isinstance(i, int) and not 0 <= i <= INT64_MAX]
+        if big:
+            raise ValueError(f"{info.field_name} holds {big[:3]}, which are not token ids")
         return v
 
     @field_validator("n")

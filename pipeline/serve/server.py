@@ -6,6 +6,7 @@ to engine rows, responses and server-sent-event streams in OpenAI's shapes with 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -17,7 +18,7 @@ from pipeline.engine import METHODS, GenerationResult, GenerationSettings, RowSt
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.loading import limit_cpu_threads, load_engine, process_cpus, row_settings
 from pipeline.paths import looks_local
-from pipeline.prompts import render_chat
+from pipeline.prompts import PromptError, encode_chat, special_token_ids
 from pipeline.serve.engine_loop import EngineLoop, RequestRow, RequestRun
 from pipeline.serve.protocol import (
     DRAFT_LENGTH_FIELDS,
@@ -55,11 +56,18 @@ class OpenAIServer:
         chat_template: a Jinja template for chat requests when the tokenizer has none.
         max_batch_size: rows in flight (default: the engine's).
         info: extra fields for ``/v1/models`` (paths of the models, ...).
+        max_tokens_cap: the most new tokens one choice may ask for (None: the context bounds it).
+        max_rows_per_request: the most rows (prompts x ``n``) one request may ask for.
+
+    Every value a request sends that reaches the engine is checked at the request
+    (:mod:`pipeline.serve.protocol`, :meth:`_settings`, :meth:`_check_prompt`), and text is
+    tokenized off the asyncio loop, so one request cannot stall or fail the others.
     """
 
     def __init__(self, engine, model_name: str, defaults: GenerationSettings | None = None,
                  chat_template: str | None = None, max_batch_size: int | None = None,
-                 info: dict[str, Any] | None = None):
+                 info: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
+                 max_rows_per_request: int = 64):
         if engine.tokenizer is None:
             raise ValueError("the server needs the engine's tokenizer")
         self.engine = engine
@@ -70,6 +78,9 @@ class OpenAIServer:
         self.method = engine.spec.method
         self.draft_length = engine.spec.draft_length if engine.proposer is not None else None
         self.loop = EngineLoop(engine, max_batch_size)
+        self.max_tokens_cap = max_tokens_cap
+        self.max_rows_per_request = max_rows_per_request
+        self.special_ids = special_token_ids(self.tokenizer)
         self.info = dict(info or {})
         self.started = now()
         self.requests = 0
@@ -85,7 +96,8 @@ class OpenAIServer:
         info = {"target_model": cfg.models.target, "draft_model": cfg.models.drafter if cfg.uses_drafter else None,
                 "device": loaded.models.device, "load_time_s": round(loaded.load_time_s, 3)}
         return cls(loaded.engine, served_model_name(cfg), loaded.settings,
-                   cfg.serve.chat_template_text(), max_batch, info)
+                   cfg.serve.chat_template_text(), max_batch, info, max_tokens_cap=cfg.serve.max_tokens_cap,
+                   max_rows_per_request=cfg.serve.max_rows_per_request)
 
     def close(self) -> None:
         self.loop.close()
@@ -135,11 +147,26 @@ class OpenAIServer:
         return given[own]
 
     def _settings(self, req) -> GenerationSettings:
+        asked = req.max_tokens if req.max_tokens is not None else getattr(req, "max_completion_tokens", None)
+        cap = self.max_tokens_cap
+        if cap is not None and asked is not None and asked > cap:
+            param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+            raise APIError(f"{param} is {asked}, more than this server allows per choice (serve.max_tokens_cap={cap})",
+                           param=param)
         try:
-            return resolve_generation_settings(req.generation_settings(self.defaults),
-                                               self.engine.target.generation_config, self.engine.target_vocab)
+            settings = resolve_generation_settings(req.generation_settings(self.defaults),
+                                                   self.engine.target.generation_config, self.engine.target_vocab)
         except ValueError as e:
             raise settings_error(e) from None
+        if cap is not None and settings.max_new_tokens > cap:  # the server's own default, above its cap
+            settings = dataclasses.replace(settings, max_new_tokens=cap)
+        return settings
+
+    def _check_rows(self, prompts: int, n: int) -> None:
+        if prompts * n > self.max_rows_per_request:
+            raise APIError(f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} choices, more than "
+                           f"this server decodes for one request (serve.max_rows_per_request={self.max_rows_per_request})",
+                           param="n" if n > 1 else "prompt")
 
     def _check_prompt(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -169,23 +196,44 @@ class OpenAIServer:
         return rows
 
     async def completions(self, body: bytes):
+        """``POST /v1/completions``: the prompt is the model's input as sent (a string is
+        tokenized with its special-token strings as control tokens, as OpenAI's and vLLM's
+        completions API do; a list of ids is used as is)."""
         req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
+        self._check_rows(len(req.prompt), req.n)
+        self._settings(req)  # refuse bad settings before tokenizing
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        prompts = [self._check_prompt(p if isinstance(p, list) else self._encode(p, add_special), "prompt")
-                   for p in req.prompt]
+
+        def encode() -> list[list[int]]:
+            return [self._check_prompt(p if isinstance(p, list) else self._encode(p, add_special), "prompt")
+                    for p in req.prompt]
+
+        prompts = await asyncio.to_thread(encode)  # a large prompt must not stall the loop
         return await self._respond(req, prompts, "prompt", chat=False)
 
     async def chat_completions(self, body: bytes):
+        """``POST /v1/chat/completions``: messages rendered with the chat template; every
+        message's content stays text (a special-token string in it is ordinary tokens:
+        :func:`pipeline.prompts.encode_chat`), the template's own special tokens are real."""
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
-        try:
-            text = render_chat(self.tokenizer, [m.plain() for m in req.messages], self.chat_template)
-        except ValueError as e:
-            hint = "" if self.chat_template else " (set serve.chat_template in the job config)"
-            raise APIError(f"messages: {e}{hint}", param="messages") from None
+        self._check_rows(1, req.n)
+        self._settings(req)
         add_special = False if req.add_special_tokens is None else req.add_special_tokens
-        prompts = [self._check_prompt(self._encode(text, add_special), "messages")]
+
+        def encode() -> list[int]:
+            try:
+                _, ids = encode_chat(self.tokenizer, [m.plain() for m in req.messages], self.chat_template,
+                                     add_special, self.special_ids)
+            except PromptError as e:
+                raise APIError(f"messages: {e}", param="messages") from None
+            except ValueError as e:
+                hint = "" if self.chat_template else " (set serve.chat_template in the job config)"
+                raise APIError(f"messages: {e}{hint}", param="messages") from None
+            return self._check_prompt(ids, "messages")
+
+        prompts = [await asyncio.to_thread(encode)]
         return await self._respond(req, prompts, "messages", chat=True)
 
     async def _respond(self, req, prompts: list[list[int]], param: str, chat: bool):

@@ -3,8 +3,8 @@ free 127.0.0.1 port, called over real HTTP).
 
 Concurrent requests share the engine's batch and each equals the same request decoded
 alone, token for token; streamed chunks are the committed blocks; stop strings are cut as
-OpenAI does; an engine step that raises fails only the rows in flight (500) and the next
-request succeeds; a client that disconnects cancels its row.
+OpenAI does; a row whose steps keep raising fails (500), alone (tests/serve/test_server_guards.py),
+and the next request succeeds; a client that disconnects cancels its row.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def test_several_prompts_and_n_choices(server, alone):
     assert out["speculation"]["draft_tokens"] == sum(c["speculation"]["draft_tokens"] for c in out["choices"])
 
 
-def test_an_engine_step_that_raises_fails_its_rows_with_500_and_the_server_goes_on(server, monkeypatch):
+def test_a_row_whose_steps_keep_raising_fails_with_500_and_the_server_goes_on(server, monkeypatch):
     srv, url = server
     body = {"prompt": prompt_of(10, seed=9).view(-1).tolist(), "max_tokens": 8, "temperature": 0,
             "return_token_ids": True}
@@ -164,15 +164,16 @@ def test_an_engine_step_that_raises_fails_its_rows_with_500_and_the_server_goes_
     real_step = engine.step
     calls = {"n": 0}
 
-    def flaky(rows):
+    def broken(rows):  # from its second step on, every step of this row fails (run alone too)
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] >= 2:
             raise RuntimeError("simulated CUDA error")
         return real_step(rows)
 
-    monkeypatch.setattr(engine, "step", flaky)
+    monkeypatch.setattr(engine, "step", broken)
     r = httpx.post(f"{url}/v1/completions", json=body)
     assert r.status_code == 500 and "simulated CUDA error" in r.json()["error"]["message"]
+    monkeypatch.undo()
     again = httpx.post(f"{url}/v1/completions", json=body)
     assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == good
     health = httpx.get(f"{url}/health").json()
