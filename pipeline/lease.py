@@ -8,7 +8,10 @@ and how long ago it last beat; a lease whose last heartbeat is older than the bo
 (``output.lease_timeout_s``, or the holder's own bound when that is longer) is *stale*:
 its holder is presumed dead (SIGKILL, a lost node) and the next run takes it over with a
 warning.  A run that finds its lease gone or taken over publishes nothing more
-(:class:`LeaseLost`).
+(:class:`LeaseLost`).  A run that fails because the storage failed leaves its lease
+(:meth:`OutputLease.abandon`: releasing it could hang as long again); it goes stale after
+the bound, and a later run in the same process (a retry loop, a notebook) takes it over
+at once, since it knows that run is over.
 
 The lease records the holder: run id, ``user@host``, pid, config fingerprint, when it was
 taken and when it last beat.  The heartbeat time is the lease file's modification time as
@@ -53,6 +56,7 @@ import posixpath
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -63,6 +67,9 @@ log = logging.getLogger("specbatch")
 #: the lease file, directly in the output folder
 LEASE = "_lease.json"
 _MARK = "specbatch output lease"
+#: this process, in the leases it takes (a lease of this process whose run is over is a leftover)
+_PROCESS = uuid.uuid4().hex
+_ACTIVE: set[str] = set()  # run ids whose lease this process holds now
 
 
 class LeaseHeld(JobRefused):
@@ -148,7 +155,7 @@ class OutputLease:
         user = _user()
         host = socket.gethostname()
         return {"lease": _MARK, "version": 1, "run_id": self.run_id, "owner": f"{user}@{host}", "user": user,
-                "host": host, "pid": os.getpid(), "config_fingerprint": self.config_fingerprint,
+                "host": host, "pid": os.getpid(), "process": _PROCESS, "config_fingerprint": self.config_fingerprint,
                 "output": self.url, "timeout_s": self.timeout_s,
                 "acquired_at": getattr(self, "_acquired_at", now), "heartbeat_at": now, "beats": self.beats}
 
@@ -185,6 +192,11 @@ class OutputLease:
             if holder is None:
                 continue
             bound = self._bound(holder)
+            leftover = holder.content.get("process") == _PROCESS and holder.content.get("run_id") not in _ACTIVE
+            if leftover and self.backend.take_over(holder, force=True):
+                log.info("output %s: took over the lease an earlier run of this process left (run %s, after a "
+                         "storage failure)", self.url, holder.content.get("run_id"))
+                break
             if holder.age_s <= bound:
                 raise LeaseHeld(
                     f"output {self.url!r} is leased by another run: {holder.describe()} ({LEASE}); two runs on one "
@@ -199,6 +211,7 @@ class OutputLease:
             raise LeaseHeld(f"output {self.url!r}: its lease ({LEASE}) keeps changing hands; another run is "
                             "starting on it: try again later")
         self.held = True
+        _ACTIVE.add(self.run_id)
         self.last_confirmed = time.monotonic()
         self.backend.after_acquire()
         self._stop.clear()
@@ -215,12 +228,22 @@ class OutputLease:
         if not self.held:
             return
         self.held = False
+        _ACTIVE.discard(self.run_id)
         try:
             with self._lock:
                 self.backend.release()
         except Exception as e:  # noqa: BLE001 - best effort: the lease expires
             log.warning("output %s: could not release the lease (%s: %s); it goes stale after %g s",
                         self.url, type(e).__name__, e, self.timeout_s)
+
+    def abandon(self) -> None:
+        """Stop the heartbeat and leave the lease as it is, touching no storage (the storage
+        just failed: a release could hang as long again).  It goes stale after the bound;
+        a later run of this same process takes it over at once."""
+        self._stop.set()
+        self._thread = None
+        self.held = False
+        _ACTIVE.discard(self.run_id)
 
     def __enter__(self) -> "OutputLease":
         self.acquire()
@@ -300,8 +323,9 @@ class _Backend:
         """The current lease, or None when there is none."""
         raise NotImplementedError
 
-    def take_over(self, stale: Holder) -> bool:
-        """Replace ``stale`` (still the current lease) by ours; False when it changed meanwhile."""
+    def take_over(self, stale: Holder, force: bool = False) -> bool:
+        """Replace ``stale`` (still the current lease) by ours; False when it changed
+        meanwhile (or, unless ``force``, is no longer stale)."""
         raise NotImplementedError
 
     def after_acquire(self) -> None:
@@ -391,10 +415,10 @@ class _Local(_Backend):
             return Holder(self.lease._parse(raw), age, (st.st_dev, st.st_ino))
         return None
 
-    def take_over(self, stale: Holder) -> bool:
+    def take_over(self, stale: Holder, force: bool = False) -> bool:
         with self._folder_lock():
             now = self.read()
-            if now is None or now.token != stale.token or now.age_s <= self.lease._bound(now):
+            if now is None or now.token != stale.token or (not force and now.age_s <= self.lease._bound(now)):
                 return False
             os.unlink(self.lease.path)
             return self.create()
@@ -513,7 +537,7 @@ class _S3(_Backend):
         age = self.lease.clock() - resp["LastModified"].timestamp()
         return Holder(self.lease._parse(raw), age, resp["ETag"])
 
-    def take_over(self, stale: Holder) -> bool:
+    def take_over(self, stale: Holder, force: bool = False) -> bool:
         if not self.honours_if_match:
             now = self.read()
             if now is None or now.token != stale.token:
@@ -629,7 +653,7 @@ class _Generic(_Backend):
         self._write()
         return self.still_ours() is None
 
-    def take_over(self, stale: Holder) -> bool:
+    def take_over(self, stale: Holder, force: bool = False) -> bool:
         now = self.read()
         if now is None or now.token != stale.token:
             return False

@@ -112,8 +112,8 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     writer.extra_columns = partition_keys(shards)
     try:
         writer.skip = writer.prepare(shards, identity)
-    except BaseException:
-        writer.release_lease()
+    except BaseException as e:
+        writer.abandon_lease() if isinstance(e, StorageError) else writer.release_lease()
         raise
     return shards, writer, generation
 
@@ -449,8 +449,11 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
                      overall.audit_rows, overall.audit_mismatches)
         return summary
     except BaseException as e:
-        # a failing storage would make the clean-up hang too: a later successful run removes it
+        # a failing storage would make the clean-up hang too: a later successful run removes it,
+        # and the lease is left to go stale (a rerun in this process takes it over at once)
         writer.abort(cleanup=not isinstance(e, StorageError))
+        if isinstance(e, StorageError):
+            writer.abandon_lease()
         pool = _actor_pool_failure(cfg, e, started)
         if pool is not None:
             raise ActorPoolError(pool) from e

@@ -112,6 +112,12 @@ class OutputWriter:
         if self.lease is not None:
             self.lease.release()
 
+    def abandon_lease(self) -> None:
+        """After a storage failure: stop renewing the lease and leave it, touching no
+        storage (:meth:`pipeline.lease.OutputLease.abandon`)."""
+        if self.lease is not None:
+            self.lease.abandon()
+
     def _check_lease(self) -> None:
         if self.lease is not None:
             self.lease.check()

@@ -189,6 +189,20 @@ def test_the_heartbeat_keeps_a_live_lease_from_going_stale(place):
         live.check()
 
 
+def test_a_lease_abandoned_after_a_storage_failure_is_retaken_at_once_by_this_process_only(place):
+    failed = place.lease("failed-run", timeout_s=60)
+    failed.acquire()
+    failed.abandon()  # the storage failed: nothing touched
+    assert place.read()["run_id"] == "failed-run"
+    with place.lease("rerun", timeout_s=60):  # the same process: that run is known to be over
+        assert place.read()["run_id"] == "rerun"
+    # another process's fresh lease is never taken that way
+    other = dict(place.lease("x").content(), run_id="other-process-run", process="another process")
+    place.put(json.dumps(other).encode())
+    with pytest.raises(LeaseHeld, match="run other-process-run"):
+        place.lease("third", timeout_s=60).acquire()
+
+
 def test_a_holder_whose_lease_was_removed_publishes_nothing(place):
     with place.lease("victim") as lease:
         if place.kind == "local":
