@@ -185,6 +185,20 @@ class OutputLease:
             StorageError: the storage kept failing.
         """
         self._acquired_at = _iso(self.clock())
+        _ACTIVE.add(self.run_id)  # before the lease exists: this process's other runs must not retake it
+        try:
+            self._acquire()
+        except BaseException:
+            _ACTIVE.discard(self.run_id)
+            raise
+        self.held = True
+        self.last_confirmed = time.monotonic()
+        self.backend.after_acquire()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat_loop, name="specbatch-lease", daemon=True)
+        self._thread.start()
+
+    def _acquire(self) -> None:
         for _ in range(5):  # a lease released or taken over between our reads: look again
             if self.backend.create():
                 break
@@ -210,13 +224,6 @@ class OutputLease:
         else:
             raise LeaseHeld(f"output {self.url!r}: its lease ({LEASE}) keeps changing hands; another run is "
                             "starting on it: try again later")
-        self.held = True
-        _ACTIVE.add(self.run_id)
-        self.last_confirmed = time.monotonic()
-        self.backend.after_acquire()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat_loop, name="specbatch-lease", daemon=True)
-        self._thread.start()
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours.  Never raises
