@@ -202,6 +202,8 @@ def check_resource_plan(cfg: JobConfig, embedded: bool) -> None:
 #: ask for a Ray bug report.
 _RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled", "Exception occurred in",
                    "Full stack trace", "An exception was raised from a task of operator")
+#: ... and those that name the operator first (``MapBatches(GenerateActor): actors died ...``)
+_RAY_DATA_NOISE_WITHIN = (": actors died during initialization",)
 
 
 class _QuietRayData(logging.Filter):
@@ -211,7 +213,9 @@ class _QuietRayData(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name != "ray.data" and not record.name.startswith("ray.data."):
             return True
-        return record.levelno >= logging.WARNING and not str(record.msg).startswith(_RAY_DATA_NOISE)
+        msg = str(record.msg)
+        return (record.levelno >= logging.WARNING and not msg.startswith(_RAY_DATA_NOISE)
+                and not any(n in msg for n in _RAY_DATA_NOISE_WITHIN))
 
 
 def _quiet_ray_data_console() -> None:
