@@ -92,19 +92,47 @@ def test_two_runs_started_together_one_commits_the_other_is_refused_naming_the_l
     _entirely_one_config(out, run_id, winner)
 
 
+def _actor_of(job) -> int:
+    """The pid of ``job``'s generate actor: a process of the job's own session (it was
+    started with a session of its own) whose title names the actor."""
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(p.pid) == job.pid and "MapBatches(GenerateActor" in " ".join(p.info["cmdline"] or []):
+                return p.pid
+        except (OSError, psutil.Error):
+            continue
+    raise AssertionError("the job's actor process was not found")
+
+
 @pytest.mark.slow
 def test_a_run_started_20_s_after_another_is_refused_and_the_first_commits(tiny_models, tmp_path):
-    inp, out = _inputs(tmp_path / "in", 4, 20), tmp_path / "out"
-    first = _start(_args(tiny_models, inp, out, "plain", 64, "--rows-per-batch", "1", "--max-batch-size", "1"),
-                   tmp_path, "first")
-    time.sleep(20)
-    assert first.poll() is None, "the first run ended within 20 s: give it more work"
-    code, _, err = _finish(_start(_args(tiny_models, inp, out, "draft_model", 6, "--overwrite"), tmp_path, "second"),
-                           timeout=200)
-    assert first.poll() is None, "the first run ended before the second was refused: give it more work"
-    said = _said(err)
-    assert code == 2 and len(said) == 1, err[-3000:]
-    assert said[0].startswith(f"error: output '{out}' is leased by another run: run ") and "last heartbeat" in said[0]
+    """The first run is made slow by pausing its actor (SIGSTOP) once it committed a shard,
+    so the second starts while it surely runs, whatever the machine's speed."""
+    inp, out = _inputs(tmp_path / "in", 3, 4), tmp_path / "out"
+    t0 = time.monotonic()
+    first = _start(_args(tiny_models, inp, out, "plain", 8, "--rows-per-batch", "1"), tmp_path, "first")
+    actor = None
+    try:
+        deadline = time.time() + 240
+        while not (out / "_manifest" / "part-00000.json").exists():
+            assert first.poll() is None and time.time() < deadline, first.logs[1].read_text()[-3000:]
+            time.sleep(0.05)
+        actor = _actor_of(first)
+        os.kill(actor, signal.SIGSTOP)  # a slow run: its driver (and the lease's heartbeat) goes on
+        assert not (out / "_SUCCESS").exists()
+        time.sleep(max(0.0, t0 + 20 - time.monotonic()))
+        code, _, err = _finish(_start(_args(tiny_models, inp, out, "draft_model", 6, "--overwrite"), tmp_path,
+                                      "second"), timeout=200)
+        assert first.poll() is None
+        said = _said(err)
+        assert code == 2 and len(said) == 1, err[-3000:]
+        assert said[0].startswith(f"error: output '{out}' is leased by another run: run ")
+        assert "last heartbeat" in said[0]
+    finally:
+        if actor is not None:
+            os.kill(actor, signal.SIGCONT)
     code, stdout, err = _finish(first)
     assert code == 0, err[-3000:]
     run_id = json.loads(stdout)["run_id"]
