@@ -5,7 +5,6 @@ that keep dying say which budget ran out, with no Ray traceback on the console; 
 logs go to a per-user folder of mode 700."""
 
 import io
-import json
 import os
 import stat
 import subprocess
