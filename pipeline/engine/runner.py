@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .cache import SlotCache
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
@@ -174,6 +175,8 @@ class ModelRunner:
         self.device = model.device
         self.impl = getattr(text_config(model), "_attn_implementation", None) or "eager"
         self.dtype = _float_dtype(model)
+        kernels.pack_linears(model)  # CPU: oneDNN packed linear layers (pipeline.engine.kernels)
+        self.small_query = kernels.uses_small_query_attention(model)
 
     # ------------------------------------------------------------------ inputs
     def inputs(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int]):
@@ -263,8 +266,9 @@ class ModelRunner:
         self.cache.step(slots, write, kv_len)
         feed = {"input_ids": inputs} if inputs.dim() == 2 else {"inputs_embeds": inputs}
         try:
-            return model(**feed, position_ids=position_ids, attention_mask=mask, cache=self.cache,
-                         use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+            with kernels.attention_implementation(model, self.small_query and mask is not None):
+                return model(**feed, position_ids=position_ids, attention_mask=mask, cache=self.cache,
+                             use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
         finally:
             self.cache.current = None
 

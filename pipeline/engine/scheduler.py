@@ -158,7 +158,8 @@ class Scheduler:
             self.engine.admit(admitted)
             self._active.extend(admitted)
         groups: dict[str, list[RowState]] = {}
-        for row in self._active:
+        # in slot order: a full batch then reads its caches in place (SlotLayer.update)
+        for row in sorted(self._active, key=lambda r: r.slot):
             if row.finish is None:
                 groups.setdefault(group_key(row.settings), []).append(row)
         for rows in groups.values():

@@ -1,0 +1,177 @@
+"""CPU kernels for the engine's passes: what makes a verification pass over a few tokens cost
+about what a one-token decoding step costs, as it should where the weights are read once.
+
+Measured on this project's 2-core AVX-512 machine (SmolLM2-135M, float32, one thread, an
+800-token context): with PyTorch's default CPU path a target pass over ``n`` tokens costs
+``t(2) = 1.6``, ``t(3) = 2.0`` times ``t(1)`` at one row, and at 8 rows ``t(2)`` is 4-8 times
+``t(1)``.  Two causes, neither of them the physics of the pass:
+
+1. **Linear layers.**  ``F.linear`` with 2-3 rows of input runs MKL's matrix-vector path once
+   per row (``M = 3`` costs 3x ``M = 1``) and packs the weight on every call above that.
+   oneDNN with the weight packed once into its blocked layout
+   (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the kernels
+   PyTorch's inductor uses for frozen CPU models) reads the weight once whatever ``M`` is
+   while ``M`` is small: a pass over 4 tokens costs about what one token costs, and one
+   token costs less than before (SmolLM2's 49,152 x 576 head: 2.4 ms instead of 6.3 ms).
+   :func:`pack_linears` switches every ``torch.nn.Linear`` of a model to it (float32 and
+   bfloat16 on the CPU; the packed copy is repacked if the weight changes in place;
+   training, autograd and other devices keep ``F.linear``).  It costs a second copy of each
+   linear weight in memory (the model's own weights are kept: tied embeddings, saving and
+   ``state_dict`` go on working).
+2. **Attention with grouped KV heads.**  With an explicit mask and more than one query,
+   transformers' SDPA path materialises ``repeat_kv`` (every KV head copied to each of its
+   query heads) for every layer and pass, which at 8 rows and an 800-token context is most
+   of the pass.  :func:`small_query_attention` runs SDPA with ``enable_gqa=True`` instead
+   for a short query block (``q <= SMALL_QUERY``), reading each KV head once for its group
+   of query heads (transformers takes that path only where it can rule out a mask).  The
+   runner uses it for its masked passes on the CPU (:func:`attention_implementation`);
+   prefill passes keep SDPA's causal kernel.
+
+Both change float32 rounding (another summation order), not the math: greedy outputs match
+plain decoding exactly in float64 and, in float32, differ only at measured near-ties, as
+with any other kernel choice.  ``SPECBATCH_CPU_KERNELS=0`` in the environment switches both
+off (PyTorch's default kernels), e.g. to measure what they buy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+#: query blocks up to this many tokens use :func:`small_query_attention` (verification passes)
+SMALL_QUERY = 16
+#: the attention implementation name registered with transformers
+ATTENTION_NAME = "specbatch_small_query"
+#: dtypes oneDNN's packed linear kernels serve on the CPU
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+#: M (rows of input) the weights are packed for: oneDNN's blocked GEMM layout, not a limit
+PACK_FOR_ROWS = 4
+
+
+def enabled() -> bool:
+    """Whether the CPU kernels are on (``SPECBATCH_CPU_KERNELS``, default on)."""
+    return os.environ.get("SPECBATCH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _onednn_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` whose CPU inference runs oneDNN with a packed copy of its weight
+    (see the module docstring).  Same parameters, same ``state_dict``; instances are made by
+    :func:`pack_linears` (``__class__`` swap), never constructed directly."""
+
+    _specbatch_packed: tuple | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        w = self.weight
+        if (input.device.type != "cpu" or w.device.type != "cpu" or input.dtype != w.dtype
+                or w.dtype not in PACKED_DTYPES or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
+            return F.linear(input, w, self.bias)
+        key = (w.data_ptr(), w._version, w.dtype)
+        packed = self._specbatch_packed
+        if packed is None or packed[0] != key:
+            with torch.no_grad():
+                packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS))
+            self._specbatch_packed = packed
+        bias = self.bias.detach() if self.bias is not None else None
+        return torch.ops.mkldnn._linear_pointwise(input, packed[1], bias, "none", [], "")
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Switch every plain ``torch.nn.Linear`` of ``model`` on the CPU to :class:`PackedLinear`.
+
+    Subclasses of ``Linear`` (quantized layers and the like) are left alone, and so is a model
+    on another device or of another dtype (its layers keep ``F.linear``).  The packing itself
+    happens at each layer's first call.
+
+    Returns:
+        How many layers were switched (0 when the kernels are off or oneDNN is missing).
+    """
+    if not enabled() or not _onednn_available():
+        return 0
+    n = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES:
+            module.__class__ = PackedLinear
+            n += 1
+    return n
+
+
+def small_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs):
+    """Attention of a short query block against a KV cache with grouped KV heads, without
+    copying the KV heads: PyTorch's SDPA with ``enable_gqa=True`` (each KV head read once
+    for its group of query heads), the path transformers takes when it can rule out a mask.
+
+    Args:
+        query: ``(b, H_q, q, d)``; key, value: ``(b, H_kv, S, d)`` with ``H_q = g * H_kv``.
+        attention_mask: additive float mask ``(b or 1, 1, q, S)`` (0 = read, a large
+            negative value = hidden), as the runner builds it.
+
+    Returns:
+        ``((b, q, H_q, d) output, None)``, the signature of transformers' attention functions.
+        Anything this path does not cover (a long query block, no mask, dropout,
+        soft-capping, attention sinks, position bias, another device) goes to transformers'
+        own SDPA function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q = query.shape[2]
+    if (q > SMALL_QUERY or attention_mask is None or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None
+            or query.device.type != "cpu" or query.shape[1] % key.shape[1]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask[..., : key.shape[2]],
+                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, small_query_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    _registered = True
+
+
+def uses_small_query_attention(model) -> bool:
+    """Whether the runner's masked passes of ``model`` go through :func:`small_query_attention`:
+    the kernels are on, the model is on the CPU and uses SDPA."""
+    config = getattr(model, "config", None)
+    impl = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "_attn_implementation", None)
+    return enabled() and impl == "sdpa" and getattr(model, "device", torch.device("cpu")).type == "cpu"
+
+
+@contextlib.contextmanager
+def attention_implementation(model, active: bool):
+    """Run ``model``'s attention layers with :func:`small_query_attention` inside the block
+    (when ``active``): the configs' ``_attn_implementation`` is switched for the call and
+    restored after it."""
+    if not active:
+        yield
+        return
+    _register()
+    config = model.config
+    configs = {id(c): c for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else config)}
+    saved = [(c, c._attn_implementation_internal) for c in configs.values()]
+    for c, _ in saved:
+        c._attn_implementation_internal = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        for c, old in saved:
+            c._attn_implementation_internal = old
