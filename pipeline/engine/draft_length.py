@@ -1,73 +1,115 @@
-"""Draft length by load: how many tokens a step drafts, from costs measured on this machine.
+"""Draft length by expected gain: how many tokens each row drafts, from costs and acceptance
+measured on this machine, at every batch size (one row included).
 
-Verifying ``B x (k + 1)`` tokens in one target pass costs about one decode step while the
-target is memory-bound (a GPU at small ``B``), but on a CPU, or at a large ``B``, the pass
-becomes compute-bound and its cost grows with the tokens: speculation then costs more
-than it saves.  vLLM switches speculation off above a fixed batch size
-(``speculative_disable_by_batch_size``); here the engine measures instead and picks, at
-every step, the draft length ``k`` in ``0 .. K`` that maximises the expected tokens per
-second of the batch (Leviathan et al. 2023, §3, with the measured costs; the formula is
-:func:`pipeline.engine.cost_model.tokens_per_second`, which the tuner shares)::
+A step of ``B`` rows in which row ``i`` drafts ``k_i`` tokens costs one target pass over
+``B`` rows of width ``W = max_i k_i + 1`` (rows are left-padded to the widest, so every
+row pays for ``W`` positions) plus the proposer's work, and row ``i`` emits ``E_i(k_i) =
+1 + A_i1 + ... + A_ik_i`` tokens on average, where ``A_ij`` is the chance that the row's
+first ``j`` draft tokens are all accepted.  The policy picks the ``k_i`` that maximise
+the expected tokens per second of the step (Leviathan et al. 2023, §3, with measured
+costs; :func:`pipeline.engine.cost_model.tokens_per_second` is the same formula for one
+common ``k``, which the tuner uses)::
 
-    tokens/s(k) = B * E(k) / (t_verify(B * (k + 1)) + k * t_draft(B))
-    E(k)        = 1 + A_1 + ... + A_k
+    tokens/s = sum_i E_i(k_i) / (t_verify(B, W) + t_propose(k))
 
-where ``A_i`` is the measured chance that a draft's first ``i`` tokens are all
-accepted (accepted / drafted at draft position ``i``), ``t_verify(n)`` the time of a
-target pass over ``n`` tokens (a least-squares line through recent passes) and
-``t_draft(B)`` the time of one drafting position for ``B`` rows (a running mean).  Until
-both are measured the full ``K`` is used.  Greedy outputs never depend on ``k``; sampled
-outputs keep the target's distribution whatever ``k`` is.
+and drafts nothing (a plain step) when no draft pays.  The inputs:
+
+- ``A_ij``: the row's own acceptance by draft position (``RowStats.drafted_per_position``
+  / ``accepted_per_position``), shrunk towards the engine's pooled acceptance by position
+  with the weight of :data:`PRIOR_DRAFTS` drafts, so a new row starts from what the
+  engine has seen and a row whose drafts keep failing (or keep succeeding) moves away
+  from it as its own evidence grows.  Positions never measured continue the last
+  measured per-token acceptance.
+- ``t_verify(B, W) = a + b*B + c*B*W``: a decayed least-squares fit of the measured
+  target passes (fixed cost, per-row cost such as the KV cache read, per-token cost).
+- ``t_propose = p0 + p1*max_i k_i + p2*sum_i k_i``: a decayed least-squares fit of the
+  measured proposer calls (a drafter pass per draft position, per-row work).
+
+Two decisions per step: :meth:`DraftLengthPolicy.plan` before proposing (how many tokens
+each row asks for: this is what saves a model drafter's passes), and
+:meth:`DraftLengthPolicy.trim` after it (how many of the proposed tokens to verify, now
+that the proposer's cost is spent and each draft's real length is known: this is what
+decides for prompt lookup, whose drafts are free but often short or missing).
+
+Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) the full length is drafted,
+with some shorter passes so that the fit sees more than one width; every
+:data:`PROBE_EVERY` steps rows ask one token more than the plan, so acceptance keeps being
+measured when the plan is to draft nothing.  Greedy outputs never depend on the draft
+length; sampled outputs keep the target's law whatever it is, but the draws a seed gives
+depend on it (see the engine's ``adaptive_draft_length``).
 """
 
 from __future__ import annotations
 
-from .cost_model import expected_tokens, reach_from_counts, tokens_per_second
+from typing import Sequence
 
-#: weight of a new observation in the running estimates
+import torch
+
+#: weight of a new observation in the decayed cost fits
 DECAY = 0.05
-#: verification passes to see before the policy acts
+#: target passes to see before the policy acts
 MIN_OBSERVATIONS = 12
-#: every this many steps the full ``K`` is drafted, so the cost line and the acceptance by
-#: position keep being measured at the long end even when shorter drafts win
+#: every this many steps, rows ask one token more than planned (acceptance keeps being measured)
 PROBE_EVERY = 32
+#: the engine's pooled acceptance counts as this many drafts of a row's own evidence
+PRIOR_DRAFTS = 4.0
+
+
+class _DecayedFit:
+    """Decayed least squares ``y ~ x @ w`` (the minimum-norm solution where the features
+    observed so far do not determine every weight, e.g. a single batch size)."""
+
+    def __init__(self, n: int):
+        self.xtx = torch.zeros(n, n, dtype=torch.float64)
+        self.xty = torch.zeros(n, dtype=torch.float64)
+        self.count = 0
+        self._w: list[float] | None = None
+
+    def observe(self, x: Sequence[float], y: float) -> None:
+        v = torch.tensor(x, dtype=torch.float64)
+        keep = 1.0 - DECAY
+        self.xtx.mul_(keep).add_(torch.outer(v, v))
+        self.xty.mul_(keep).add_(v * y)
+        self.count += 1
+        self._w = None
+
+    def weights(self) -> list[float]:
+        if self._w is None:
+            self._w = (torch.linalg.pinv(self.xtx, hermitian=True) @ self.xty).tolist()
+        return self._w
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(a * b for a, b in zip(self.weights(), x))
 
 
 class DraftLengthPolicy:
     """Args:
-        k_max: the method's draft length ``K`` (the largest ``k`` chosen).
+        k_max: the method's draft length ``K`` (the most any row drafts).
     """
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.drafted = [0.0] * k_max
-        self.accepted = [0.0] * k_max
-        # decayed sums for the least-squares line t = a + c * tokens
-        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self._tokens_seen: set[int] = set()
+        self.drafted = [0.0] * k_max  # pooled: drafts that reached position j
+        self.accepted = [0.0] * k_max  # pooled: ... and were accepted there
+        self.verify = _DecayedFit(3)  # t = a + b*B + c*B*W
+        self.propose = _DecayedFit(3)  # t = p0 + p1*max k + p2*sum k
+        self._widths: set[tuple[int, int]] = set()
         self.verify_passes = 0
-        self.draft_pass_s: dict[int, float] = {}  # rows -> seconds per drafting position
         self.steps = 0
+        self.probing = False  # this step asks one token more than the plan
 
     # ------------------------------------------------------------------ measurements
-    def observe_verify(self, rows: int, tokens: int, seconds: float) -> None:
-        """A target pass over ``tokens`` tokens (``rows`` rows) took ``seconds``."""
-        keep = 1.0 - DECAY
-        self._n = self._n * keep + 1
-        self._sx = self._sx * keep + tokens
-        self._sy = self._sy * keep + seconds
-        self._sxx = self._sxx * keep + tokens * tokens
-        self._sxy = self._sxy * keep + tokens * seconds
-        self._tokens_seen.add(tokens)
+    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+        """A target pass over ``rows`` rows of ``width`` tokens each (padded) took ``seconds``."""
+        self.verify.observe((1.0, rows, rows * width), seconds)
+        self._widths.add((rows, width))
         self.verify_passes += 1
 
-    def observe_propose(self, rows: int, positions: int, seconds: float) -> None:
-        """Drafting ``positions`` tokens for ``rows`` rows took ``seconds``."""
-        if positions <= 0:
-            return
-        per = seconds / positions
-        old = self.draft_pass_s.get(rows)
-        self.draft_pass_s[rows] = per if old is None else old + DECAY * (per - old)
+    def observe_propose(self, draft_lengths: Sequence[int], seconds: float) -> None:
+        """A proposer call asking each row for ``draft_lengths[i]`` tokens took ``seconds``."""
+        asked = [k for k in draft_lengths if k > 0]
+        if asked:
+            self.propose.observe((1.0, max(asked), sum(asked)), seconds)
 
     def observe_draft(self, drafted: int, accepted: int) -> None:
         """One row's draft of ``drafted`` tokens had its first ``accepted`` kept."""
@@ -77,46 +119,117 @@ class DraftLengthPolicy:
                 self.accepted[i] += 1
 
     # ------------------------------------------------------------------ model
-    def verify_time(self, tokens: int) -> float | None:
-        """Predicted seconds of a target pass over ``tokens`` tokens (``None``: not known yet)."""
-        n, sx, sy, sxx, sxy = self._n, self._sx, self._sy, self._sxx, self._sxy
-        det = n * sxx - sx * sx
-        if n < 2 or len(self._tokens_seen) < 2 or det <= 1e-12 * max(1.0, n * sxx):
-            return None
-        c = (n * sxy - sx * sy) / det
-        a = (sy - c * sx) / n
-        return max(a + c * tokens, 1e-9)
+    @property
+    def measured(self) -> bool:
+        """Whether the cost fits can be trusted (enough passes, at more than one width)."""
+        return self.verify_passes >= MIN_OBSERVATIONS and len({w for _, w in self._widths}) > 1
 
-    def draft_time(self, rows: int) -> float | None:
-        if not self.draft_pass_s:
-            return None
-        if rows in self.draft_pass_s:
-            return self.draft_pass_s[rows]
-        nearest = min(self.draft_pass_s, key=lambda r: abs(r - rows))
-        return self.draft_pass_s[nearest]
+    def verify_time(self, rows: int, width: int) -> float:
+        """Predicted seconds of a target pass over ``rows`` rows of ``width`` tokens."""
+        return max(self.verify.predict((1.0, rows, rows * width)), 1e-9)
 
-    def expected_tokens(self, k: int) -> float:
-        """``E(k)``: expected tokens a row emits in a step that drafts ``k``."""
-        return expected_tokens(reach_from_counts(self.accepted, self.drafted), k)
+    def propose_time(self, draft_lengths: Sequence[int]) -> float:
+        """Predicted seconds of a proposer call asking for ``draft_lengths`` (0 when none ask)."""
+        asked = [k for k in draft_lengths if k > 0]
+        if not asked or not self.propose.count:
+            return 0.0
+        return max(self.propose.predict((1.0, max(asked), sum(asked))), 0.0)
 
-    def throughput(self, rows: int, k: int) -> float | None:
-        """Predicted tokens/s of ``rows`` rows drafting ``k`` (``None``: costs not known yet)."""
-        t_v = self.verify_time(rows * (k + 1))
-        t_d = self.draft_time(rows) if k else 0.0
-        if t_v is None or t_d is None:
-            return None
-        return tokens_per_second(rows, k, reach_from_counts(self.accepted, self.drafted), t_v, t_d)
+    def pooled_reach(self) -> list[float]:
+        """``A_j`` of the engine's drafts so far, ``j = 1 .. K`` (positions never reached continue
+        the last measured per-token acceptance; 0 before any draft)."""
+        out: list[float] = []
+        for j in range(self.k_max):
+            if self.drafted[j]:
+                out.append(self.accepted[j] / self.drafted[j])
+            elif out:
+                prev = out[-2] if len(out) > 1 else 1.0
+                out.append(out[-1] * (out[-1] / prev if prev > 0 else 0.0))
+            else:
+                out.append(0.0)
+        return out
 
-    # ------------------------------------------------------------------ decision
-    def limit(self, rows: int) -> int:
-        """The largest draft length this step may use with ``rows`` rows in flight."""
+    def row_reach(self, drafted: Sequence[int], accepted: Sequence[int], pooled: Sequence[float] | None = None) -> list[float]:
+        """``A_ij`` of one row from its own counts by position, shrunk towards ``pooled``
+        (default: :meth:`pooled_reach`) with the weight of :data:`PRIOR_DRAFTS` drafts; never
+        increasing with ``j``."""
+        pooled = self.pooled_reach() if pooled is None else pooled
+        out: list[float] = []
+        for j in range(self.k_max):
+            d = drafted[j] if j < len(drafted) else 0
+            a = accepted[j] if j < len(accepted) else 0
+            r = (a + PRIOR_DRAFTS * pooled[j]) / (d + PRIOR_DRAFTS)
+            out.append(min(r, out[-1]) if out else r)
+        return out
+
+    def rate(self, reach: Sequence[Sequence[float]], ks: Sequence[int]) -> float:
+        """Expected tokens per second of a step in which row ``i`` drafts ``ks[i]`` tokens."""
+        tokens = sum(1.0 + sum(r[:k]) for r, k in zip(reach, ks))
+        t = self.verify_time(len(ks), max(ks) + 1) + self.propose_time(ks)
+        return tokens / t
+
+    # ------------------------------------------------------------------ decisions
+    def plan(self, reach: Sequence[Sequence[float]], caps: Sequence[int]) -> list[int]:
+        """How many tokens each row asks the proposer for this step.
+
+        Args:
+            reach: per row ``A_i1 .. A_iK`` (:meth:`row_reach`).
+            caps: per row the most it may draft (its schedule, budget and context; 0 = none).
+
+        Returns:
+            Per row ``0 <= k_i <= caps[i]``: the choice with the best :meth:`rate` (for each
+            widest draft ``w``, draft positions added in order of their acceptance; ``A_ij``
+            never grows with ``j``, so the order respects positions); all 0 when no draft pays.  Before the
+            costs are measured: the caps (with some shorter passes); on a probe step, one
+            more than the plan.
+        """
         self.steps += 1
-        if self.verify_passes < MIN_OBSERVATIONS or self.verify_time(1) is None:
-            # explore: a few cheaper passes give the cost line its second point
-            return self.k_max if self.steps % 4 else max(0, self.k_max // 2 - 1)
-        if self.steps % PROBE_EVERY == 0:
-            return self.k_max
-        scores = {k: self.throughput(rows, k) for k in range(self.k_max + 1)}
-        if any(v is None for v in scores.values()):
-            return self.k_max
-        return max(scores, key=lambda k: (scores[k], -k))
+        self.probing = False
+        caps = [max(0, min(int(c), self.k_max)) for c in caps]
+        if not self.measured:
+            if self.steps % 4 == 0:  # a few narrower passes give the cost fit its second width
+                return [min(c, max(0, self.k_max // 2 - 1)) for c in caps]
+            return caps
+        b = len(caps)
+        va, vb, vc = self.verify.weights()
+        pa, pb, pc = self.propose.weights() if self.propose.count else (0.0, 0.0, 0.0)
+
+        def seconds(longest: int, total: int) -> float:
+            t = max(va + vb * b + vc * b * (longest + 1), 1e-9)
+            return t + (max(pa + pb * longest + pc * total, 0.0) if total else 0.0)
+
+        # For each widest draft w, the best choice takes, across rows, the draft positions of
+        # highest acceptance first (each costs the same): a prefix of them, in that order.
+        best, best_ks = b / seconds(0, 0), [0] * b
+        for w in range(1, max(caps, default=0) + 1):
+            order = sorted(((reach[i][j], i, j) for i, c in enumerate(caps) for j in range(min(c, w))),
+                           key=lambda t: (-t[0], t[2]))
+            ks = [0] * b
+            tokens, longest, total = float(b), 0, 0
+            for a, i, j in order:
+                if a <= 0.0:
+                    break
+                ks[i] = j + 1
+                tokens += a
+                longest, total = max(longest, j + 1), total + 1
+                r = tokens / seconds(longest, total)
+                if r > best:
+                    best, best_ks = r, list(ks)
+        self.probing = self.steps % PROBE_EVERY == 0
+        if self.probing:
+            best_ks = [min(c, k + 1) for c, k in zip(caps, best_ks)]
+        return best_ks
+
+    def trim(self, reach: Sequence[Sequence[float]], lengths: Sequence[int]) -> int:
+        """How many tokens of each draft to verify, once drafted (``lengths[i]`` tokens for
+        row ``i``): the width ``W - 1`` with the best tokens per second of the target pass
+        alone (the proposer's time is spent).  Drafts longer than it are cut to it."""
+        longest = max(lengths, default=0)
+        if not longest or not self.measured or self.probing:
+            return longest
+        b = len(lengths)
+
+        def gain(w: int) -> float:
+            return sum(1.0 + sum(r[: min(w, n)]) for r, n in zip(reach, lengths)) / self.verify_time(b, w + 1)
+
+        return max(range(longest + 1), key=lambda w: (gain(w), -w))

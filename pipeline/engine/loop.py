@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .batch import RowState, per_row_settings
+from .batch import RowState
 from .draft_length import DraftLengthPolicy
 from .proposers import ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
@@ -67,10 +67,12 @@ class StepEngine:
             target's where both vocabularies overlap.
         max_batch_size: rows decoded in lockstep (default 16; ``universal`` drafts one
             row at a time).
-        adaptive_draft_length: let the measured verification cost cut ``k`` (down to 0)
-            as the batch grows (:mod:`pipeline.engine.draft_length`): ``None`` (default)
-            for greedy rows when two or more rows are in flight, ``True`` always, ``False``
-            never.  Greedy outputs never depend on it.  Sampled rows keep their draft length
+        adaptive_draft_length: draft length by expected gain: each row drafts the ``k``
+            (0 .. its draft length) that maximises the step's expected tokens per second, from
+            the row's measured acceptance by position and the measured costs
+            (:mod:`pipeline.engine.draft_length`), at any number of rows in flight; 0 when no
+            draft pays, so a method that cannot pay decodes as plain steps.  ``None``
+            (default) for greedy rows, ``True`` for every row, ``False`` never.  Greedy outputs never depend on it.  Sampled rows keep their draft length
             unless ``True``: their law never depends on it, but the draws a seed gives do, and
             the choice follows measured times, so a seed would not reproduce its output.  Off
             with static ensemble verification, whose (lossy) output depends on it.
@@ -228,9 +230,11 @@ class StepEngine:
         """One propose -> verify -> commit step for every row in flight."""
         t0 = self.clock()
         ks = [self._draft_length(r) for r in rows]
-        if self.policy is not None and (self.adaptive or (len(rows) > 1 and not rows[0].settings.do_sample)):
-            limit = self.policy.limit(len(rows))
-            ks = [min(k, limit) for k in ks]
+        policy = self.policy if self.policy is not None and (self.adaptive or not rows[0].settings.do_sample) else None
+        if policy is not None:
+            pooled = policy.pooled_reach()
+            reach = [policy.row_reach(r.stats.drafted_per_position, r.stats.accepted_per_position, pooled) for r in rows]
+            ks = policy.plan(reach, ks)
         want_probs = rows[0].settings.do_sample or self.spec.assistant_ensemble_weight is not None
         drafts: list[Draft] = [empty_draft(r.sequence.device) for r in rows]
         asks = [i for i, k in enumerate(ks) if k > 0]
@@ -240,8 +244,13 @@ class StepEngine:
             for i, d in zip(asks, self.proposer.propose(requests)):
                 drafts[i] = d
         t1 = self.clock()
-        if self.policy is not None and asks:
-            self.policy.observe_propose(len(asks), max(ks), t1 - t0)
+        if policy is not None and asks:
+            policy.observe_propose(ks, t1 - t0)
+            if not rows[0].settings.do_sample:
+                # Greedy only: a draft's length may depend on its tokens (a confidence threshold
+                # stops it), and cutting sampled drafts by it would bias the accepted tokens.
+                keep_n = policy.trim(reach, [len(d) for d in drafts])
+                drafts = [d if len(d) <= keep_n else d.truncated(keep_n) for d in drafts]
 
         tokens, starts = [], []
         switch = self.layout.longrope_switch
@@ -259,7 +268,7 @@ class StepEngine:
         keep = max(len(d) for d in drafts) + 1
         logits = self.target_pass([r.slot for r in rows], tokens, starts, keep)
         if self.policy is not None:
-            self.policy.observe_verify(len(rows), sum(len(d) + 1 for d in drafts), self.clock() - t1)
+            self.policy.observe_verify(len(rows), keep, self.clock() - t1)
         t2 = self.clock()
 
         ensemble = self.spec.assistant_ensemble_weight

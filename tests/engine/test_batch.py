@@ -69,17 +69,17 @@ def arch(request):
     return request.param, target, drafter, rows, references
 
 
-def method_engines(name, target, drafter, batch):
-    yield "plain", SpeculativeEngine(target, max_batch_size=batch)
+def method_engines(name, target, drafter, batch, **kw):
+    yield "plain", SpeculativeEngine(target, max_batch_size=batch, **kw)
     yield "draft_model", SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=K),
-                                           drafter=drafter, max_batch_size=batch)
+                                           drafter=drafter, max_batch_size=batch, **kw)
     yield "prompt_lookup", SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup",
                                                                          prompt_lookup_num_tokens=K),
-                                             max_batch_size=batch)
+                                             max_batch_size=batch, **kw)
     if name != "gpt2":  # GPT-2's learned positions cannot be split (see test_architectures)
         yield "early_exit", SpeculativeEngine(target, SpeculationSettings(method="early_exit", assistant_early_exit=1,
                                                                           num_assistant_tokens=K),
-                                              max_batch_size=batch)
+                                              max_batch_size=batch, **kw)
 
 
 @pytest.mark.parametrize("batch", BATCH_SIZES)
@@ -109,12 +109,13 @@ def test_shuffled_rows_give_every_row_the_same_output(arch):
 
 
 def test_draft_length_by_load_never_changes_an_output(arch, monkeypatch):
-    """Whatever k the load policy picks each step (here: at random, down to 0), every
-    row's output stays the same."""
+    """Whatever draft length each row asks for and however much of its draft is verified
+    (here: at random, down to 0, per row and step), every row's output stays the same."""
     name, target, drafter, rows, references = arch
     rng = random.Random(5)
-    monkeypatch.setattr(DraftLengthPolicy, "limit", lambda self, rows: rng.randint(0, self.k_max))
-    for method, engine in method_engines(name, target, drafter, 8):
+    monkeypatch.setattr(DraftLengthPolicy, "plan", lambda self, reach, caps: [rng.randint(0, c) for c in caps])
+    monkeypatch.setattr(DraftLengthPolicy, "trim", lambda self, reach, lengths: rng.randint(0, max(lengths)))
+    for method, engine in method_engines(name, target, drafter, 8, adaptive_draft_length=True):
         if method == "plain":
             continue
         results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
@@ -253,7 +254,7 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     exact = ts.exact_two_token_distribution(target)
     if load == "random":
         rng = random.Random(9)
-        monkeypatch.setattr(DraftLengthPolicy, "limit", lambda self, rows: rng.randint(0, self.k_max))
+        monkeypatch.setattr(DraftLengthPolicy, "plan", lambda self, reach, caps: [rng.randint(0, c) for c in caps])
     engine = SpeculativeEngine(target, SpeculationSettings(method=method, num_assistant_tokens=2,
                                                            prompt_lookup_num_tokens=2),
                                drafter=drafter if method == "draft_model" else None, max_batch_size=4,

@@ -63,44 +63,50 @@ def test_acceptance_by_position_from_a_rows_counts():
     assert per_token_acceptance([4, 0], [0, 0]) == [0.0, None]
 
 
-def _policy(k_max, alpha, verify, draft_per_row):
-    """A policy fed synthetic observations: drafts accepted with per-token α, passes whose
-    time is ``verify(tokens)``, drafting positions at ``draft_per_row * rows`` seconds."""
+def _policy(k_max, alpha, verify, draft_s):
+    """A policy fed synthetic observations: drafts accepted with per-token α, passes of
+    ``B`` rows of width ``W`` costing ``verify(B, W)`` seconds, a proposer call costing
+    ``draft_s`` per draft position."""
     p = DraftLengthPolicy(k_max)
     for i in range(1000):  # accepted prefix j with probability α^j (1 − α), capped at k_max
         u, j = (i + 0.5) / 1000, 0
         while j < k_max and u < alpha ** (j + 1):
             j += 1
         p.observe_draft(k_max, j)
-    for tokens in (1, 4, 8, 16, 24, 32, 48, 64) * 3:
-        p.observe_verify(1, tokens, verify(tokens))
     for rows in (1, 4, 8):
-        p.observe_propose(rows, 3, 3 * draft_per_row * rows)
+        for width in range(1, k_max + 2):
+            p.observe_verify(rows, width, verify(rows, width))
+            p.observe_propose([width - 1] * rows, draft_s * (width - 1))
     return p
 
 
 def test_engine_policy_predicts_with_the_shared_formula():
-    p = _policy(6, 0.8, lambda n: 0.01 + 0.002 * n, 0.0005)
+    """With one k for every row, the policy's rate is the tuner's formula
+    (cost_model.tokens_per_second) on the same measured costs."""
+    verify = lambda b, w: 0.01 + 0.001 * b + 0.002 * b * w
+    p = _policy(6, 0.8, verify, 0.0005)
     reach = reach_from_counts(p.accepted, p.drafted)
+    assert p.pooled_reach() == pytest.approx(reach)
     for rows in (1, 4, 8):
         for k in range(7):
-            expected = tokens_per_second(rows, k, reach, 0.01 + 0.002 * rows * (k + 1), 0.0005 * rows)
-            assert p.throughput(rows, k) == pytest.approx(expected, rel=1e-6)
-    assert p.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512, rel=0.01)
+            expected = tokens_per_second(rows, k, reach, verify(rows, k + 1), 0.0005 if k else 0.0)
+            assert p.rate([reach] * rows, [k] * rows) == pytest.approx(expected, rel=1e-6)
+    assert expected_tokens(p.pooled_reach(), 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512, rel=0.01)
 
 
 def test_engine_policy_picks_the_known_optimum():
     """A flat verification cost (a memory-bound GPU) drafts the full K; a cost that grows
     with every token as fast as a plain step (a CPU at large batch) drafts nothing; in
-    between, the optimum of B·E(k) / (t(B(k+1)) + k·t_d) computed by hand."""
-    p = _policy(6, 0.8, lambda n: 0.01, 0.0)
-    assert p.limit(8) == 6
-    p = _policy(6, 0.8, lambda n: 0.01 * n, 0.0)
-    assert p.limit(8) == 0
-    # t(n) = 10 ms + 1 ms per token, 8 rows: 8·E(k) / (0.01 + 0.008 (k + 1)); α = 0.8:
+    between, the optimum of B·E(k) / (t(B, k + 1) + k·t_d) computed by hand."""
+    reach = lambda p: [p.pooled_reach()] * 8
+    p = _policy(6, 0.8, lambda b, w: 0.01, 0.0)
+    assert p.plan(reach(p), [6] * 8) == [6] * 8
+    p = _policy(6, 0.8, lambda b, w: 0.01 * b * w, 0.0)
+    assert p.plan(reach(p), [6] * 8) == [0] * 8
+    # t = 10 ms + 1 ms per token, 8 rows: 8·E(k) / (0.01 + 0.008 (k + 1)); α = 0.8:
     # k = 1: 14.4/0.026 = 554, k = 2: 19.5/0.034 = 574, k = 3: 23.6/0.042 = 562 -> k = 2
-    p = _policy(6, 0.8, lambda n: 0.01 + 0.001 * n, 0.0)
-    assert p.limit(8) == 2
+    p = _policy(6, 0.8, lambda b, w: 0.01 + 0.001 * b * w, 0.0)
+    assert p.plan(reach(p), [6] * 8) == [2] * 8
 
 
 # ---------------------------------------------------------------------------- profile

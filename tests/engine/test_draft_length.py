@@ -1,55 +1,119 @@
-"""The draft-length-by-load model (pipeline/engine/draft_length.py) on synthetic costs:
-it returns the known optimum."""
+"""Draft length by expected gain (pipeline/engine/draft_length.py) on synthetic costs and
+acceptance: per row, at every batch size, 0 when nothing pays; and in a real engine."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from pipeline.engine.draft_length import MIN_OBSERVATIONS, PROBE_EVERY, DraftLengthPolicy
+from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
+from pipeline.engine.draft_length import MIN_OBSERVATIONS, PRIOR_DRAFTS, PROBE_EVERY, DraftLengthPolicy
+
+from tiny_models import build, prompt_of
 
 
-def _policy(k_max, alpha, verify, draft_s, rows):
-    """A policy that has seen per-position acceptance ``alpha ** (i + 1)``, verification
-    passes costing ``verify(tokens)`` seconds, and ``draft_s`` seconds per drafted position."""
+def _policy(k_max, verify, draft_s=0.0):
+    """A policy whose cost fits have seen passes of every width at 1, 4 and 8 rows costing
+    ``verify(rows, width)`` and proposer calls costing ``draft_s`` per draft position."""
     p = DraftLengthPolicy(k_max)
-    for _ in range(1000):  # drafts of k_max tokens with the given acceptance by position
-        p.drafted = [d + 1 for d in p.drafted]
-    p.accepted = [1000 * alpha ** (i + 1) for i in range(k_max)]
-    for tokens in range(rows, rows * (k_max + 1) + 1, rows):
-        for _ in range(3):
-            p.observe_verify(rows, tokens, verify(tokens))
-    p.observe_propose(rows, 1, draft_s)
-    assert p.verify_passes >= MIN_OBSERVATIONS
+    for rows in (1, 2, 4, 8):
+        for width in range(1, k_max + 2):
+            for _ in range(2):
+                p.observe_verify(rows, width, verify(rows, width))
+                p.observe_propose([width - 1] * rows, draft_s * (width - 1))
+    assert p.verify_passes >= MIN_OBSERVATIONS and p.measured
+    p.steps = 1  # not a probe step
     return p
 
 
-def expected_best(k_max, alpha, verify, draft_s, rows):
-    def rate(k):
-        e = 1 + sum(alpha ** (i + 1) for i in range(k))
-        return rows * e / (verify(rows * (k + 1)) + k * draft_s)
-
-    return max(range(k_max + 1), key=rate)
+def geometric(alpha, k):
+    return [alpha ** (j + 1) for j in range(k)]
 
 
-@pytest.mark.parametrize("alpha, base, per_token, draft_s, rows, best", [
-    (0.8, 0.010, 0.0, 0.001, 4, 6),      # verification free (memory-bound GPU): draft all the way
-    (0.8, 0.010, 0.0020, 0.001, 16, 1),  # compute-bound at 16 rows: short drafts
-    (0.3, 0.010, 0.0005, 0.003, 8, 0),   # drafts rarely accepted and not free: plain steps
-    (0.9, 0.010, 0.0010, 0.002, 8, 3),   # an interior optimum
+def brute_force_best(p, reach, caps):
+    return max(p.rate(reach, ks) for ks in itertools.product(*[range(c + 1) for c in caps]))
+
+
+@pytest.mark.parametrize("verify, draft_s, alphas", [
+    (lambda b, w: 0.010 + 0.001 * b + 0.0020 * b * w, 0.001, [0.9, 0.2]),     # a CPU: costs grow with tokens
+    (lambda b, w: 0.010, 0.0005, [0.8, 0.5, 0.0]),                               # verification free (a GPU)
+    (lambda b, w: 0.010 + 0.0001 * b + 0.0005 * b * w, 0.003, [0.95, 0.6, 0.3]),
+    (lambda b, w: 0.020 + 0.005 * b * w, 0.002, [0.3, 0.3]),                     # nothing pays
 ])
-def test_the_policy_picks_the_optimum_of_its_model(alpha, base, per_token, draft_s, rows, best):
-    verify = lambda tokens: base + per_token * tokens
-    p = _policy(6, alpha, verify, draft_s, rows)
-    assert expected_best(6, alpha, verify, draft_s, rows) == best
-    assert p.verify_time(rows * 3) == pytest.approx(verify(rows * 3))
-    p.steps = 1  # not a probe step
-    assert p.limit(rows) == best
+def test_the_plan_is_the_best_choice_of_per_row_lengths(verify, draft_s, alphas):
+    k = 4
+    p = _policy(k, verify, draft_s)
+    reach = [geometric(a, k) for a in alphas]
+    caps = [k] * len(alphas)
+    ks = p.plan(reach, caps)
+    assert p.rate(reach, ks) == pytest.approx(brute_force_best(p, reach, caps), rel=1e-9)
+    # a row never drafts further than another row with better acceptance at every position
+    for (ra, ka), (rb, kb) in itertools.combinations(zip(reach, ks), 2):
+        if all(x >= y for x, y in zip(ra, rb)):
+            assert ka >= kb
+
+
+def test_one_row_drafts_leviathans_optimum_and_zero_when_nothing_pays():
+    """One row, t(1, W) = 10 ms + 4 ms per extra token, drafter 1 ms per position:
+    E(k) / T(k) with E = 1 + α + … + α^k; α = 0.8 → k = 3 (by hand: 1.8/0.015 = 120,
+    2.44/0.020 = 122, 2.95/0.025 = 118.1 → k = 2)."""
+    p = _policy(6, lambda b, w: 0.010 + 0.004 * (w - 1) * b, 0.001)
+    assert p.plan([geometric(0.8, 6)], [6]) == [2]
+    assert p.plan([geometric(0.2, 6)], [6]) == [0]  # 1.2 / 0.015 = 80 < 1 / 0.010 = 100
+    assert p.plan([geometric(0.99, 6)], [3]) == [3]  # capped by the row's own limit
+
+
+def test_rows_that_do_not_pay_do_not_draft_while_the_others_do():
+    p = _policy(4, lambda b, w: 0.010 + 0.001 * b * w, 0.0002)
+    ks = p.plan([geometric(0.9, 4), [0.0] * 4, geometric(0.9, 4)], [4, 4, 4])
+    assert ks[1] == 0 and ks[0] == ks[2] > 0
+
+
+def test_trim_keeps_the_width_that_pays_once_the_drafts_are_known():
+    """Prompt lookup drafts for free: the decision is how much of the drafts to verify.
+    A wide pass costs 5 ms per token per row: a 10-token draft for one row of eight, with
+    acceptance 0.9, is worth a few of its tokens at most; short drafts are kept."""
+    p = _policy(10, lambda b, w: 0.010 + 0.005 * b * w)
+    reach = [geometric(0.9, 10)] + [geometric(0.5, 10)] * 7
+    lengths = [10] + [0] * 7
+    w = p.trim(reach, lengths)
+    gains = {x: (8 + sum(reach[0][:x])) / (0.010 + 0.005 * 8 * (x + 1)) for x in range(11)}
+    assert w == max(gains, key=gains.get) and w < 10
+    assert p.trim(reach, [1] * 8) in (0, 1)
+    assert p.trim(reach, [0] * 8) == 0
+
+
+def test_a_row_starts_from_the_engine_and_moves_with_its_own_evidence():
+    p = DraftLengthPolicy(3)
+    for _ in range(100):
+        p.observe_draft(3, 2)  # the engine: positions 1 and 2 always accepted, 3 never
+    assert p.pooled_reach() == pytest.approx([1.0, 1.0, 0.0])
+    assert p.row_reach([], [], p.pooled_reach()) == pytest.approx([1.0, 1.0, 0.0])
+    bad = p.row_reach([20, 20, 20], [0, 0, 0])  # this row's drafts all failed
+    assert bad[0] == pytest.approx(PRIOR_DRAFTS / (20 + PRIOR_DRAFTS)) and bad[0] < 0.2
+    assert all(a >= b for a, b in zip(bad, bad[1:]))  # never increasing with the position
 
 
 def test_it_drafts_the_full_length_until_it_has_measured_and_probes_now_and_then():
     p = DraftLengthPolicy(5)
-    first = [p.limit(8) for _ in range(8)]
-    assert first.count(5) >= 6 and min(first) < 5  # mostly K, a few shorter passes to measure
-    p = _policy(5, 0.1, lambda t: 0.01 + 0.002 * t, 0.003, 8)
-    choices = [p.limit(8) for _ in range(2 * PROBE_EVERY)]
-    assert set(choices) == {0, 5} and choices.count(5) == 2
+    first = [p.plan([[0.0] * 5], [5])[0] for _ in range(8)]
+    assert first.count(5) >= 6 and min(first) < 5  # mostly the caps, a few shorter passes to measure
+    p = _policy(5, lambda b, w: 0.01 + 0.01 * b * w, 0.003)  # nothing pays
+    p.steps = 0
+    choices = [p.plan([[0.1] * 5], [5])[0] for _ in range(2 * PROBE_EVERY)]
+    assert set(choices) == {0, 1} and choices.count(1) == 2
+
+
+def test_in_the_engine_a_useless_drafter_falls_back_to_plain_steps():
+    """A drafter whose drafts are never accepted (a random one) ends up drafting on a small
+    share of steps at one row in flight, and the output is plain's."""
+    target = build("llama", seed=0)
+    drafter = build("llama", seed=7, hidden=32, layers=1)
+    prompt = prompt_of(12, seed=3)
+    plain = SpeculativeEngine(target).generate(prompt, GenerationSettings(max_new_tokens=120)).token_ids
+    engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=4), drafter=drafter,
+                               adaptive_draft_length=None)  # the default, which the engine tests' fixture changes
+    out = engine.generate(prompt, GenerationSettings(max_new_tokens=120))
+    assert out.token_ids == plain
+    assert out.stats.draft_steps < 0.5 * out.stats.verify_steps

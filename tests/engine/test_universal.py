@@ -110,14 +110,14 @@ def test_drafts_continue_the_committed_text(pair):
         """The drafter's cache holds exactly the keys of one uncached pass over its ids."""
         reference = DynamicCache(config=drafter.config)
         with torch.no_grad():
-            drafter(input_ids=torch.tensor([proposer.ids]), cache=reference, use_cache=True)
+            drafter(input_ids=torch.tensor([proposer.ids[0]]), cache=reference, use_cache=True)
         for layer, ref in zip(proposer.runner.cache.layers, reference.layers):
-            torch.testing.assert_close(layer.keys[0, :, : len(proposer.ids)], ref.keys[0])
+            torch.testing.assert_close(layer.keys[0, :, : len(proposer.ids[0])], ref.keys[0])
 
     sequence = torch.tensor([tok_t("First Citizen:\nBefore we proceed").input_ids])
     draft = proposer.propose([DraftRequest(0, sequence, K, shaper, None, False)])[0]
     synced = tok_d(decode(sequence[0].tolist())).input_ids
-    assert proposer.ids[: len(synced)] == synced
+    assert proposer.ids[0][: len(synced)] == synced
     cache_matches_ids()
     if len(draft):
         text = decode(sequence[0].tolist() + draft.tokens.tolist())
@@ -126,7 +126,7 @@ def test_drafts_continue_the_committed_text(pair):
     other = torch.cat([sequence, torch.tensor([tok_t(" away").input_ids[1:]])], dim=1)
     proposer.propose([DraftRequest(0, other, K, shaper, None, False)])
     synced = tok_d(decode(other[0].tolist())).input_ids
-    assert proposer.ids[: len(synced)] == synced
+    assert proposer.ids[0][: len(synced)] == synced
     cache_matches_ids()
 
 
@@ -149,6 +149,12 @@ def test_trained_pair_accepts_drafts(tmp_path):
         drafted += result.stats.draft_tokens
         accepted += result.stats.accepted_tokens
     assert drafted > 0 and 0.05 < accepted / drafted < 1
+    # the same rows in flight together: one drafter pass per draft position for all of them
+    rows = prompts(tok_t, 4)
+    batched = eng.generate_batch(rows, GenerationSettings(max_new_tokens=30), max_batch_size=4)
+    for prompt, result in zip(rows, batched):
+        assert result.token_ids == SpeculativeEngine(target).generate(prompt, GenerationSettings(max_new_tokens=30)).token_ids
+    assert sum(r.stats.accepted_tokens > 0 for r in batched) >= 2
 
 
 def test_needs_both_tokenizers_and_refuses_ensemble(pair):
@@ -162,14 +168,16 @@ def test_needs_both_tokenizers_and_refuses_ensemble(pair):
                           drafter=drafter, tokenizer=tok_t, drafter_tokenizer=tok_d)
 
 
-def test_batch_runs_one_row_at_a_time(pair):
-    """Universal drafting re-synchronises through text, one row at a time: a batch runs its
-    rows in turn (one slot), each equal to its plain output."""
+def test_rows_draft_together_in_a_batch(pair):
+    """The drafter runs every drafting row in one pass per draft position (one slot of its
+    cache per row): a batch of rows in flight, each equal to its plain output, with drafts
+    made for several rows (a trained pair's batch: test_trained_pair_accepts_drafts)."""
     target, drafter, tok_t, tok_d = pair
     eng = engine(pair)
     rows = prompts(tok_t)
     results = eng.generate_batch(rows, GenerationSettings(max_new_tokens=20), max_batch_size=8)
-    assert eng.runner.cache.max_rows == 1
+    assert eng.runner.cache.max_rows == len(rows) == eng.proposer.runner.cache.max_rows
+    assert sum(r.stats.draft_tokens > 0 for r in results) >= 2
     plain = SpeculativeEngine(target)
     for prompt, result in zip(rows, results):
         assert result.token_ids == plain.generate(prompt, GenerationSettings(max_new_tokens=20)).token_ids

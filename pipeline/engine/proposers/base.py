@@ -54,6 +54,10 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def truncated(self, n: int) -> "Draft":
+        """The draft's first ``n`` tokens (and their distributions)."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
+
 
 @dataclass
 class DraftRequest:

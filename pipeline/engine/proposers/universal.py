@@ -24,6 +24,10 @@ Each step:
    lone suffix, as SentencePiece Llama tokenizers do, fails that check when the drafted
    text continues a word the target cut: that step proposes nothing.)
 
+Rows draft together: each draft position is one batched drafter pass over the rows still
+drafting (each feeding its own ids at its own positions, in its own slot of the drafter's
+cache); steps 1 and 3 are per row (tokenizer work on the CPU).
+
 The proposer is deterministic (``q`` one-hot), so greedy and sampled decoding both stay
 lossless; static ensemble verification is refused (no draft logits in the target's
 vocabulary).  A drafter whose context cannot hold the row proposes nothing (the step
@@ -62,8 +66,7 @@ class UniversalProposer:
     """
 
     adaptive = True
-    #: the drafter re-synchronises through text, one row at a time
-    max_rows = 1
+    max_rows = None
 
     def __init__(self, target, drafter, tokenizer, drafter_tokenizer):
         if drafter is None:
@@ -86,14 +89,15 @@ class UniversalProposer:
             eos.add(drafter_tokenizer.eos_token_id)
         self.draft_eos = eos
         self.runner: ModelRunner | None = None
-        self.ids: list[int] = []  # drafter ids in the drafter's cache (slot 0), in order
+        self.ids: list[list[int]] = []  # per slot: the drafter ids in the drafter's cache, in order
 
     def bind(self, max_rows: int, target_runner) -> None:
-        self.runner = ModelRunner(self.model, 1, self.layout)
-        self.ids = []
+        self.runner = ModelRunner(self.model, max_rows, self.layout)
+        self.ids = [[] for _ in range(max_rows)]
 
     def admit(self, slots, prompts) -> None:
-        self.ids = []
+        for s in slots:
+            self.ids[s] = []
 
     def rollback(self, slot: int, valid_length: int) -> None:
         pass  # re-synchronised from the committed text at the next propose()
@@ -126,39 +130,53 @@ class UniversalProposer:
         return []
 
     # ------------------------------------------------------------------ drafting
-    def _sync(self, text: str) -> list[int] | None:
-        """Crop the drafter's cache to what still matches ``text``; the ids to feed."""
+    def _sync(self, slot: int, text: str) -> list[int] | None:
+        """Crop the slot's drafter cache to what still matches ``text``; the ids to feed."""
         target_ids = self.tok_d(text, add_special_tokens=True).input_ids
         if not target_ids:
             return None
-        keep = min(_common_prefix(self.ids, target_ids), len(target_ids) - 1)
-        self.ids = self.ids[:keep]  # the cache's entries past them are never read again
+        keep = min(_common_prefix(self.ids[slot], target_ids), len(target_ids) - 1)
+        self.ids[slot] = self.ids[slot][:keep]  # the cache's entries past them are never read again
         return target_ids[keep:]
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [self._propose(r) for r in requests]
+        drafts = [empty_draft(r.sequence.device) for r in requests]
+        committed = [r.sequence[0].tolist() for r in requests]
+        feeds: dict[int, list[int]] = {}
+        synced: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            feed = self._sync(r.slot, self._decode_t(committed[i]))
+            if feed is None or (self.context is not None and len(self.ids[r.slot]) + len(feed) + r.k > self.context):
+                continue
+            feeds[i] = feed
+            synced[i] = len(self.ids[r.slot]) + len(feed)  # the drafter's ids of the committed text
+        drafted: dict[int, list[int]] = {i: [] for i in feeds}
+        active = list(feeds)
+        while active:
+            slots = [requests[i].slot for i in active]
+            inputs = [torch.tensor(feeds[i], dtype=torch.long, device=self.device) for i in active]
+            starts = [len(self.ids[s]) for s in slots]
+            logits = self.runner.forward(slots, inputs, starts, logits_to_keep=1).logits[:, -1, : self.draft_width]
+            chosen = logits.argmax(-1).tolist()
+            still = []
+            for i, s, token in zip(active, slots, chosen):
+                self.ids[s].extend(feeds[i])
+                if token in self.draft_eos:
+                    continue
+                drafted[i].append(token)
+                feeds[i] = [token]
+                if len(drafted[i]) < requests[i].k:
+                    still.append(i)
+            active = still
+        for i, tokens in drafted.items():
+            if tokens:
+                drafts[i] = self._to_draft(requests[i], committed[i], self.ids[requests[i].slot][: synced[i]], tokens)
+        return drafts
 
-    def _propose(self, request: DraftRequest) -> Draft:
+    def _to_draft(self, request: DraftRequest, committed: list[int], base: list[int], drafted: list[int]) -> Draft:
+        """The drafter's tokens ``drafted`` after its ids ``base`` of the committed text, as a
+        draft in the target's vocabulary (empty when the text does not carry over)."""
         device = request.sequence.device
-        committed = request.sequence[0].tolist()
-        text = self._decode_t(committed)
-        feed = self._sync(text)
-        if feed is None or (self.context is not None and len(self.ids) + len(feed) + request.k > self.context):
-            return empty_draft(device)
-        synced = len(self.ids) + len(feed)  # the drafter's ids of `text`
-        drafted: list[int] = []
-        for _ in range(request.k):
-            inputs = torch.tensor(feed, dtype=torch.long, device=self.device)
-            logits = self.runner.forward([0], [inputs], [len(self.ids)], logits_to_keep=1).logits[0, -1]
-            self.ids.extend(feed)
-            token = int(logits[: self.draft_width].argmax())
-            if token in self.draft_eos:
-                break
-            drafted.append(token)
-            feed = [token]
-        if not drafted:
-            return empty_draft(device)
-        base = self.ids[:synced]
         base_text = self._decode_d(base)
         full = self._decode_d(base + drafted)
         if not full.startswith(base_text):
