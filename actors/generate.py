@@ -129,6 +129,7 @@ class GenerateActor:
                  and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
         plain = self._decode(self.plain_engine, [todo[j][1] for j in audit], [settings[j] for j in audit]) if audit else []
         audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None) for j, p in zip(audit, plain)}
+        plain_time = {j: p.stats.wall_time_s for j, p in zip(audit, plain) if p.error is None}
         for j, ((i, _), res) in enumerate(zip(todo, results)):
             out = outs[i]
             if res.error is not None:
@@ -139,6 +140,7 @@ class GenerateActor:
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             out["error"] = None
             out["audit"] = audited.get(j)
+            out["audit_plain_time_s"] = plain_time.get(j)
         self.rows_done += len(rows)
         return outs
 

@@ -81,24 +81,22 @@ def leviathan_bound(alpha: float, k: float, c: float) -> float:
     return e / (1 + k * c)
 
 
-def prompts_of(cfg, rows: range) -> list[list[int]]:
+def prompts_of(cfg, tokenizer, rows: range) -> list[list[int]]:
     """The job's prompts (template, chat template) for XSum articles ``rows``, as token ids."""
-    from pipeline.loading import load_engine
     from pipeline.prompts import PromptBuilder
 
-    builder = PromptBuilder(load_engine(cfg, max_batch_size=1).models.tokenizer, cfg.task)
+    builder = PromptBuilder(tokenizer, cfg.task)
     lines = XSUM.read_text().splitlines()
     return [builder.build(json.loads(lines[i])["article"])[1] for i in rows]
 
 
-def run_one(cfg, prompts, batch: int, new_tokens: int) -> dict:
-    """One method at ``batch`` rows in flight: timings, statistics and token ids."""
+def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) -> dict:
+    """One method at ``batch`` rows in flight on loaded ``models``: timings, statistics and ids."""
     from pipeline.engine import GenerationSettings
-    from pipeline.loading import load_engine
+    from pipeline.loading import build_engine
 
-    loaded = load_engine(cfg, max_batch_size=batch)
-    engine = loaded.engine
-    engine.clock = time.process_time  # the rows' times and the load policy on the CPU clock
+    clock = time.process_time if cpu_clock else time.perf_counter
+    engine = build_engine(models, cfg.method.speculation_settings(), batch, cfg.compute.adaptive_draft_length, clock)
     settings = GenerationSettings(max_new_tokens=new_tokens, do_sample=False)
     engine.generate_batch([prompts[0][:32]], GenerationSettings(max_new_tokens=4, do_sample=False))  # warm-up
     if engine.policy is not None:  # the warm-up's measurements are not this run's
@@ -137,6 +135,7 @@ def run_one(cfg, prompts, batch: int, new_tokens: int) -> dict:
         "draft_step_share": draft_steps / verify_steps if verify_steps else 0.0,
         "mean_draft_length": drafted / draft_steps if draft_steps else 0.0,
         "propose_s_per_position": propose.cpu / max(1, sum(asked)) if asked else 0.0,
+        "propose_wall_s_per_position": propose.wall / max(1, sum(asked)) if asked else 0.0,
         "propose_calls": len(asked), "step_calls": step.calls,
         "token_ids": [r.token_ids for r in results],
     }
@@ -148,8 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,eagle")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--rows", default="200:264", help="XSum rows a:b (held out from the drafters' training)")
+    ap.add_argument("--min-rows", type=int, default=None,
+                    help="run B rows in flight on max(min_rows, 2B) of the rows only (the GPU check's budget)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the models' device)")
+    ap.add_argument("--dtype", default=None, help="models.dtype (default: the config's; float32 on the CPU)")
     ap.add_argument("--set", action="append", default=[], help="config override section.key=value (every method)")
     ap.add_argument("--output", default=None, help="write report.json / report.md here (e.g. reports/bench_real)")
     args = ap.parse_args(argv)
@@ -157,80 +160,120 @@ def main(argv=None) -> int:
     import torch
 
     from pipeline.config import load_config
+    from pipeline.engine.exactness import NEAR_TIE, NEAR_TIE_ULPS, compare_rows
+    from pipeline.loading import load_job_models
 
     torch.set_num_threads(args.threads)
     a, b = (int(x) for x in args.rows.split(":"))
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    if methods[0] != "plain":
-        methods = ["plain"] + [m for m in methods if m != "plain"]
+    methods = ["plain"] + [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "plain"]
+    cpu_clock = args.device == "cpu"
+    clock_name = "CPU" if cpu_clock else "wall"
 
     def config(method):
-        sets = [f"method.name={method}"] + args.set
+        sets = [f"method.name={method}"] + ([f"models.dtype={args.dtype}"] if args.dtype else []) + args.set
         if method in DEFAULT_DRAFTERS:
             sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[method]}")
         return load_config(args.config, sets)
 
-    prompts = prompts_of(config("plain"), range(a, b))
-    print(f"{len(prompts)} XSum articles ({a}-{b - 1}), prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
-          f"{args.new_tokens} new tokens, greedy, {args.threads} thread(s)", flush=True)
+    def rows_for(batch: int, n: int) -> int:
+        return n if args.min_rows is None else min(n, max(args.min_rows, 2 * batch))
+
     runs: dict[str, dict[int, dict]] = {}
+    prompts = target = None
     for method in methods:
         cfg = config(method)
+        drafter = cfg.models.drafter if cfg.uses_drafter else None
+        if drafter and not Path(drafter).exists():
+            print(f"  {method}: skipped, its drafter {drafter} is not there", flush=True)
+            continue
+        models = load_job_models(cfg, args.device)
+        if prompts is None:
+            prompts, target = prompts_of(cfg, models.tokenizer, range(a, b)), models.target
+            print(f"{len(prompts)} XSum articles ({a}-{b - 1}), prompt tokens {min(map(len, prompts))}-"
+                  f"{max(map(len, prompts))}, {args.new_tokens} new tokens, greedy, {args.device} "
+                  f"{cfg.models.dtype}, {args.threads} thread(s), {clock_name} clock", flush=True)
         for batch in sizes:
-            r = run_one(cfg, prompts, batch, args.new_tokens)
+            r = run_one(cfg, models, prompts[: rows_for(batch, len(prompts))], batch, args.new_tokens, cpu_clock)
             runs.setdefault(method, {})[batch] = r
-            print(f"  {method:14s} B={batch}: {r['tokens_per_s_cpu']:.1f} tokens/s CPU ({r['cpu_s']:.0f} s)", flush=True)
+            print(f"  {method:14s} B={batch}: {r['tokens_per_s_cpu' if cpu_clock else 'tokens_per_s_wall']:.1f} "
+                  f"tokens/s {clock_name} ({r['cpu_s' if cpu_clock else 'wall_s']:.1f} s)", flush=True)
+        del models
 
-    head = ("| method | rows in flight | tokens/s CPU | decode CPU | tokens/s wall | decode wall | speedup CPU "
-            "| decode speedup CPU | acceptance | mean accepted length | tokens/step | drafting steps | α | k | c | S | "
-            "efficiency | identical |")
+    key, dkey = ("tokens_per_s_cpu", "decode_tokens_per_s_cpu") if cpu_clock else ("tokens_per_s_wall", "decode_tokens_per_s_wall")
+    dsec = "decode_cpu_s" if cpu_clock else "decode_wall_s"
+    head = (f"| method | rows in flight | tokens/s CPU | decode CPU | tokens/s wall | decode wall | speedup {clock_name} "
+            f"| decode speedup {clock_name} | acceptance | mean accepted length | tokens/step | drafting steps | α | k | c "
+            "| S | efficiency | identical | at a near-tie |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ratios: dict[str, dict[int, float]] = {}
+    f = lambda v, spec=".2f": "–" if v is None else format(v, spec)
     for method, by_b in runs.items():
         for batch, r in by_b.items():
             p = runs["plain"][batch]
-            speed = r["tokens_per_s_cpu"] / p["tokens_per_s_cpu"]
-            dspeed = r["decode_tokens_per_s_cpu"] / p["decode_tokens_per_s_cpu"]
-            same = sum(x == y for x, y in zip(r["token_ids"], p["token_ids"]))
+            speed, dspeed = r[key] / p[key], r[dkey] / p[dkey]
+            n = len(r["token_ids"])
+            checks = compare_rows(target, prompts[:n], r["token_ids"], p["token_ids"])
+            same = sum(c.identical for c in checks)
+            ties = sum(1 for c in checks if not c.identical and c.near_tie)
             alpha = k = c = s_bound = eff = None
             if method != "plain" and r["mean_accepted_length"]:
                 k = r["mean_draft_length"]
                 alpha = solve_alpha(r["mean_accepted_length"], k)
-                c = r["propose_s_per_position"] / (p["decode_cpu_s"] / p["step_calls"])  # per plain step
+                per_pos = r["propose_s_per_position"] if cpu_clock else r["propose_wall_s_per_position"]
+                c = per_pos / (p[dsec] / p["step_calls"])  # one drafting position / one plain step
                 s_bound = leviathan_bound(alpha, k, c)
                 eff = dspeed / s_bound
-            r.update({"speedup_cpu": speed, "decode_speedup_cpu": dspeed, "identical": same, "alpha": alpha,
-                      "k": k, "c": c, "S": s_bound, "efficiency": eff})
+            r.update({"speedup": speed, "decode_speedup": dspeed, "identical": same, "near_ties": ties,
+                      "largest_gap": max((c_.gap for c_ in checks if not c_.identical), default=None),
+                      "alpha": alpha, "k": k, "c": c, "S": s_bound, "efficiency": eff})
             if method != "plain":
                 ratios.setdefault(method, {})[batch] = speed
-            f = lambda v, spec=".2f": "–" if v is None else format(v, spec)
             lines.append(f"| {method} | {batch} | {r['tokens_per_s_cpu']:.1f} | {r['decode_tokens_per_s_cpu']:.1f} | "
                          f"{r['tokens_per_s_wall']:.1f} | {r['decode_tokens_per_s_wall']:.1f} | {speed:.2f}× | "
                          f"{dspeed:.2f}× | {f(r['acceptance_rate'], '.3f')} | {f(r['mean_accepted_length'])} | "
                          f"{f(r['tokens_per_step'])} | {r['draft_step_share']:.2f} | {f(alpha)} | {f(k)} | {f(c, '.3f')} | "
-                         f"{f(s_bound)}{'×' if s_bound else ''} | {f(eff)} | {same}/{len(r['token_ids'])} |")
+                         f"{f(s_bound)}{'×' if s_bound else ''} | {f(eff)} | {same}/{n} | {ties} |")
     table = "\n".join(lines)
     print(table)
+    bad = [(m, bb) for m, by_b in runs.items() for bb, r in by_b.items() if r["identical"] + r["near_ties"] < len(r["token_ids"])]
+
     def best(batch):
         vals = [v[batch] for v in ratios.values() if batch in v]
         return max(vals) if vals else float("nan")
+
     worst = min((x for v in ratios.values() for x in v.values()), default=float("nan"))
     tail = [f"best speculative / plain at 1 row: {best(1):.2f}×",
             f"best speculative / plain at {max(sizes)} rows: {best(max(sizes)):.2f}×",
             f"worst method / plain, any batch size: {worst:.2f}×"]
+    bound = f"{NEAR_TIE:g}" if cpu_clock and args.dtype in (None, "float32", "auto") else (
+        f"{NEAR_TIE:g} in float32, {NEAR_TIE_ULPS} units in the last place of the top logit in half precision")
+    note = (f"rows differing from plain away from a near-tie (top-2 logit gap above {bound}): {bad}" if bad else
+            f"every row identical to plain or differing first at a near-tie (top-2 logit gap below {bound})")
+    print(note)
     print("\n".join(tail))
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"command": "python bench/bench_real.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "rows": [a, b], "new_tokens": args.new_tokens, "threads": args.threads, "batch_sizes": sizes,
-                "methods": methods, "machine": _machine()}
+                "device": args.device, "dtype": args.dtype, "clock": clock_name, "methods": list(runs),
+                "machine": _machine(), "commit": _commit()}
         slim = {m: {bb: {k2: v for k2, v in r.items() if k2 != "token_ids"} for bb, r in by_b.items()} for m, by_b in runs.items()}
-        (out / "report.json").write_text(json.dumps({"meta": meta, "runs": slim, "summary": tail}, indent=1))
-        (out / "report.md").write_text(f"# bench_real\n\n`{meta['command']}` on {meta['machine']}\n\n{table}\n\n"
-                                       + "\n".join(f"- {t}" for t in tail) + "\n")
-    return 0
+        (out / "report.json").write_text(json.dumps({"meta": meta, "runs": slim, "summary": tail, "exactness": note}, indent=1))
+        (out / "report.md").write_text(f"# bench_real\n\n`{meta['command']}` at {meta['commit']} on {meta['machine']}"
+                                       f"\n\n{table}\n\n{note}\n\n" + "\n".join(f"- {t}" for t in tail) + "\n")
+    return 1 if bad else 0
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _machine() -> str:
@@ -239,7 +282,8 @@ def _machine() -> str:
 
     import torch
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

@@ -114,18 +114,37 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
         signal.signal(signal.SIGTERM, previous)
     headline = {k: summary.get(k) for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
                                             "mean_accepted_length", "tokens_per_step", "tokens_per_s", "elapsed_s",
-                                            "audit_rows", "audit_mismatches")}
+                                            "audit_rows", "audit_mismatches", "audit_speedup")}
     this = summary.get("this_run") or {}
     headline["this_run"] = {"shards_run": len(this.get("shards_run", [])),
                             "shards_skipped": len(this.get("shards_skipped", [])),
                             "nothing_to_do": this.get("nothing_to_do", False)}
     print(json.dumps(headline, indent=2))
+    speedup_line(summary)
     rows, errors = summary.get("rows") or 0, summary.get("errors") or 0
     if rows and errors == rows:
         kinds = ", ".join(f"{k} ({n})" for k, n in sorted((summary.get("error_kinds") or {}).items()))
         print(f"error: every row failed ({rows} rows; {kinds}); the output holds each row's error", file=sys.stderr)
         return 1
     return 0
+
+
+def speedup_line(summary: dict) -> None:
+    """One line on stderr: the speedup over plain decoding this run measured on its audited
+    rows (``audit_speedup``), or why there is none."""
+    speedup, rows = summary.get("audit_speedup"), summary.get("audit_rows") or 0
+    method = ((summary.get("config") or {}).get("method") or {}).get("name")
+    if speedup is None or not rows:
+        return
+    same = rows - (summary.get("audit_mismatches") or 0)
+    if method == "plain":
+        text = "method plain: nothing to compare"
+    elif speedup >= 1.0:
+        text = f"{method} decoded {speedup:.2f}x as fast as plain decoding"
+    else:
+        text = f"plain decoding was faster: {method} ran at {speedup:.2f}x plain"
+    print(f"speculation: {text}, measured on the {rows} audited rows (each decoded again with plain decoding; "
+          f"{same}/{rows} outputs identical)", file=sys.stderr)
 
 
 _signal_received: int | None = None

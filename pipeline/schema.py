@@ -48,6 +48,8 @@ OUTPUT_SCHEMA = pa.schema(
         ("source_row", pa.int64()),  # row (Parquet) or non-blank line (JSONL) in that shard, 0-based
         ("audit", pa.bool_()),  # lossless audit: null = not audited, true = plain decoding gave the same ids
         *_stat_fields(appended=True),
+        # lossless audit: seconds (engine clock) plain decoding of the row took; null = not audited
+        ("audit_plain_time_s", pa.float64()),
     ]
 )
 

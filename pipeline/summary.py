@@ -21,6 +21,10 @@ tokens and steps are summed over rows first, then divided (never a mean of per-r
   ``acceptance_by_position[i]`` = accepted / drafted at draft position i+1.
 - ``audit_rows`` / ``audit_mismatches``: rows re-decoded by the lossless audit, and those
   whose plain decoding gave other token ids (see ``audit:`` in the job config).
+- ``audit_speedup``: on the audited rows, the engine time plain decoding took over the time
+  the job's method took (``sum(audit_plain_time_s) / sum(wall_time_s)``, both the actor's
+  engine clock, the same rows, decoded together per batch of rows): the speedup of speculation over plain
+  decoding this run measured (null without audited rows; 1.0 for ``plain``).
 
 A resumed run's summary covers every committed shard of the output: the totals of the
 shards committed by earlier runs come from their manifest entries (:meth:`RunTotals.state`,
@@ -53,6 +57,8 @@ class RunTotals:
         self.error_kinds: Counter[str] = Counter()
         self.audit_rows = 0
         self.audit_mismatches = 0
+        self.audit_time_s = 0.0  # the method's engine time on the audited rows
+        self.audit_plain_time_s = 0.0  # plain decoding's on the same rows
 
     def state(self) -> dict[str, Any]:
         """Plain data that :meth:`merge` adds back (stored in each shard's manifest entry)."""
@@ -61,6 +67,7 @@ class RunTotals:
             "finish_reasons": dict(self.finish_reasons), "error_kinds": dict(self.error_kinds),
             **{k: list(getattr(self.stats, k)) for k in PER_POSITION},
             "audit_rows": self.audit_rows, "audit_mismatches": self.audit_mismatches,
+            "audit_time_s": self.audit_time_s, "audit_plain_time_s": self.audit_plain_time_s,
         }
 
     def merge(self, state: dict[str, Any] | None) -> None:
@@ -75,6 +82,8 @@ class RunTotals:
         self.error_kinds.update(state.get("error_kinds") or {})
         self.audit_rows += state.get("audit_rows", 0)
         self.audit_mismatches += state.get("audit_mismatches", 0)
+        self.audit_time_s += state.get("audit_time_s", 0.0)
+        self.audit_plain_time_s += state.get("audit_plain_time_s", 0.0)
 
     def add(self, table: pa.Table) -> None:
         self.rows += table.num_rows
@@ -94,6 +103,11 @@ class RunTotals:
             audit = table.column("audit")
             self.audit_rows += len(audit) - audit.null_count
             self.audit_mismatches += sum(1 for a in audit.to_pylist() if a is False)
+        if "audit_plain_time_s" in table.column_names:
+            for plain, spec in zip(table.column("audit_plain_time_s").to_pylist(), table.column("wall_time_s").to_pylist()):
+                if plain is not None and spec is not None:
+                    self.audit_plain_time_s += plain
+                    self.audit_time_s += spec
 
     def to_dict(self, generate_elapsed_s: float | None = None) -> dict[str, Any]:
         s = self.stats
@@ -120,5 +134,6 @@ class RunTotals:
             "acceptance_by_position": s.acceptance_by_position,
             "audit_rows": self.audit_rows,
             "audit_mismatches": self.audit_mismatches,
+            "audit_speedup": self.audit_plain_time_s / self.audit_time_s if self.audit_time_s else None,
         }
         return d

@@ -10,12 +10,26 @@ reference, the first differing position and the target's top-2 logit gap there
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-#: the largest top-2 logit gap that counts as a near-tie (logits, not probabilities)
+#: the largest top-2 logit gap that counts as a near-tie in float32 (logits, not probabilities)
 NEAR_TIE = 1e-3
+#: in bfloat16 / float16 a near-tie is a gap of at most this many units in the last place of
+#: the top logit (bfloat16 keeps 8 significant bits: logits near 20 come in steps of 0.125)
+NEAR_TIE_ULPS = 4
+
+
+def near_tie_bound(dtype: torch.dtype, top_logit: float) -> float:
+    """The largest top-2 logit gap that counts as a near-tie for logits of ``dtype`` around
+    ``top_logit``: :data:`NEAR_TIE` in float32 (and float64, where nothing should differ),
+    :data:`NEAR_TIE_ULPS` units in the last place in half precision."""
+    if dtype in (torch.bfloat16, torch.float16):
+        ulp = 2.0 ** (math.frexp(abs(top_logit) or 1.0)[1] - 1 - (7 if dtype == torch.bfloat16 else 10))
+        return NEAR_TIE_ULPS * ulp
+    return NEAR_TIE
 
 
 @dataclass
@@ -26,10 +40,11 @@ class RowCheck:
     identical: bool
     position: int | None = None
     gap: float | None = None
+    bound: float = NEAR_TIE  # the near-tie bound for the target's dtype there (near_tie_bound)
 
     @property
     def near_tie(self) -> bool:
-        return self.identical or (self.gap is not None and self.gap < NEAR_TIE)
+        return self.identical or (self.gap is not None and self.gap < self.bound)
 
 
 @torch.inference_mode()
@@ -46,8 +61,9 @@ def compare_rows(target, prompts: list[list[int]], outputs: list[list[int]], ref
             continue
         i = next((j for j in range(min(len(out), len(ref))) if out[j] != ref[j]), min(len(out), len(ref)))
         ids = torch.tensor([list(prompt) + ref[:i]], device=target.device)
-        top = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
-        checks.append(RowCheck(False, i, float(top[0] - top[1])))
+        logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1]
+        top = logits.float().topk(2).values
+        checks.append(RowCheck(False, i, float(top[0] - top[1]), near_tie_bound(logits.dtype, float(top[0]))))
     return checks
 
 

@@ -31,6 +31,7 @@ def test_audit_matches_for_a_lossless_method(audited_actor):
     out = audited_actor(_rows(TEXTS[:6] + [None])).to_pylist()
     assert [r["audit"] for r in out[:6]] == [True] * 6
     assert out[6]["audit"] is None and out[6]["error"]  # a failed row is not audited
+    assert all(r["audit_plain_time_s"] > 0 for r in out[:6]) and out[6]["audit_plain_time_s"] is None
     assert sum(r["accepted_tokens"] for r in out[:6]) < sum(r["draft_tokens"] for r in out[:6])  # drafts were rejected
 
 
@@ -70,3 +71,20 @@ def test_audit_end_to_end(ray_local, tiny_models, tmp_path):
     assert summary["audit_rows"] == len(audited) == sum(expected) > 0
     assert summary["audit_mismatches"] == 0 and all(audited)
     assert summary["audit"] == {"fraction": 0.5, "seed": 3, "greedy": True}
+    # the measured speedup over plain decoding: plain's time over the method's, on the audited rows
+    plain_s = [p for p in t.column("audit_plain_time_s").to_pylist() if p is not None]
+    spec_s = [w for w, a in zip(t.column("wall_time_s").to_pylist(), t.column("audit").to_pylist()) if a is not None]
+    assert len(plain_s) == len(audited) and summary["audit_speedup"] == pytest.approx(sum(plain_s) / sum(spec_s))
+
+
+def test_the_speedup_line_says_what_was_measured(capsys):
+    from pipeline.cli import speedup_line
+
+    base = {"audit_rows": 8, "audit_mismatches": 0, "config": {"method": {"name": "eagle"}}}
+    speedup_line({**base, "audit_speedup": 1.73})
+    speedup_line({**base, "audit_speedup": 0.91})
+    speedup_line({**base, "audit_rows": 0, "audit_speedup": None})
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2
+    assert "eagle decoded 1.73x as fast as plain decoding, measured on the 8 audited rows" in lines[0]
+    assert lines[1].startswith("speculation: plain decoding was faster: eagle ran at 0.91x plain")
