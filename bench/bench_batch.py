@@ -17,7 +17,7 @@ greedy, in one process with the machine's cores, it measures:
 Every row of (b) and (c) is checked equal to our single-row plain greedy output (rows
 that differ must differ at a float32 near-tie; the count is printed).  Tokens are new
 tokens up to and including EOS; rates are total tokens / total seconds of the run
-(METRICS.md).  The last two lines are the headline ratios::
+(docs/metrics.md).  The last two lines are the headline ratios::
 
     speculative / plain at batch 4: X.XX×
     best speculative / best plain generate(): X.XX×

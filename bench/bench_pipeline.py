@@ -20,7 +20,7 @@ no Ray Data, no actor pool), with as many torch threads as an actor has CPUs
 (``compute.cpus_per_actor``): on a shared 2-core machine a process's speed depends a lot on
 its threads and scheduling, and this keeps the comparison with the actor fair.
 Tokens are new tokens of the target tokenizer, counted up to and including EOS; rates
-are total tokens / total seconds (METRICS.md).  Rows cycle through the input file.
+are total tokens / total seconds (docs/metrics.md).  Rows cycle through the input file.
 """
 
 from __future__ import annotations

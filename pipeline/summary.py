@@ -2,7 +2,7 @@
 
 The totals are one :class:`~pipeline.engine.stats.RowStats` summed over the rows without
 error (its rates and its older-schema defaults: :mod:`pipeline.engine.stats`), plus the
-run's row, error, finish-reason and audit counts.  Rates follow ``shared/METRICS.md``:
+run's row, error, finish-reason and audit counts.  Rates follow ``docs/metrics.md``:
 tokens and steps are summed over rows first, then divided (never a mean of per-row rates).
 
 - ``acceptance_rate`` = sum(accepted_tokens) / sum(draft_tokens)  (null when nothing drafted)

@@ -135,7 +135,7 @@ PLD = [_row("a", "prompt_lookup", "x", 10, 7, 8, 3, [4, 4], [2, 1], draft_steps=
 
 @pytest.mark.parametrize("schema", ["current", "null draft_steps", "no draft_steps column"])
 def test_mean_accepted_length_leaves_steps_without_a_draft_out(tmp_path, schema):
-    """METRICS.md: mean accepted length = 1 + accepted / draft steps (vLLM), tokens/step =
+    """docs/metrics.md: mean accepted length = 1 + accepted / draft steps (vLLM), tokens/step =
     new tokens / verify steps.  Outputs of an older schema give the same figures
     (draft_steps = drafted_per_position[0])."""
     rows = [dict(r) for r in PLD]

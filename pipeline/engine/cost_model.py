@@ -22,7 +22,7 @@ drafter step of ``c·t``.  Generalised to what is measured here:
 
 With ``B = 1``, ``t_verify = t`` for every ``k``, ``t_draft_token = c·t`` and no other
 cost, ``tokens/s · t`` is Leviathan's expected speedup
-``S = (1 − α^(k+1)) / ((1 − α)(1 + k·c))`` (see ``METRICS.md``).
+``S = (1 − α^(k+1)) / ((1 − α)(1 + k·c))`` (see ``docs/metrics.md``).
 """
 
 from __future__ import annotations

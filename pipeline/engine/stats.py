@@ -6,7 +6,7 @@ the defaults for outputs written before a column existed).  The output schema
 (:mod:`pipeline.schema`), the API's ``speculation`` object, the run summary, the report and
 the tuner's pilot are derived from it.
 
-Definitions follow ``shared/METRICS.md`` (the same as vLLM's spec-decode metrics); over
+Definitions follow ``docs/metrics.md`` (the same as vLLM's spec-decode metrics); over
 several rows, counts are summed first, then divided (never a mean of per-row rates):
 
 - ``verify_steps``: target forward passes after the prefill (one per draft verified,

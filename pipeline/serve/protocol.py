@@ -340,7 +340,7 @@ SPECULATION_KEYS = tuple(c.name for c in STAT_COLUMNS if c.name not in USAGE_COU
 
 def speculation(stats: RowStats, method: str, draft_length: int | None) -> dict[str, Any]:
     """The ``speculation`` object: the method, the draft length ``k`` the row started with
-    (null for ``plain``), and the row statistics (``shared/METRICS.md``; rates null when
+    (null for ``plain``), and the row statistics (``docs/metrics.md``; rates null when
     nothing was drafted).  Several rows (a request's choices): their :meth:`RowStats.total`."""
     d = stats.to_columns()
     return {"method": method, "draft_length": draft_length, **{k: d[k] for k in SPECULATION_KEYS}}

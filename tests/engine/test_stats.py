@@ -1,4 +1,4 @@
-"""Per-row statistics follow shared/METRICS.md: ``mean_accepted_length`` is vLLM's mean
+"""Per-row statistics follow docs/metrics.md: ``mean_accepted_length`` is vLLM's mean
 acceptance length, 1 + accepted / draft_steps (steps without a draft left out), and
 ``tokens_per_step`` = new_tokens / verify_steps counts every step."""
 

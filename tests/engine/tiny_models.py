@@ -92,7 +92,7 @@ def prompt_of(length: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def check_stats(result, k: int | None = None) -> None:
-    """The statistics add up (METRICS.md)."""
+    """The statistics add up (docs/metrics.md)."""
     s = result.stats
     assert s.new_tokens == len(result.token_ids)
     assert 0 <= s.accepted_tokens <= s.draft_tokens

@@ -1,4 +1,4 @@
-"""Run totals (pipeline.summary): sums over rows first, then METRICS.md's ratios; shards
+"""Run totals (pipeline.summary): sums over rows first, then docs/metrics.md's ratios; shards
 committed by an older version (no draft_steps) merge with the same figures."""
 
 import pyarrow as pa
