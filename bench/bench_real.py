@@ -10,7 +10,7 @@ tokens, greedy, one torch thread.  For every method and number of rows in flight
   and decode only (the engine's steps after admission);
 - acceptance rate (accepted / drafted), mean accepted length (1 + accepted / draft steps),
   tokens per target pass, the share of steps that drafted;
-- Leviathan et al.'s bound ``S = (1 - α^(k+1)) / ((1 - α)(1 + k c))`` (METRICS.md) from this
+- Leviathan et al.'s bound ``S = (1 - α^(k+1)) / ((1 - α)(1 + k c))`` (docs/metrics.md) from this
   run's measured α (the per-token acceptance that gives the measured mean accepted length
   at the mean draft length k of the steps that drafted) and c (one drafting position /
   one plain target step at the same number of rows), and efficiency = measured decode

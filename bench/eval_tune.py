@@ -208,8 +208,10 @@ def main() -> None:
           f"(criterion within 15 %: {'met' if abs(err) <= 0.15 else 'NOT met'})")
     print("outputs identical to plain: " + ", ".join(f"{n} {same[n]}/{len(ref)}" for n in names))
     print("load average per pass: " + ", ".join(f"{p['load_start']} -> {p['load_end']}" for p in passes))
+    from pipeline.report import provenance
+
     (out / "eval.json").write_text(json.dumps({
-        "corpus": args.corpus, "pilot": args.pilot, "rows": args.rows, "repeats": args.repeats, "tune": tune_info,
+        "meta": provenance(), "corpus": args.corpus, "pilot": args.pilot, "rows": args.rows, "repeats": args.repeats, "tune": tune_info,
         "totals": totals, "passes": passes, "best_default": best_default, "tuned_vs_best_default": ratio,
         "tuned_vs_best_default_other_clock": other_ratio, "prediction_error": err, "same_output_as_plain": same,
         "blocks": blocks,

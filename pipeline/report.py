@@ -5,7 +5,7 @@
 Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL):
 its ``part-*.parquet`` files (``pipeline.schema.OUTPUT_SCHEMA``) and, beside them, the run
 summary ``_summary.json`` when present.  Everything in the report is recomputed from the
-per-row Parquet, following ``shared/METRICS.md``: tokens and steps are summed over rows
+per-row Parquet, following ``docs/metrics.md``: tokens and steps are summed over rows
 first, then divided.
 
 Figures, per run (labelled by its ``method``; a second run of the same method gets the
@@ -41,7 +41,7 @@ directory name appended):
   Σ draft_tokens) / the baseline's seconds per target step (Σ (wall_time_s − prefill_time_s)
   / Σ verify_steps); the drafter's own prompt prefill is in its draft time, so c is an upper
   estimate.  ``efficiency`` = decode speedup / S (speedup / S without prefill times)
-  (METRICS.md).  S assumes every step drafts k tokens, so it overstates the gain of methods
+  (docs/metrics.md).  S assumes every step drafts k tokens, so it overstates the gain of methods
   that often draft fewer (prompt lookup without a match).
 
 Accepted length per step.  The per-row Parquet has no per-step record, but the
@@ -179,7 +179,7 @@ def _outputs(table: pa.Table) -> dict[str, str]:
 
 def speedup_bound(alpha: float | None, k: int, c: float) -> float | None:
     """Expected wall-time speedup ``S(α, k, c) = (1 − α^(k+1)) / ((1 − α)(k·c + 1))``
-    (Leviathan et al. 2023, arXiv 2211.17192, §3; METRICS.md): α per-token acceptance rate,
+    (Leviathan et al. 2023, arXiv 2211.17192, §3; docs/metrics.md): α per-token acceptance rate,
     k draft length (tokens), c drafter/target cost per step.  ``None`` without drafts (k = 0
     or α unknown); α = 1 takes the limit ``(k + 1) / (k·c + 1)``."""
     if alpha is None or k <= 0:
@@ -380,9 +380,65 @@ PLOTS = {
 }
 
 
+def _run_models(run: Run | None) -> dict[str, Any]:
+    """A run's ``target_model`` / ``draft_model`` (its rows' most common) and its summary's
+    ``environment`` (host and versions), for ``report.json``."""
+    if run is None:
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("target_model", "draft_model"):
+        if name in run.table.column_names:
+            values = [v for v in run.table.column(name).to_pylist() if v]
+            out[name] = max(set(values), key=values.count) if values else None
+    out["environment"] = (run.summary or {}).get("environment")
+    return out
+
+
+def provenance(command: str | None = None) -> dict[str, Any]:
+    """Where a measurement comes from, for its ``report.json``: the command, the commit of this
+    checkout (``-dirty`` when tracked files differ from it; ``None`` outside a git checkout),
+    the machine (processor, cores, accelerator, torch version) and whether the engine's CPU
+    kernels were on (:mod:`pipeline.engine.kernels`; ``SPECBATCH_CPU_KERNELS=0`` turns them
+    off).  ``reports/README.md`` and the README's results block (``scripts/results_block.py``)
+    read it."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=7", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            machine += f", {torch.cuda.get_device_name(0)}"
+        machine += f", torch {torch.__version__}"
+    except Exception:  # noqa: BLE001 - provenance never fails a report
+        pass
+    return {"command": command or " ".join(["python", *sys.argv]), "commit": commit, "machine": machine,
+            "cpu_kernels": os.environ.get("SPECBATCH_CPU_KERNELS", "1") != "0"}
+
+
 def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict | None = None,
-                 baseline: str = "plain", title: str = "specbatch run report") -> dict[str, Any]:
+                 baseline: str = "plain", title: str = "specbatch run report",
+                 command: str | None = None) -> dict[str, Any]:
     """Load the runs, write ``report.md``, ``report.json`` and the PNGs into ``out_dir``.
+
+    ``report.json`` holds the title, :func:`provenance` (``meta``: ``command``, or this
+    process's command line; the commit; the machine) and per run its figures, its models and
+    its run summary's ``environment``.
 
     Returns the :func:`summarize_runs` result (``Stats`` objects included).
     """
@@ -401,10 +457,10 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
                      "same work for every method). bound S(α,k,c) is the expected speedup of Leviathan et al. "
                      "(2023) from the run's own per-token α (the chance a draft token is accepted when all before "
                      "it were; not the acceptance rate), k and measured drafter/target cost ratio c; efficiency = "
-                     "decode speedup / S (METRICS.md).")
+                     "decode speedup / S (docs/metrics.md).")
     else:
         lines.append(f"No `{baseline}` run given: no speedup column.")
-    lines += ["", "Rates are run-level: tokens and steps summed over rows, then divided (METRICS.md).", ""]
+    lines += ["", "Rates are run-level: tokens and steps summed over rows, then divided (docs/metrics.md).", ""]
     lines += ["## Runs", ""]
     for d in result["runs"]:
         s = d["stats"]
@@ -427,11 +483,14 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
               "![acceptance by draft position](acceptance_by_position.png)", "",
               "![tokens/s and speedup](throughput.png)", ""]
     (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
-    plain = {"baseline": result["baseline"], "common_rows": result["common_rows"], "runs": [
+    by_uri = {r.uri: r for r in runs}
+    plain = {"title": title, "meta": provenance(command), "baseline": result["baseline"],
+             "common_rows": result["common_rows"], "runs": [
         {k: v for k, v in d.items() if k not in ("stats", "common")}
         | {"acceptance_by_position": d["stats"].acceptance_by_position,
            "token_acceptance": d["stats"].token_acceptance,
            "accepted_length_steps": d["stats"].accepted_length_steps}
+        | _run_models(by_uri.get(d["uri"]))
         for d in result["runs"]]}
     (out / "report.json").write_text(json.dumps(plain, indent=2), encoding="utf-8")
     return result
