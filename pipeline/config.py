@@ -68,45 +68,52 @@ class _Section(BaseModel):
 
 
 class InputConfig(_Section):
-    """Where prompts come from.
+    """Where prompts come from: files on any fsspec filesystem (local path, ``s3://``,
+    ``gs://``, ``memory://``...), one input *shard* per file.  Every file of an input folder
+    is read, or named with the reason in one warning; the job's own output and any folder
+    holding a ``_manifest/`` are left out of the listing."""
 
-    ``uri``: a file, a directory (every file under it is read, or named in a warning with
-    the reason; Hive partition folders ``key=value/`` become columns), or a glob, on any
-    fsspec filesystem (local path, ``s3://bucket/prefix/*.parquet``, ``memory://``...).
-    ``format``: ``auto`` picks by extension (``.parquet``/``.pq``; JSON lines:
-    ``.jsonl``/``.json``/``.ndjson``, each optionally compressed).
-    ``compression``: of JSONL files; ``infer`` (fsspec's ``compression="infer"``) takes it
-    from the ending (``.gz`` gzip, ``.bz2``, ``.zst`` zstandard, ``.xz``); ``none`` or a
-    name applies to every file.
-    ``storage_options``: passed to fsspec (e.g. ``{client_kwargs: {endpoint_url: ...}}``).
-    """
-
+    #: a file, a directory (every file under it; Hive partition folders ``key=value/``
+    #: become string columns kept on output) or a glob (``s3://bucket/prefix/*.parquet``)
     uri: str = "data/demo_prompts.jsonl"
+    #: ``auto`` picks by extension: ``.parquet`` / ``.pq`` are Parquet; ``.jsonl``, ``.json``
+    #: and ``.ndjson`` (each optionally compressed) are JSON lines
     format: Literal["auto", "parquet", "jsonl"] = "auto"
+    #: of JSONL files: ``infer`` (fsspec's ``compression="infer"``) takes it from the ending
+    #: (``.gz`` gzip, ``.bz2``, ``.zst`` zstandard, ``.xz``); ``none`` or a name applies to every file
     compression: Literal["infer", "none", "gzip", "bz2", "zstd", "xz"] = "infer"
+    #: the field (JSONL) or column (Parquet) of each row's id: strings or integers (an integer
+    #: becomes its decimal string); a row without one gets ``<shard name>:<row>``
     id_column: str = "id"
+    #: the field or column holding each row's text, filled into the task's prompt template
     text_column: str = "text"
     #: a Parquet file of at most this many bytes is read in full (its id and text columns)
     #: before any work, so a damaged data page refuses the job (exit 2) naming the file; a
     #: larger file is only opened there, and a damaged page fails the run when its shard is read
     preflight_read_max_bytes: int = Field(2**30, ge=0)
+    #: passed to fsspec, e.g. ``{client_kwargs: {endpoint_url: http://127.0.0.1:9000}}``;
+    #: without them s3fs uses the standard AWS chain (environment, ``~/.aws``, instance role)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
 
 class TaskConfig(_Section):
-    """What to ask the model.
+    """What to ask the model: the prompt each row's text is filled into.  Special-token
+    strings in a row's text stay text (:func:`pipeline.prompts.encode_protected`)."""
 
-    ``prompt_template`` is a ``str.format`` template with ``{text}`` (and for translate
-    ``{source_lang}``, ``{target_lang}``); ``None`` takes the task's default.
-    ``chat_template``: ``auto`` wraps the prompt as one user message with the
-    tokenizer's chat template when it has one; ``true`` requires one; ``false`` never.
-    """
-
+    #: ``summarize`` or ``translate``: picks the default template (and the job that runs it)
     name: Literal["summarize", "translate"] = "summarize"
+    #: the language of the input text (required for ``translate``)
     source_lang: str | None = None
+    #: the language to translate into (required for ``translate``)
     target_lang: str | None = None
+    #: a ``str.format`` template with ``{text}`` (and for translate ``{source_lang}``,
+    #: ``{target_lang}``; double braces for literal ones); ``None``: the task's default
     prompt_template: str | None = None
+    #: a system message before the prompt when the chat template is on (``None``: none, or
+    #: the chat template's own default)
     system_prompt: str | None = None
+    #: ``auto`` wraps the filled template as one user message with the tokenizer's chat
+    #: template when it has one; ``true`` requires one; ``false`` never
     chat_template: Literal["auto", True, False] = "auto"
 
     @model_validator(mode="after")
@@ -133,24 +140,27 @@ class TaskConfig(_Section):
 
 
 class ModelsConfig(_Section):
-    """The model pair.  Paths are local directories (``save_pretrained`` output) or hub ids.
+    """The model pair.  Paths are local directories (``save_pretrained`` output) or hub ids;
+    the driver checks them (config, architecture, tokenizer, the drafter against the target)
+    before Ray starts, without loading weights."""
 
-    ``gguf_file`` / ``drafter_gguf_file``: load the target / drafter from a GGUF file (a
-    llama.cpp checkpoint) inside the folder or hub repo ``target`` / ``drafter``, as
-    transformers' ``from_pretrained(target, gguf_file=...)`` does: the weights are
-    dequantized to ``dtype`` and the tokenizer is read from the same file.  ``None``: the
-    folder holds a ``config.json`` checkpoint.
-    ``dtype``: ``auto`` = the checkpoint's dtype on a GPU, float32 on the CPU.
-    ``device_map``: ``None`` = ``cuda`` when the actor has a GPU, else ``cpu``; any value
-    is passed to ``from_pretrained`` (e.g. ``auto`` to shard one model over the actor's GPUs).
-    """
-
+    #: the target: a causal LM whose output every row gets
     target: str = "models/demo-target"
+    #: the drafter of the methods that need one (``draft_model``, ``universal``,
+    #: ``mtp_assistant``, ``eagle``: see each method's ``needs_drafter``); never loaded by the others
     drafter: str | None = "models/demo-drafter"
+    #: load the target from this GGUF file (a llama.cpp checkpoint) inside the folder or hub
+    #: repo ``target``, as ``from_pretrained(target, gguf_file=...)`` does: weights dequantized
+    #: to ``dtype``, the tokenizer read from the same file; ``None``: a ``config.json`` checkpoint
     gguf_file: str | None = None
+    #: the same for the drafter: a GGUF file inside ``drafter``
     drafter_gguf_file: str | None = None
+    #: ``auto``: the checkpoint's dtype on a GPU, float32 on the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: ``None``: ``cuda`` when the actor has a GPU, else ``cpu``; any other value is passed to
+    #: ``from_pretrained`` (e.g. ``auto`` to shard one model over the actor's GPUs)
     device_map: str | None = None
+    #: passed to ``from_pretrained`` (a checkpoint with its own modelling code)
     trust_remote_code: bool = False
 
     @field_validator("gguf_file", "drafter_gguf_file")
@@ -168,10 +178,13 @@ class ModelsConfig(_Section):
 
 
 class MethodConfig(BaseModel):
-    """``name`` (a method of the table :data:`pipeline.engine.METHODS`) plus any SpeculationSettings field."""
+    """How to speculate: ``name`` (a method of the table :data:`pipeline.engine.METHODS`)
+    plus any :class:`pipeline.engine.SpeculationSettings` field (named as in transformers); a
+    parameter of another method is refused, naming its method."""
 
     model_config = ConfigDict(extra="allow")
 
+    #: the decoding method: ``plain`` (no speculation) or a method of the table
     name: str = "draft_model"
 
     @field_validator("name")
@@ -218,8 +231,9 @@ class _GenerationSection(_Section):
     from either source fails the job) and logs which checkpoint defaults were taken; the
     run summary's ``generation`` holds the resolved settings.
 
-    ``seed`` seeds every row's generator with the same value, so a row's output does not
-    depend on which actor or batch it lands in.
+    With ``do_sample`` and a ``seed``, each row samples from its own generator, seeded by
+    the job's seed and the row's id (:func:`pipeline.loading.row_seed`), so a row's output
+    does not depend on which actor or batch it lands in.
     """
 
     @model_validator(mode="after")
@@ -244,20 +258,29 @@ GenerationConfig.__doc__ = _GenerationSection.__doc__
 
 
 class ComputeConfig(_Section):
-    """The actor pool: ``num_actors`` actors, each with ``gpus_per_actor`` GPUs (0 = CPU)
-    and ``cpus_per_actor`` CPUs, given ``rows_per_batch`` rows per ``map_batches`` call."""
+    """The actor pool that decodes: each actor loads the model pair once and feeds every
+    batch of rows to the batched engine.  A pool larger than an embedded Ray is refused with
+    the numbers; one that would hold every CPU leaves one to the stages before it."""
 
+    #: actors in the pool (Ray Data LLM's ``concurrency``)
     num_actors: int = Field(1, ge=1)
+    #: GPUs per actor (0: the CPU); the actor loads the pair on its GPU
     gpus_per_actor: float = Field(0, ge=0)
+    #: CPUs per actor, and its torch threads
     cpus_per_actor: float = Field(1, gt=0)
-    #: rows per ``map_batches`` call; the actor decodes them ``max_batch_size`` at a time
+    #: rows per ``map_batches`` call (Ray Data LLM's ``batch_size``); the actor decodes them
+    #: ``max_batch_size`` at a time
     rows_per_batch: int = Field(32, ge=1)
     #: rows in flight per actor (continuous batching within each batch of rows); 8 was the
     #: fastest of 1, 4, 8, 16 and 32 in bench/bench_batch.py on the 2-core CPU, for plain and
-    #: speculative decoding alike (README, Benchmarks); on a GPU more rows pay: jobs/tune.py
+    #: speculative decoding alike (reports/bench_batch, before the CPU kernels); on a GPU
+    #: more rows pay: jobs/tune.py
     max_batch_size: int = Field(8, ge=1)
-    #: let the measured verification cost shorten the draft (down to plain steps) as rows
-    #: in flight grow: ``None`` = with two or more rows in flight, ``true`` always, ``false`` never
+    #: draft length by expected gain (:mod:`pipeline.engine.draft_length`): each row drafts
+    #: the ``k`` (0 .. its draft length) that maximises the step's expected tokens/s, from its
+    #: measured acceptance and the measured costs.  ``None``: for greedy rows (whose output
+    #: never depends on it); ``true``: every row (a sampled row's draws then follow measured
+    #: times, so a seed no longer reproduces its output); ``false``: never
     adaptive_draft_length: bool | None = None
     #: Ray restarts a dead actor (process killed, node lost) up to this many times in all.
     max_actor_restarts: int = Field(4, ge=0)
@@ -274,37 +297,33 @@ class ComputeConfig(_Section):
 
 
 class OutputConfig(_Section):
-    """Where Parquet goes: ``uri`` is a directory on any fsspec filesystem.
+    """Where Parquet goes, committed shard by shard (layout: :mod:`pipeline.output`).  The
+    job never deletes or overwrites a file it did not write."""
 
-    ``overwrite: false`` (default) resumes: shards already committed in the output (a
-    ``_manifest/part-NNNNN.json`` entry for the same source file, same size and
-    mtime/ETag, written under the same config fingerprint) are skipped, the rest are run.
-    ``overwrite: true`` deletes the files the output's manifest names and starts afresh.
-    The job never deletes or overwrites a file it did not write: a location holding other
-    files is refused unless ``allow_foreign_files: true`` (they are then left alone).
-    ``max_rows_per_file``: a shard's rows are written as Parquet files of at most this many
-    rows, so the driver holds at most about this many rows per shard in flight, whatever
-    the shard's size (one file per shard when it fits).
-    ``partition_by_date: true`` writes under ``<uri>/date=<run_date>/``; ``run_date`` is
-    ``YYYY-MM-DD``, ``None`` = today in UTC.
-    ``lease_timeout_s``: a run holds a lease on the folder it writes (``_lease.json``,
-    :mod:`pipeline.lease`), renewed every sixth of this (at most every 30 s); another run
-    on the same folder is refused while the lease's last heartbeat is younger than this
-    many seconds, and takes a lease older than that over (its holder presumed dead).
-    ``storage_options`` are passed to fsspec, e.g. for an S3-compatible server::
-
-        storage_options: {key: ..., secret: ..., client_kwargs: {endpoint_url: http://127.0.0.1:9000}}
-
-    Without them s3fs uses the standard AWS chain (env vars, ~/.aws, instance role).
-    """
-
+    #: a directory on any fsspec filesystem (local path, ``s3://bucket/prefix/``, ...)
     uri: str = "out/summarize/"
+    #: ``false``: resume: shards already committed in the output (a ``_manifest/part-NNNNN.json``
+    #: entry for the same source file and size + mtime/ETag, under the same config fingerprint)
+    #: are skipped; ``true``: delete the files the manifest names and start afresh
     overwrite: bool = False
+    #: a folder holding files this job did not write is refused; ``true``: write beside them
+    #: (they are never deleted or overwritten, even by ``overwrite``)
     allow_foreign_files: bool = False
+    #: write under ``<uri>/date=<run_date>/``
     partition_by_date: bool = False
+    #: ``YYYY-MM-DD`` of the ``date=`` partition; ``None``: today in UTC
     run_date: str | None = None
+    #: a shard's rows are written as Parquet files of at most this many rows, so the driver
+    #: holds at most about this many rows per shard, whatever the shard's size
     max_rows_per_file: int = Field(10_000, ge=1)
+    #: a run holds a lease on the folder it writes (``_lease.json``, :mod:`pipeline.lease`),
+    #: renewed every sixth of this (at most every 30 s); another run is refused while the
+    #: lease's last heartbeat is younger than this many seconds, and takes an older lease over
+    #: with a warning (its holder presumed dead)
     lease_timeout_s: float = Field(120.0, gt=0)
+    #: passed to fsspec, e.g. for an S3-compatible server ``{key: ..., secret: ...,
+    #: client_kwargs: {endpoint_url: http://127.0.0.1:9000}}``; without them s3fs uses the
+    #: standard AWS chain (environment, ``~/.aws``, instance role)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("run_date", mode="before")
@@ -332,82 +351,90 @@ class OutputConfig(_Section):
 
 
 class RetryConfig(_Section):
-    """Storage calls (listing, reading shards, writing parts and manifest): retries,
-    timeouts and a deadline.
+    """Storage calls (listing, reading shards, writing parts, the manifest and the lease):
+    retries, timeouts and a deadline.  Transient errors (connection refused/reset, timeouts,
+    5xx, throttling) are retried; missing files and denied access are not.  botocore's and
+    s3fs's own retries are turned off: this loop is the only one.  So a call to an endpoint
+    that accepts connections but never answers fails after at most ``deadline_s +
+    connect_timeout_s + read_timeout_s`` seconds (100 with the defaults); a transfer that
+    keeps receiving data is never cut by the deadline."""
 
-    Transient errors (connection refused/reset, timeouts, 5xx, throttling) are retried
-    ``attempts`` times in all, waiting ``initial_backoff_s``, doubling up to
-    ``max_backoff_s``; missing files and denied access are not retried.  No attempt
-    starts later than ``deadline_s`` seconds after the call's first one.  Every request
-    to an S3 endpoint gives up after ``connect_timeout_s`` to connect and
-    ``read_timeout_s`` waiting for the next bytes of an answer (passed to botocore, whose
-    own retries, and s3fs's, are turned off: this loop is the only one).  So a call to an
-    endpoint that accepts connections but never answers fails after at most
-    ``deadline_s + connect_timeout_s + read_timeout_s`` seconds (100 with the defaults).
-    A transfer that keeps receiving data is never cut by the deadline.
-    """
-
+    #: attempts of one call in all
     attempts: int = Field(6, ge=1)
+    #: the wait before the first retry, doubled at each one
     initial_backoff_s: float = Field(0.5, ge=0)
+    #: the longest wait between two attempts
     max_backoff_s: float = Field(30.0, ge=0)
+    #: an S3 request gives up connecting after this long (passed to botocore)
     connect_timeout_s: float = Field(10.0, gt=0)
+    #: an S3 request gives up waiting for the next bytes of an answer after this long (botocore)
     read_timeout_s: float = Field(30.0, gt=0)
+    #: no attempt starts later than this many seconds after the call's first one
     deadline_s: float = Field(60.0, gt=0)
 
 
 class AuditConfig(_Section):
-    """Lossless audit: a deterministic sample of rows (``fraction`` of them, chosen by a hash
-    of the row's shard, position and ``seed``) is decoded again with plain decoding and the
-    same generation settings; the row's ``audit`` is true when the token ids match.  The
-    summary counts ``audit_rows`` and ``audit_mismatches`` (0 for a lossless method with
-    greedy decoding).  ``fraction: 0`` disables."""
+    """Lossless audit: a deterministic sample of rows is decoded again with plain decoding
+    and the same generation settings; the row's ``audit`` is true when the token ids match.
+    The summary counts ``audit_rows`` and ``audit_mismatches`` (0 for a lossless method with
+    greedy decoding; with ``do_sample`` the two decoders use the random stream differently,
+    so mismatches there mean nothing)."""
 
+    #: the share of rows audited (chosen by a hash of the row's shard, position and ``seed``);
+    #: 0 disables
     fraction: float = Field(0.0, ge=0, le=1)
+    #: the hash's seed: another seed audits another sample
     seed: int = 0
 
 
 class RayConfig(_Section):
-    """``address``: ``None`` joins the cluster named by ``RAY_ADDRESS`` (as under ``ray job
-    submit``) or starts an embedded Ray; ``auto`` or ``ray://...`` joins that cluster."""
+    """Which Ray the job runs on."""
 
+    #: ``None``: the cluster named by ``RAY_ADDRESS`` (as under ``ray job submit``), else an
+    #: embedded Ray; ``auto`` or ``ray://...``: join that cluster
     address: str | None = None
 
 
 class ServeConfig(_Section):
     """The online server (``jobs/serve.py``, ``serve run pipeline.serve:app_builder``): a Ray
-    Serve application with an OpenAI-style API on the job's model pair and method.
+    Serve application with an OpenAI-style API on the job's model pair and method.  Each
+    replica loads the pair once and decodes its requests in one continuous batch.  The
+    limits of one request are refused with a 4xx in OpenAI's error shape before any
+    tokenizing or decoding."""
 
-    Each of ``num_replicas`` replicas loads the pair once, with ``gpus_per_replica`` GPUs
-    and ``cpus_per_replica`` CPUs (unset: ``compute.gpus_per_actor`` / ``compute.cpus_per_actor``,
-    as the batch job's actors), and decodes up to ``max_batch_size`` requests in one batch
-    (unset: ``compute.max_batch_size``); more wait in its queue.  ``max_ongoing_requests``
-    is Ray Serve's limit of requests a replica holds (in flight plus queued) before Serve
-    queues them at the proxy.  ``host``/``port``: where Serve's HTTP proxy listens.
-    ``model_name``: the ``model`` clients send and ``/v1/models`` lists (unset: the target's
-    folder name for a local model, e.g. ``SmolLM2-135M-Instruct``; the hub id for a hub model).  ``chat_template``: a Jinja chat template, or the path of a file holding one,
-    for ``/v1/chat/completions`` when the target's tokenizer has none (unset: the tokenizer's).
-
-    Limits of one request (each refused with a 4xx in OpenAI's error shape, before any
-    tokenizing or decoding): ``max_request_bytes``, the body's size (413);
-    ``max_tokens_cap``, the most new tokens a choice may ask for (``max_tokens``; unset:
-    the model's context bounds it); ``max_rows_per_request``, prompts x ``n``.
-    ``api_key``: when set (or the ``SPECBATCH_API_KEY`` environment variable, or
-    ``jobs/serve.py --api-key``), every ``/v1/`` request must send ``Authorization: Bearer
-    <key>`` (401 otherwise, as vLLM's ``--api-key``); ``/health`` stays open.
-    """
-
+    #: where Serve's HTTP proxy listens (another host than 127.0.0.1 without ``api_key`` is
+    #: warned about)
     host: str = "127.0.0.1"
+    #: the HTTP proxy's port
     port: int = Field(8000, ge=1, le=65535)
+    #: replicas, each loading the model pair once; Serve's proxy spreads requests over them
     num_replicas: int = Field(1, ge=1)
+    #: GPUs per replica (``None``: ``compute.gpus_per_actor``, as the batch job's actors)
     gpus_per_replica: float | None = Field(None, ge=0)
+    #: CPUs per replica, and its torch threads (``None``: ``compute.cpus_per_actor``)
     cpus_per_replica: float | None = Field(None, gt=0)
+    #: rows decoded in one batch per replica; more wait for a free slot (``None``:
+    #: ``compute.max_batch_size``)
     max_batch_size: int | None = Field(None, ge=1)
+    #: Ray Serve's limit of requests a replica holds (in flight plus queued) before Serve
+    #: queues them at the proxy
     max_ongoing_requests: int = Field(64, ge=1)
+    #: the ``model`` clients send and ``/v1/models`` lists (``None``: the target's folder name
+    #: for a local model, e.g. ``SmolLM2-135M-Instruct``; the hub id for a hub model)
     model_name: str | None = None
+    #: a Jinja chat template, or the path of a file holding one, for ``/v1/chat/completions``
+    #: when the target's tokenizer has none (``None``: the tokenizer's)
     chat_template: str | None = None
+    #: a request body larger than this many bytes is refused (413) before it is parsed
     max_request_bytes: int = Field(2**20, ge=1)
+    #: the most new tokens one choice may ask for (``max_tokens``; ``None``: the model's
+    #: context bounds it)
     max_tokens_cap: int | None = Field(None, ge=1)
+    #: the most rows (prompts x ``n``) one request may ask for
     max_rows_per_request: int = Field(64, ge=1)
+    #: when set (or ``SPECBATCH_API_KEY`` in the environment, or ``jobs/serve.py --api-key``),
+    #: every ``/v1/`` request must send ``Authorization: Bearer <key>`` (401 in OpenAI's shape
+    #: otherwise, as vLLM's ``--api-key``); ``/health`` stays open; printed configs show ``***``
     api_key: str | None = None
 
     @field_validator("api_key")

@@ -51,6 +51,11 @@ class GenerationSettings:
     ``generation_config`` value applies, else :data:`ENGINE_DEFAULTS` (see
     :func:`resolve_generation_settings`, which the engine calls for every row).
 
+    The logits processors (repetition penalty, no-repeat n-gram, bad words, min new tokens,
+    suppress tokens) shape greedy decoding as well as sampling, on target and drafter alike,
+    and run in ``generate()``'s order (those five, then temperature, top-k, top-p, min-p) on
+    float32 (or wider) logits.
+
     Attributes:
         max_new_tokens: budget of generated tokens (> 0); unset: 128.
         do_sample: sample (True) or greedy argmax (False); unset: False.
@@ -67,10 +72,6 @@ class GenerationSettings:
         min_new_tokens: EOS ids are banned until this many tokens were generated (needs
             an EOS id; stop strings can still stop earlier).
         suppress_tokens: token ids that are never generated.
-            The processors above shape greedy decoding as well as sampling, on target and
-            drafter alike, and run in ``generate()``'s order (repetition penalty,
-            no-repeat n-gram, bad words, min new tokens, suppress tokens, then temperature,
-            top-k, top-p, min-p) on float32 (or wider) logits.
         seed: per-row seed of the ``torch.Generator`` used for every random draw.
         eos_token_id: one id or a list; unset: the target's ``generation_config.eos_token_id``.
         stop_strings: generation stops once one of them is completed in the decoded
