@@ -56,7 +56,7 @@ def missing_message(job: str, missing: list) -> str:
             f"(Python {version} at {sys.executable}); run it with the Python that specbatch is installed in "
             "(after bash scripts/setup.sh: .venv/bin/python, or activate it with: source .venv/bin/activate); "
             "under ray job submit, start Ray from that environment or give the job a runtime_env "
-            "(README: On a Ray cluster)")
+            "(docs/running-jobs.md: On a Ray cluster)")
 
 
 def require_packages(job: str, required: dict | None = None) -> None:

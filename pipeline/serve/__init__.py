@@ -24,10 +24,12 @@ prompt and settings (the engine is lossless and a row's output never depends on 
 
 Errors.  A bad request is refused before any decoding with a 400 whose JSON ``error.param``
 names the field (unknown field, ``max_tokens`` <= 0, a prompt longer than the context, a
-sampling value or draft length out of range, ...); an unknown ``model`` is a 404.  Should
-an engine step raise (a bug, out of memory), the rows in flight get a 500 and the replica
-goes on with a fresh scheduler; Serve's health check restarts a replica only if its
-stepping thread died.  A client that disconnects cancels its rows.
+sampling value or draft length out of range, ...); an unknown ``model`` is a 404; a body
+over ``serve.max_request_bytes`` is a 413, a request without the API key (when one is set)
+a 401.  Should an engine step raise (a bug, out of memory), its rows are run again, each
+alone, and only a row that fails alone gets a 500 (:class:`EngineLoop`); Serve's health
+check restarts a replica only if its stepping thread died.  A client that disconnects
+cancels its rows.
 
 Modules, one idea each:
 

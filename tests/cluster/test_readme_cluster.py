@@ -1,10 +1,10 @@
-"""The README's "On a Ray cluster" commands, run as a new user meets them: the first ``bash``
-block of that section, taken from README.md and run by ``bash`` in a fresh shell whose PATH does
+"""The "On a Ray cluster" commands of docs/running-jobs.md, run as a new user meets them: the first
+``bash`` block of that section, taken from the page and run by ``bash`` in a fresh shell whose PATH does
 not hold the venv (as after ``bash scripts/setup.sh``, which does not activate it), started in
 another directory that holds the clone as ``specbatch``.  The block starts a real Ray head on
 127.0.0.1, submits the default summarize job with ``ray job submit``, and stops Ray.
 
-Changed from the README, and only this: the output goes to the test's folder instead of
+Changed from the page, and only this: the output goes to the test's folder instead of
 ``$PWD/out/cluster/``, and ``--max-new-tokens 8`` keeps the job short (with the demo model pair's
 config when the real models were not fetched).
 
@@ -25,6 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+#: the page that holds the cluster commands (the README's front page links to it)
+PAGE = REPO / "docs" / "running-jobs.md"
+SECTION = "## On a Ray cluster"
 OUTPUT_IN_README = '--output "$PWD/out/cluster/"'
 RAY_PROCESSES = ("gcs_server", "raylet", "dashboard.py", "ray::", "default_worker.py", "ray_client_server")
 
@@ -32,9 +35,10 @@ pytestmark = pytest.mark.slow
 
 
 def readme_cluster_block() -> str:
-    section = (REPO / "README.md").read_text().split("### On a Ray cluster", 1)[1].split("\n### ", 1)[0]
+    """The first ``bash`` block of the page's "On a Ray cluster" section."""
+    section = PAGE.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
     m = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert m, "README's 'On a Ray cluster' section has no bash block"
+    assert m, f"{PAGE.name}'s 'On a Ray cluster' section has no bash block"
     return m.group(1)
 
 
@@ -73,10 +77,10 @@ def test_readme_block_is_what_a_new_user_types():
 
 def test_readme_cluster_commands_run_literally(tmp_path):
     if not (REPO / ".venv" / "bin" / "activate").is_file():
-        pytest.skip("no .venv in the clone: the README's commands follow bash scripts/setup.sh")
+        pytest.skip("no .venv in the clone: the page's commands follow bash scripts/setup.sh")
     busy = _other_ray()
     if busy:
-        pytest.skip(f"another Ray runs on this machine ({busy}): the README's `ray stop` would stop it")
+        pytest.skip(f"another Ray runs on this machine ({busy}): the page's `ray stop` would stop it")
     block = readme_cluster_block()
     out = tmp_path / "out"
     extra = f'--output "{out}/" --max-new-tokens 8 --no-progress'
@@ -102,4 +106,4 @@ def test_readme_cluster_commands_run_literally(tmp_path):
     deadline = time.time() + 30
     while _other_ray() is not None and time.time() < deadline:
         time.sleep(1)
-    assert _other_ray() is None, "the README's ray stop left Ray processes behind"
+    assert _other_ray() is None, "the page's ray stop left Ray processes behind"

@@ -1,6 +1,6 @@
 """What the engine tests cover, per architecture: the tests parametrize from these lists,
-and the README's list of accepted architectures is generated from them
-(``test_readme_architectures.py``), so the two cannot drift apart.
+and the list of accepted architectures in docs/engine.md is generated from them
+(``test_architectures_page.py``), so the two cannot drift apart.
 
 Each entry: model class, what its attention / positions look like, the methods checked
 lossless (greedy equal to single-row plain greedy, and to ``generate()`` where it has the

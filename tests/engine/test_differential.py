@@ -55,7 +55,7 @@ def test_greedy_matches_generate(arch_models, prompt_len, max_new_tokens):
             hf_generate(target, prompt, max_new_tokens, prompt_lookup_num_tokens=K, max_matching_ngram_size=2),
         ),
     }
-    assert list(cases) == DIFFERENTIAL_METHODS  # what the README's architecture list claims
+    assert list(cases) == DIFFERENTIAL_METHODS  # what the architecture list of docs/engine.md claims
     for method, (engine, reference) in cases.items():
         result = engine.generate(prompt, settings)
         assert result.token_ids == reference, (arch, method)

@@ -286,8 +286,8 @@ def test_resolution_priority_and_unsupported_settings(fresh_log, caplog):
         resolve_generation_settings(GenerationSettings(), GenerationConfig(do_sample=True, top_p=1.5))
 
 
-# ------------------------------------------------------------------ the README's list
-README = Path(__file__).resolve().parents[2] / "README.md"
+# ------------------------------------------------------------------ the list in docs/engine.md
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
 #: one value of each processor setting, enough to switch it on
 ONE_VALUE = dict(repetition_penalty=1.2, no_repeat_ngram_size=2, bad_words_ids=[[1]], min_new_tokens=2,
                  suppress_tokens=[2], temperature=0.5, top_k=3, top_p=0.9, min_p=0.1)
@@ -315,8 +315,8 @@ def accepted_processors() -> list[tuple[str, str, bool]]:
     return sorted(rows, key=lambda r: order.index(r[1]))
 
 
-def readme_processor_table() -> str:
-    """The README's table, generated from the shaper and from what the tests cover."""
+def processor_table() -> str:
+    """The table of docs/engine.md, generated from the shaper and from what the tests cover."""
     import test_sampling
 
     differential = {k for kw in processor_cases(list(range(20))).values() for k in kw}
@@ -330,8 +330,8 @@ def readme_processor_table() -> str:
     return "\n".join(lines)
 
 
-def test_readme_lists_the_accepted_and_tested_processors():
-    text = README.read_text()
+def test_the_engine_page_lists_the_accepted_and_tested_processors():
+    text = PAGE.read_text()
     start, end = "<!-- processors:start -->\n", "\n<!-- processors:end -->"
     block = text[text.index(start) + len(start): text.index(end)]
-    assert block == readme_processor_table(), "update the README block to:\n" + readme_processor_table()
+    assert block == processor_table(), "update the block in docs/engine.md to:\n" + processor_table()

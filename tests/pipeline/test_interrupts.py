@@ -107,7 +107,7 @@ def test_an_interrupted_run_says_so_in_one_line_keeps_its_commits_and_resumes(
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 128 + sig, err[-3000:]
     said = [ln for ln in err.splitlines() if ln.strip() and "specbatch INFO" not in ln and "worker.py" not in ln
-            and "core_worker.cc:2465" not in ln]  # the one documented Ray line (README, reliability)
+            and "core_worker.cc:2465" not in ln]  # the one documented Ray line (docs/reliability.md)
     assert said == [f"interrupted ({signame}): shards committed before the interrupt are kept; "
                     "rerun the same command to resume"], err[-3000:]
     for noise in ("Traceback", "KeyboardInterrupt", "execution finished", "SIGTERM received", "Stack trace",

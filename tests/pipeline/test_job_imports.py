@@ -47,7 +47,7 @@ def test_required_is_pyprojects_dependency_list():
 
 
 def test_runtime_env_example_installs_the_dependencies():
-    """configs/runtime_env.yaml (README: On a Ray cluster) is a valid Ray runtime_env whose pip list
+    """configs/runtime_env.yaml (docs/running-jobs.md: On a Ray cluster) is a valid Ray runtime_env whose pip list
     is pyproject's dependencies but Ray, with the same version bounds and torch pinned."""
     from ray.runtime_env import RuntimeEnv
 

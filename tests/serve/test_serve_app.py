@@ -112,7 +112,7 @@ def test_endpoints_give_what_the_batch_job_writes(url, batch_rows, client):
         # the official client, plain and streamed
         c = client.completions.create(model=MODEL, prompt=row["prompt"], max_tokens=MAX_TOKENS, temperature=0)
         assert c.choices[0].text == row["output_text"] and c.usage.completion_tokens == row["new_tokens"]
-        assert c.model_extra["speculation"]["draft_tokens"] == spec["draft_tokens"]  # as the README reads it
+        assert c.model_extra["speculation"]["draft_tokens"] == spec["draft_tokens"]  # as docs/serving.md reads it
         stream = client.completions.create(model=MODEL, prompt=row["prompt"], max_tokens=MAX_TOKENS,
                                            temperature=0, stream=True)
         pieces = [ch.choices[0].text for ch in stream if ch.choices]
