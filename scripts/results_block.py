@@ -85,6 +85,26 @@ def _job_report(data: dict) -> str:
     return f"{', '.join(parts) or 'no run besides ' + base}{ident}"
 
 
+def _bench_real_title(meta: dict) -> str:
+    """``bench/bench_real.py``'s conditions, from its ``meta``."""
+    parts = ["bench/bench_real.py"]
+    rows = meta.get("rows")
+    if isinstance(rows, list) and len(rows) == 2:
+        parts.append(f"XSum articles {rows[0]}-{rows[1] - 1}")
+    if meta.get("new_tokens"):
+        parts.append(f"{meta['new_tokens']} new tokens")
+    if meta.get("batch_sizes"):
+        parts.append(f"{', '.join(map(str, meta['batch_sizes']))} rows in flight")
+    device = " ".join(str(meta[k]) for k in ("device", "dtype") if meta.get(k))
+    if device:
+        parts.append(device)
+    if meta.get("threads"):
+        parts.append(f"{meta['threads']} thread(s)")
+    if meta.get("clock"):
+        parts.append(f"{meta['clock']} clock")
+    return ", ".join(parts) + f" ({meta.get('machine', 'machine not recorded')})"
+
+
 def _bench_real(data: dict) -> str:
     return "; ".join(str(s).rstrip(".") for s in data.get("summary", [])) or "no summary"
 
@@ -115,7 +135,7 @@ def _line(path: Path, root: Path) -> str | None:
         title, text = _title(folder, data, root), _job_report(data)
     elif "summary" in data and "meta" in data:
         meta = data["meta"]
-        title = data.get("title") or f"bench/bench_real.py on {meta.get('machine', 'an unnamed machine')}"
+        title = data.get("title") or _bench_real_title(meta)
         text = _bench_real(data)
     else:
         title, text = _title(folder, data, root), ""
@@ -153,8 +173,15 @@ def _entry(path: Path, reports: Path) -> str | None:
         return None
     folder = path.parent
     md = folder / ("tune_report.md" if path.name == "eval.json" else "report.md")
-    title = data.get("title") or _title(folder, data, reports.parent)
     meta = data.get("meta") or {}
+    if data.get("title"):
+        title = data["title"]
+    elif path.name == "eval.json":
+        title = f"jobs/tune.py against the fixed defaults: {data.get('corpus')}"
+    elif "summary" in data and meta:
+        title = _bench_real_title(meta)
+    else:
+        title = _title(folder, data, reports.parent)
     rel = lambda p: p.relative_to(reports).as_posix()  # noqa: E731
     lines = [f"- **[{title}]({rel(md) if md.is_file() else rel(path)})** (`{rel(path)}`)"]
     commit = meta.get("commit")
