@@ -201,14 +201,35 @@ class EarlyExitProposer(DraftModelProposer):
                 self.pending[s], done = None, 0  # not what the draft ran: recompute (prefill)
             if done < t.shape[0]:
                 missing.append((i, done))
+        if all(d == 0 for _, d in missing) and len(missing) == len(slots):
+            # no row drafted (a plain step, a prefill): the full model in one pass, as plain decoding
+            for s in slots:
+                self.pending[s] = None
+            return runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
         if missing:
-            self._forward([slots[i] for i, _ in missing], [tokens[i][d:] for i, d in missing],
-                          [starts[i] + d for i, d in missing])
+            with _no_head(runner.model):  # only the hidden states of the shallow view are needed here
+                self._forward([slots[i] for i, _ in missing], [tokens[i][d:] for i, d in missing],
+                              [starts[i] + d for i, d in missing])
         hidden = [self.pending[s] for s in slots]
         for s in slots:
             self.pending[s] = None
         with self.views.deep():
             return runner.forward(slots, hidden, starts, logits_to_keep=logits_to_keep).logits
+
+
+@contextlib.contextmanager
+def _no_head(model):
+    """The model's output layer returns nothing worth computing inside the block (a pass whose
+    logits are not read)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        yield
+        return
+    head.forward = lambda x: x.new_zeros(x.shape[:-1] + (1,))
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def build(inputs) -> EarlyExitProposer:
