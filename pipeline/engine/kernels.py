@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -60,24 +61,37 @@ def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+#: each PackedLinear's packed weight, ``(weight key, packed tensor)``, kept outside the module so
+#: that copying, pickling or saving the model never meets oneDNN's opaque tensor
+_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _weight_key(w: torch.Tensor) -> tuple:
+    """What identifies the weight's values: its storage, dtype and in-place version (an
+    inference tensor has no version counter, and cannot be changed outside inference mode)."""
+    try:
+        version = w._version
+    except RuntimeError:
+        version = -1
+    return (w.data_ptr(), version, w.dtype, tuple(w.shape))
+
+
 class PackedLinear(torch.nn.Linear):
     """A ``torch.nn.Linear`` whose CPU inference runs oneDNN with a packed copy of its weight
     (see the module docstring).  Same parameters, same ``state_dict``; instances are made by
     :func:`pack_linears` (``__class__`` swap), never constructed directly."""
-
-    _specbatch_packed: tuple | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         w = self.weight
         if (input.device.type != "cpu" or w.device.type != "cpu" or input.dtype != w.dtype
                 or w.dtype not in PACKED_DTYPES or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
             return F.linear(input, w, self.bias)
-        key = (w.data_ptr(), w._version, w.dtype)
-        packed = self._specbatch_packed
+        key = _weight_key(w)
+        packed = _PACKED.get(self)
         if packed is None or packed[0] != key:
             with torch.no_grad():
                 packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS))
-            self._specbatch_packed = packed
+            _PACKED[self] = packed
         bias = self.bias.detach() if self.bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(input, packed[1], bias, "none", [], "")
 

@@ -110,9 +110,9 @@ def _actor_of(job) -> int:
 def test_a_run_started_20_s_after_another_is_refused_and_the_first_commits(tiny_models, tmp_path):
     """The first run is made slow by pausing its actor (SIGSTOP) once it committed a shard,
     so the second starts while it surely runs, whatever the machine's speed."""
-    inp, out = _inputs(tmp_path / "in", 3, 4), tmp_path / "out"
+    inp, out = _inputs(tmp_path / "in", 8, 4), tmp_path / "out"  # enough rows that the run is still going
     t0 = time.monotonic()
-    first = _start(_args(tiny_models, inp, out, "plain", 8, "--rows-per-batch", "1"), tmp_path, "first")
+    first = _start(_args(tiny_models, inp, out, "plain", 32, "--rows-per-batch", "1"), tmp_path, "first")
     actor = None
     try:
         deadline = time.time() + 240

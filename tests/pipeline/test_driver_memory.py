@@ -35,10 +35,11 @@ def _write_shards(d, shards, rows):
 class _EchoActor(GenerateActor):
     """An output row per input row (the prompt kept, one "generated" word), no model."""
 
-    def __init__(self, config, device=None):
+    def __init__(self, config, device=None, columns="job", text_column="text", id_column="id"):
         from pipeline.config import JobConfig
         from pipeline.prompts import fill_template
 
+        self.columns, self.text_column, self.id_column = columns, text_column, id_column
         self.cfg = JobConfig.model_validate(config)
         self.fill = fill_template
         self.meta = {"method": "plain", "target_model": self.cfg.models.target, "draft_model": None}

@@ -35,6 +35,9 @@ OVERRIDES = {
     "serve.cpus_per_replica": "0.5",
     "serve.max_batch_size": "16",
     "serve.chat_template": str(REPO / "configs" / "chat_templates" / "plain.jinja"),
+    # a fixed draft length: the statistics of two requests for the same prompt are then the same
+    # (by expected gain, the drafting decisions follow measured times)
+    "compute.adaptive_draft_length": "false",
 }
 TEXTS = [json.loads(line)["text"] for line in (REPO / "data" / "demo_prompts.jsonl").read_text().splitlines()]
 
