@@ -12,7 +12,8 @@ common ``k``, which the tuner uses)::
 
     tokens/s = sum_i E_i(k_i) / (t_verify(B, W) + t_propose(k))
 
-and drafts nothing (a plain step) when no draft pays.  The inputs:
+and drafts nothing (a plain step) when no draft pays by at least :data:`MIN_GAIN` (3 %).
+The inputs:
 
 - ``A_ij``: the row's own acceptance by draft position (``RowStats.drafted_per_position``
   / ``accepted_per_position``), shrunk towards the engine's pooled acceptance by position
@@ -20,8 +21,9 @@ and drafts nothing (a plain step) when no draft pays.  The inputs:
   engine has seen and a row whose drafts keep failing (or keep succeeding) moves away
   from it as its own evidence grows.  Positions never measured continue the last
   measured per-token acceptance.
-- ``t_verify(B, W) = a + b*B + c*B*W``: a decayed least-squares fit of the measured
-  target passes (fixed cost, per-row cost such as the KV cache read, per-token cost).
+- ``t_verify(B, W)``: the decayed mean of the measured passes of ``B`` rows and width ``W``
+  once there are a few, else ``a + b*B + c*B*W``, a decayed least-squares fit of every
+  measured pass (fixed cost, per-row cost such as the KV cache read, per-token cost).
 - ``t_propose = p0 + p1*max_i k_i + p2*sum_i k_i``: a decayed least-squares fit of the
   measured proposer calls (a drafter pass per draft position, per-row work).
 
@@ -31,10 +33,10 @@ each row asks for: this is what saves a model drafter's passes), and
 that the proposer's cost is spent and each draft's real length is known: this is what
 decides for prompt lookup, whose drafts are free but often short or missing).
 
-Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) the full length is drafted,
-with some shorter passes so that the fit sees more than one width; every
-:data:`PROBE_EVERY` steps rows ask one token more than the plan, so acceptance keeps being
-measured when the plan is to draft nothing.  Greedy outputs never depend on the draft
+Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) steps draft 0, 1 and 2 tokens
+in turn, so that the fit sees three widths at little cost; every :data:`PROBE_EVERY` steps
+rows ask one token more than the plan, so acceptance keeps being measured when the plan is
+to draft nothing, and longer drafts get measured when they pay.  Greedy outputs never depend on the draft
 length; sampled outputs keep the target's law whatever it is, but the draws a seed gives
 depend on it (see the engine's ``adaptive_draft_length``).
 """
@@ -53,6 +55,12 @@ MIN_OBSERVATIONS = 12
 PROBE_EVERY = 32
 #: the engine's pooled acceptance counts as this many drafts of a row's own evidence
 PRIOR_DRAFTS = 4.0
+#: a draft is made only when its predicted tokens per second beat a plain step's by this
+#: share: near break-even the cost model's errors (a few percent) would otherwise make a
+#: method slower than plain decoding
+MIN_GAIN = 0.03
+#: passes of one (rows, width) after which their own measured mean replaces the fit
+TABLE_AFTER = 3
 
 
 class _DecayedFit:
@@ -94,6 +102,7 @@ class DraftLengthPolicy:
         self.verify = _DecayedFit(3)  # t = a + b*B + c*B*W
         self.propose = _DecayedFit(3)  # t = p0 + p1*max k + p2*sum k
         self._widths: set[tuple[int, int]] = set()
+        self._table: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [decayed mean, passes]
         self.verify_passes = 0
         self.steps = 0
         self.probing = False  # this step asks one token more than the plan
@@ -103,6 +112,9 @@ class DraftLengthPolicy:
         """A target pass over ``rows`` rows of ``width`` tokens each (padded) took ``seconds``."""
         self.verify.observe((1.0, rows, rows * width), seconds)
         self._widths.add((rows, width))
+        entry = self._table.setdefault((rows, width), [seconds, 0])
+        entry[0] += (seconds - entry[0]) * max(DECAY, 1.0 / (entry[1] + 1))
+        entry[1] += 1
         self.verify_passes += 1
 
     def observe_propose(self, draft_lengths: Sequence[int], seconds: float) -> None:
@@ -125,7 +137,11 @@ class DraftLengthPolicy:
         return self.verify_passes >= MIN_OBSERVATIONS and len({w for _, w in self._widths}) > 1
 
     def verify_time(self, rows: int, width: int) -> float:
-        """Predicted seconds of a target pass over ``rows`` rows of ``width`` tokens."""
+        """Predicted seconds of a target pass over ``rows`` rows of ``width`` tokens: the measured
+        mean of such passes once there are :data:`TABLE_AFTER` of them, else the fit."""
+        entry = self._table.get((rows, width))
+        if entry is not None and entry[1] >= TABLE_AFTER:
+            return entry[0]
         return max(self.verify.predict((1.0, rows, rows * width)), 1e-9)
 
     def propose_time(self, draft_lengths: Sequence[int]) -> float:
@@ -187,20 +203,22 @@ class DraftLengthPolicy:
         self.probing = False
         caps = [max(0, min(int(c), self.k_max)) for c in caps]
         if not self.measured:
-            if self.steps % 4 == 0:  # a few narrower passes give the cost fit its second width
-                return [min(c, max(0, self.k_max // 2 - 1)) for c in caps]
-            return caps
+            # cheap passes first: plain steps and drafts of one and two tokens give the cost fit
+            # three widths and the acceptance its first positions; longer drafts come when the
+            # plan (extrapolating them) says they pay (a first pass of the full K at 8 rows
+            # costs several plain steps)
+            return [min(c, self.steps % 3) for c in caps]
         b = len(caps)
-        va, vb, vc = self.verify.weights()
         pa, pb, pc = self.propose.weights() if self.propose.count else (0.0, 0.0, 0.0)
+        verify = [self.verify_time(b, w + 1) for w in range(max(caps, default=0) + 1)]
 
         def seconds(longest: int, total: int) -> float:
-            t = max(va + vb * b + vc * b * (longest + 1), 1e-9)
-            return t + (max(pa + pb * longest + pc * total, 0.0) if total else 0.0)
+            return verify[longest] + (max(pa + pb * longest + pc * total, 0.0) if total else 0.0)
 
         # For each widest draft w, the best choice takes, across rows, the draft positions of
         # highest acceptance first (each costs the same): a prefix of them, in that order.
-        best, best_ks = b / seconds(0, 0), [0] * b
+        plain = b / seconds(0, 0)
+        best, best_ks = plain, [0] * b
         for w in range(1, max(caps, default=0) + 1):
             order = sorted(((reach[i][j], i, j) for i, c in enumerate(caps) for j in range(min(c, w))),
                            key=lambda t: (-t[0], t[2]))
@@ -215,6 +233,8 @@ class DraftLengthPolicy:
                 r = tokens / seconds(longest, total)
                 if r > best:
                     best, best_ks = r, list(ks)
+        if best < plain * (1.0 + MIN_GAIN):
+            best_ks = [0] * b
         self.probing = self.steps % PROBE_EVERY == 0
         if self.probing:
             best_ks = [min(c, k + 1) for c, k in zip(caps, best_ks)]
@@ -232,4 +252,5 @@ class DraftLengthPolicy:
         def gain(w: int) -> float:
             return sum(1.0 + sum(r[: min(w, n)]) for r, n in zip(reach, lengths)) / self.verify_time(b, w + 1)
 
-        return max(range(longest + 1), key=lambda w: (gain(w), -w))
+        best = max(range(longest + 1), key=lambda w: (gain(w), -w))
+        return best if gain(best) >= gain(0) * (1.0 + MIN_GAIN) else 0
