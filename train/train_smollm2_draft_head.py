@@ -40,9 +40,10 @@ reached, a finished stage is never redone unless ``--fresh``):
    inference, ``DraftHead.unrolled``), weighted ``--step-decay`` ** (s-1): cross-entropy
    against the target's top-k distribution renormalized over the draft vocabulary, answer
    positions weighted ``--answer-weight``, other positions sampled with probability
-   ``--prompt-fraction`` (the output layer runs only on those); plus, with one feature
-   layer, ``--regression-weight`` x smooth-L1 of the step-1 output feature against the
-   target's next feature (EAGLE-1).  Checkpointed every ``--save-every`` seconds.
+   ``--prompt-fraction`` (the output layer runs only on those); plus
+   ``--regression-weight`` x smooth-L1 of the normed output feature ``RMSNorm(g_j)`` against
+   the target's final normed hidden state at ``j + 1`` (EAGLE-1's feature regression: a dense
+   target, and the one whose image under the tied output layer is the target's own logits).  Checkpointed every ``--save-every`` seconds.
 6. **eval**: top-1 agreement with the target per draft position on the held-out answers;
    the engine's ``eagle`` method against plain decoding (greedy, ``k = 1..4``, float32, 1
    thread) on the held-out prompts -- every output must be identical -- with acceptance
@@ -291,17 +292,32 @@ class Data:
         return {layer: rec["feats"][a:b, self.stored.index(layer)].float() for layer in layers}
 
 
-def draft_vocab_order(records: list[dict], vocab: int, answer_weight: float) -> torch.Tensor:
-    """Target ids ranked by how often the target's argmax names them (answer positions
-    weighted ``answer_weight``); ids never named follow in id order."""
+def draft_vocab_order(records: list[dict], vocab: int, answer_weight: float,
+                      text_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Target ids, most frequent first: the share of the target's argmax naming each id in
+    ``records`` (answer positions weighted ``answer_weight``) plus, when given, its share of
+    the tokens of the training texts (``text_counts``, far more text than the target ran on:
+    a steadier ranking of the rarer ids); ids never seen follow in id order."""
     counts = torch.zeros(vocab, dtype=torch.float64)
     for r in records:
         top1 = r["topi"][:, 0].long()
         w = torch.ones(top1.shape[0], dtype=torch.float64)
         w[max(0, r["prompt_len"] - 1):] = answer_weight
         counts.index_add_(0, top1, w)
-    order = torch.argsort(-counts, stable=True)
-    return order
+    counts = counts / counts.sum().clamp_min(1)
+    if text_counts is not None:
+        counts = counts + text_counts / text_counts.sum().clamp_min(1)
+    return torch.argsort(-counts, stable=True)
+
+
+def text_token_counts(tokenizer, texts: list[str], vocab: int) -> torch.Tensor:
+    """``(vocab,)`` how often each id occurs in the tokenized ``texts``."""
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for t in texts:
+        ids = torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        if ids.numel():
+            counts.index_add_(0, ids.clamp_max(vocab - 1), torch.ones(ids.numel(), dtype=torch.float64))
+    return counts
 
 
 def coverage(records: list[dict], order: torch.Tensor, sizes: list[int]) -> dict[int, float]:
@@ -341,7 +357,7 @@ def make_batch(data: Data, recs: list[dict], head, layers: list[int], max_len: i
     topv = torch.full((B, T, wins[0][0]["topv"].shape[1]), -30.0)
     topi = torch.zeros(B, T, wins[0][0]["topi"].shape[1], dtype=torch.long)
     nxt = torch.zeros(B, T, H)
-    last = layers[-1]
+    last = head.head_config.target_num_hidden_layers  # the final, normed hidden state (must be stored)
     for bi, (r, a, b) in enumerate(wins):
         m = b - a
         for layer, f in data.feature(r, layers, a, b).items():
@@ -390,21 +406,28 @@ def head_loss(head, batch: dict, steps: int, step_decay: float, regression_weigh
             ce = -(batch["p"][k] * logq.gather(-1, batch["idx"][k])).sum(-1)
             w = batch["weight"][k]
             total = total + step_decay ** (s - 1) * (ce * w).sum() / w.sum()
+            if regression_weight:  # EAGLE-1's feature regression: norm(g) -> the target's next feature
+                reg = F.smooth_l1_loss(head.norm(g).float(), batch["next"][k], reduction="none").mean(-1)
+                total = total + regression_weight * step_decay ** (s - 1) * (reg * w).sum() / w.sum()
             pred = head.draft_vocab[logq.argmax(-1)]
             agree.append(float((pred == batch["top1"][k]).float().mean()))
-        if regression_weight and head.feature_proj is None:
-            k = batch["keeps"][0]
-            total = total + regression_weight * F.smooth_l1_loss(outs[0].float(), batch["next"][k])
     return total, agree
 
 
-def init_head(head, target) -> None:
-    """Warm start: the decoder layer is a copy of the target's last layer, the final norm
-    the target's; ``W_fc = [I I]`` (normed feature + normed token embedding); an own output
-    layer starts as the target's rows."""
+def init_head(head, target, how: str = "identity") -> None:
+    """Warm start.  ``how``: ``target-layer`` -- the decoder layer is a copy of the target's
+    last layer; ``identity`` -- the same with its two output projections (attention
+    ``o_proj``, MLP ``down_proj``) zeroed, so the layer starts as the identity and the head
+    as ``lm_head(norm(z))``; ``random`` -- transformers' initialisation.  Always: the final
+    norm is the target's, ``W_fc = [I I] / 2`` (normed feature + normed token embedding), and an
+    own output layer starts as the target's rows."""
     with torch.no_grad():
         last = target.get_decoder().layers[-1]
-        head.layer.load_state_dict(last.state_dict())
+        if how in ("target-layer", "identity"):
+            head.layer.load_state_dict(last.state_dict())
+        if how == "identity":
+            head.layer.self_attn.o_proj.weight.zero_()
+            head.layer.mlp.down_proj.weight.zero_()
         head.norm.weight.copy_(target.get_decoder().norm.weight)
         H = head.head_config.hidden_size
         head.fc.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1) * 0.5)
@@ -439,9 +462,14 @@ def train_head(head, train: Data, args, work: Path, vocab_index: torch.Tensor) -
     t0, last_save = time.time() - st["elapsed"], time.time()
     warm = min(60.0, budget * 0.05)
     order: list[int] = []
-    while time.time() - t0 < budget:
+    max_steps = args.train_steps
+    while (time.time() - t0 < budget) if max_steps is None else (st["step"] < max_steps):
         elapsed = time.time() - t0
-        scale = min(1.0, (elapsed + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
+        if max_steps is None:  # warm-up then cosine decay to 10 % over the time budget
+            frac, warmup = min(1.0, elapsed / budget), min(1.0, (elapsed + 1) / warm)
+        else:  # the same over a fixed number of steps (comparisons at equal steps)
+            frac, warmup = st["step"] / max_steps, min(1.0, (st["step"] + 1) / max(1, max_steps // 20))
+        scale = warmup * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = args.lr * scale
         batch_recs, n_tok = [], 0
@@ -619,7 +647,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--store-layers", default="eagle3+last",
                     help="target hidden_states stored: 'eagle3+last' = 2, L/2, L-3 and L (the final normed state)")
-    ap.add_argument("--feature-layers", default="last", help="'last', 'eagle3' or comma-separated hidden_states indices")
+    ap.add_argument("--feature-layers", default="eagle3",
+                    help="'eagle3' (2, L/2, L-3), 'last' or comma-separated hidden_states indices")
     ap.add_argument("--draft-vocab", type=int, default=16384, help="N, the draft vocabulary size")
     ap.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True,
                     help="output layer = the target's rows of the draft vocabulary (nothing stored)")
@@ -629,7 +658,11 @@ def parse_args(argv=None):
     ap.add_argument("--answer-weight", type=float, default=4.0)
     ap.add_argument("--prompt-fraction", type=float, default=0.3)
     ap.add_argument("--max-len", type=int, default=384, help="head positions per training window")
-    ap.add_argument("--tokens-per-step", type=int, default=3072)
+    ap.add_argument("--tokens-per-step", type=int, default=1024)
+    ap.add_argument("--init", choices=["identity", "target-layer", "random"], default="identity",
+                    help="the decoder layer's warm start (see init_head)")
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="train this many steps instead of --train-minutes (comparisons at equal steps)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--save-every", type=float, default=120)
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast in training")
@@ -683,8 +716,9 @@ def main(argv=None) -> int:
     n_layers = target.config.num_hidden_layers
     stored = _layers(args.store_layers, n_layers)
     feature_layers = _layers(args.feature_layers, n_layers)
-    if not set(feature_layers) <= set(stored):
-        raise SystemExit(f"--feature-layers {feature_layers} must be among --store-layers {stored}")
+    if not set(feature_layers) | {n_layers} <= set(stored):
+        raise SystemExit(f"--feature-layers {feature_layers} and the last layer {n_layers} (the regression target) "
+                         f"must be among --store-layers {stored}")
     eos = target.generation_config.eos_token_id
     data_dir = Path(args.data)
     builder = PromptBuilder(tokenizer, TaskConfig())
@@ -779,7 +813,11 @@ def main(argv=None) -> int:
 
     # 4. draft vocabulary
     V = target.config.vocab_size
-    order = draft_vocab_order(train_recs, V, args.answer_weight)
+    texts = [r["text"] for r in xsum[FIRST_TRAIN_XSUM:]] + [r["summary"] for r in xsum[FIRST_TRAIN_XSUM:]]
+    texts += [" ".join(d) for d in news_documents(data_dir)]
+    text_counts = text_token_counts(tokenizer, texts, V)
+    order = draft_vocab_order(train_recs, V, args.answer_weight, text_counts)
+    data_stats["vocab_text_tokens"] = int(text_counts.sum())
     sizes = [n for n in (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768, V) if n <= V]
     cov = coverage(held.records, order, sizes)
     cov_train = coverage(answers, order, sizes)
@@ -794,7 +832,7 @@ def main(argv=None) -> int:
     config.target = "HuggingFaceTB/SmolLM2-135M-Instruct" if "SmolLM2-135M-Instruct" in str(target_dir) else str(target_dir)
     head = DraftHead(config)
     head.set_draft_vocab(order[:N])
-    init_head(head, target)
+    init_head(head, target, args.init)
     head.attach(target)
     vocab_index = torch.full((V,), -1, dtype=torch.long)
     vocab_index[head.draft_vocab] = torch.arange(N)
@@ -821,11 +859,15 @@ def main(argv=None) -> int:
     save_draft_head(head, out_dir)
     head = load_draft_head(out_dir, target)
     log("stage eval: engine acceptance (greedy, k = 1..4) and cost")
+    t_eval = time.time()
     ks = [int(k) for k in args.eval_k.split(",")]
     eval_prompts = held_prompts[: args.eval_rows]
     acc = engine_acceptance(target, out_dir, eval_prompts, ks, args.max_new_tokens, min(8, len(eval_prompts)))
     cost_prompt = held_prompts[0]
     cost = cost_ratio(target, out_dir, cost_prompt, rows_list=(1, 8) if not args.smoke else (1, 2))
+    timeline["train_s"] = train_stats["seconds"]
+    timeline["eval_s"] = round(time.time() - t_eval, 1)
+    timeline["total_minutes"] = round(sum(v for k, v in timeline.items() if k.endswith("_s")) / 60, 1)
     size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
     summary = {
         "target": config.target, "args": vars(args), "hidden_size": config.hidden_size, "stored_layers": stored, "feature_layers": feature_layers,
@@ -933,9 +975,10 @@ step (one token per row, after the same held-out prompt), float32, 1 thread, med
 
 ## Run
 
-`python train/train_smollm2_draft_head.py` (stages: answers {s['timeline'].get('answers_s', 0) / 60:.1f} min, news
-{s['timeline'].get('news_s', 0) / 60:.1f} min, held-out {s['timeline'].get('heldout_s', 0) / 60:.1f} min, training
-{t['seconds'] / 60:.1f} min, then evaluation) on a {s['cpus']}-core machine shared with other jobs (load average before
+`python train/train_smollm2_draft_head.py`: {s['timeline']['total_minutes']} min of stages in all (answers
+{s['timeline'].get('answers_s', 0) / 60:.1f} min, news {s['timeline'].get('news_s', 0) / 60:.1f} min, held-out
+{s['timeline'].get('heldout_s', 0) / 60:.1f} min, training {t['seconds'] / 60:.1f} min, evaluation
+{s['timeline']['eval_s'] / 60:.1f} min) on a {s['cpus']}-core machine shared with other jobs (load average before
 {s['load_average_before']}, after {s['load_average_after']}); torch {s['torch']}. Figures: `training_summary.json`.
 
 License: Apache-2.0, as the target.

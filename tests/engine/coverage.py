@@ -47,6 +47,8 @@ ROWS = [
      ["plain", "mtp_assistant"], True, "test_mtp_assistant"),
     ("llama_universal", "LlamaForCausalLM (two BPE tokenizers)", "full, RoPE", ["universal"], True,
      "test_universal (one row at a time)"),
+    ("llama_eagle", "LlamaForCausalLM (+ a draft head on its hidden states)", "full, RoPE",
+     ["eagle (EAGLE-1 / EAGLE-3 features, reduced vocabulary)", "draft_model (reduced vocabulary)"], True, "test_eagle"),
 ]
 
 # tests/engine/test_architectures.py: refused when the engine is built (label -> layer kind named)

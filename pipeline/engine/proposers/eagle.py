@@ -321,7 +321,6 @@ class DraftHead(nn.Module):
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=p.device)
         j = torch.arange(T, device=p.device)
-        low = torch.finfo(p.dtype).min
         outs, keys, values = [], [], []
         feat = p
         for s in range(1, steps + 1):
@@ -339,6 +338,7 @@ class DraftHead(nn.Module):
             # step-1 keys at positions <= j - s + 1 (and real), then one diagonal key per later step
             allowed = (j.view(1, -1) <= j.view(-1, 1) - s + 1).view(1, 1, T, T) & valid.view(B, 1, 1, T)
             scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * attn.scaling]
+            low = torch.finfo(scores[0].dtype).min  # (bfloat16 under autocast)
             scores[0] = scores[0].masked_fill(~allowed, low)
             vals = []
             for t in range(2, s + 1):
