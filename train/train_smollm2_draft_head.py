@@ -541,10 +541,26 @@ def agreement_by_position(head, data: Data, steps: int, answers_only: bool = Tru
     return [round(h / max(1, c), 4) for h, c in zip(hits, counts)]
 
 
+def _stats(plain, res, cpu: float, plain_s: float) -> dict:
+    k = max((len(r.stats.drafted_per_position) for r in res), default=0)
+    drafted = sum(r.stats.draft_tokens for r in res)
+    accepted = sum(r.stats.accepted_tokens for r in res)
+    steps = sum(r.stats.verify_steps for r in res)
+    new = sum(r.stats.new_tokens for r in res)
+    dpp = [sum(r.stats.drafted_per_position[i] for r in res if len(r.stats.drafted_per_position) > i) for i in range(k)]
+    app = [sum(r.stats.accepted_per_position[i] for r in res if len(r.stats.accepted_per_position) > i) for i in range(k)]
+    return {"identical_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(plain, res)),
+            "acceptance_rate": round(accepted / max(1, drafted), 4), "mean_accepted_length": round(new / max(1, steps), 3),
+            "acceptance_by_position": [round(a / max(1, d), 4) for a, d in zip(app, dpp)],
+            "draft_tokens": drafted, "cpu_s": round(cpu, 2), "speedup_cpu_clock": round(plain_s / max(cpu, 1e-9), 3)}
+
+
 def engine_acceptance(target, head_path: Path, prompts: list[list[int]], ks: list[int], max_new: int,
-                      rows: int) -> dict:
-    """Plain against ``eagle`` at each ``k`` (greedy, float32, 1 thread): identical rows,
-    acceptance rate, mean accepted length, acceptance per draft position."""
+                      rows: int, extra: list[tuple] = ()) -> dict:
+    """Plain against ``eagle`` at each fixed ``k`` (greedy, float32, 1 thread, ``rows`` rows in
+    flight, the process CPU clock): identical rows, acceptance rate, mean accepted length,
+    acceptance per draft position, speed-up.  ``extra``: further runs ``(label, settings,
+    drafter (a callable making it), adaptive_draft_length)``, reported under ``other``."""
     from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
     from pipeline.engine.proposers.eagle import load_draft_head
 
@@ -556,33 +572,24 @@ def engine_acceptance(target, head_path: Path, prompts: list[list[int]], ks: lis
         plain = SpeculativeEngine(target, max_batch_size=rows).generate_batch(prompts, gs)
         plain_s = time.process_time() - t
         out = {"rows": len(prompts), "max_new_tokens": max_new, "rows_in_flight": rows,
-               "plain_cpu_s": round(plain_s, 2), "by_k": {}}
-        for k in ks:
-            head = load_draft_head(head_path, target)
-            engine = SpeculativeEngine(target, SpeculationSettings(method="eagle", num_assistant_tokens=k),
-                                       drafter=head, max_batch_size=rows, adaptive_draft_length=False)
+               "plain_cpu_s": round(plain_s, 2), "by_k": {}, "other": {}}
+        runs = [(k, SpeculationSettings(method="eagle", num_assistant_tokens=k), lambda: load_draft_head(head_path, target),
+                 False) for k in ks] + list(extra)
+        for label, spec, drafter, adaptive in runs:
+            engine = SpeculativeEngine(target, spec, drafter=drafter(), max_batch_size=rows, adaptive_draft_length=adaptive)
             t = time.process_time()
             res = engine.generate_batch(prompts, gs)
-            cpu = time.process_time() - t
-            same = sum(a.token_ids == b.token_ids for a, b in zip(plain, res))
-            drafted = sum(r.stats.draft_tokens for r in res)
-            accepted = sum(r.stats.accepted_tokens for r in res)
-            steps = sum(r.stats.verify_steps for r in res)
-            new = sum(r.stats.new_tokens for r in res)
-            dpp = [sum(r.stats.drafted_per_position[i] for r in res if len(r.stats.drafted_per_position) > i) for i in range(k)]
-            app = [sum(r.stats.accepted_per_position[i] for r in res if len(r.stats.accepted_per_position) > i) for i in range(k)]
-            out["by_k"][k] = {"identical_to_plain": same, "acceptance_rate": round(accepted / max(1, drafted), 4),
-                              "mean_accepted_length": round(new / max(1, steps), 3),
-                              "acceptance_by_position": [round(a / max(1, d), 4) for a, d in zip(app, dpp)],
-                              "cpu_s": round(cpu, 2), "speedup_cpu_clock": round(plain_s / max(cpu, 1e-9), 3)}
-            log(f"  k={k}: {out['by_k'][k]}")
+            row = _stats(plain, res, time.process_time() - t, plain_s)
+            (out["by_k"] if isinstance(label, int) else out["other"])[label] = row
+            log(f"  {'eagle k=' if isinstance(label, int) else ''}{label}: {row}")
     finally:
         torch.set_num_threads(threads)
     return out
 
 
 @torch.inference_mode()
-def cost_ratio(target, head_path: Path, prompt: list[int], rows_list=(1, 8), reps: int = 15) -> dict:
+def cost_ratio(target, head_path: Path, prompt: list[int], rows_list=(1, 8), reps: int = 15,
+               draft_vocab_size: int | None = None) -> dict:
     """``c`` = one head draft step (a chained one-token pass + its output layer, every row) /
     one target decode step (one token per row, the same context), float32, 1 thread,
     medians of ``reps`` alternating measurements."""
@@ -596,7 +603,7 @@ def cost_ratio(target, head_path: Path, prompt: list[int], rows_list=(1, 8), rep
         for rows in rows_list:
             runner = ModelRunner(target, rows)
             head = load_draft_head(head_path, target)
-            prop = EagleProposer(target, head)
+            prop = EagleProposer(target, head, draft_vocab_size)
             prop.bind(rows, runner)
             slots = list(range(rows))
             ids = torch.tensor(prompt)
@@ -641,6 +648,9 @@ def parse_args(argv=None):
     ap.add_argument("--train-minutes", type=float, default=30)
     ap.add_argument("--eval-rows", type=int, default=16, help="held-out XSum articles 0..N-1")
     ap.add_argument("--eval-k", default="1,2,3,4")
+    ap.add_argument("--eval-vocab-sizes", default="4096,8192", help="smaller draft vocabularies also evaluated")
+    ap.add_argument("--eval-drafter", default="models/smollm2-135m-drafter",
+                    help="a draft model evaluated with method draft_model, full and reduced vocabulary ('' skips)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=600)
     ap.add_argument("--rows", type=int, default=8, help="rows in flight while generating answers")
@@ -862,9 +872,29 @@ def main(argv=None) -> int:
     t_eval = time.time()
     ks = [int(k) for k in args.eval_k.split(",")]
     eval_prompts = held_prompts[: args.eval_rows]
-    acc = engine_acceptance(target, out_dir, eval_prompts, ks, args.max_new_tokens, min(8, len(eval_prompts)))
+    from pipeline.engine import SpeculationSettings
+
+    def head_loader():
+        return load_draft_head(out_dir, target)
+
+    sizes = [n for n in (int(x) for x in args.eval_vocab_sizes.split(",") if x) if n < N]
+    k_sweep = max(ks)
+    extra = [(f"eagle k={k_sweep}, N={n}", SpeculationSettings(method="eagle", num_assistant_tokens=k_sweep,
+                                                               draft_vocab_size=n), head_loader, False) for n in sizes]
+    extra.append((f"eagle, the engine's draft length by expected gain (k <= {k_sweep})",
+                  SpeculationSettings(method="eagle", num_assistant_tokens=k_sweep), head_loader, None))
+    drafter_dir = Path(args.eval_drafter) if os.path.isabs(args.eval_drafter) else REPO / args.eval_drafter
+    if args.eval_drafter and (drafter_dir / "config.json").is_file():  # draft_model, full and reduced vocabulary
+        drafter = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+        for n in [None] + sizes + [N]:
+            kw = {} if n is None else {"draft_vocab": str(out_dir), "draft_vocab_size": n}
+            extra.append((f"draft_model k=2, " + ("full vocabulary" if n is None else f"N={n}"),
+                          SpeculationSettings(method="draft_model", num_assistant_tokens=2, **kw), lambda: drafter, False))
+    acc = engine_acceptance(target, out_dir, eval_prompts, ks, args.max_new_tokens, min(8, len(eval_prompts)), extra)
     cost_prompt = held_prompts[0]
     cost = cost_ratio(target, out_dir, cost_prompt, rows_list=(1, 8) if not args.smoke else (1, 2))
+    cost_by_n = {n: cost_ratio(target, out_dir, cost_prompt, rows_list=(1, 8) if not args.smoke else (1,),
+                               draft_vocab_size=n) for n in sizes}
     timeline["train_s"] = train_stats["seconds"]
     timeline["eval_s"] = round(time.time() - t_eval, 1)
     timeline["total_minutes"] = round(sum(v for k, v in timeline.items() if k.endswith("_s")) / 60, 1)
@@ -876,7 +906,9 @@ def main(argv=None) -> int:
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "data": data_stats, "coverage_heldout_answers": cov, "coverage_train_answers": cov_train,
         "training": train_stats, "heldout_top1_before": before, "heldout_top1_answers": after,
-        "heldout_top1_all": after_all, "acceptance": acc, "cost": cost, "timeline": timeline,
+        "heldout_top1_all": after_all, "acceptance": acc, "cost": cost, "cost_by_draft_vocab_size": cost_by_n,
+        "timeline": timeline,
+        "ablations": ablations(work),
         "checkpoint_bytes": size, "wall_minutes": round((time.time() - t_start) / 60, 1),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
@@ -888,6 +920,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def ablations(work: Path) -> list[dict]:
+    """The equal-budget design runs (``--stop-after train --run-name abl-*``) found under
+    ``work``: what each varied and its held-out top-1 agreement by draft position."""
+    rows = []
+    for f in sorted(work.glob("abl-*/result.json")):
+        r = json.loads(f.read_text())
+        a = r["args"]
+        rows.append({"run": f.parent.name, "feature_layers": r["feature_layers"], "tie": r["tie"],
+                     "unroll": a["unroll"], "regression_weight": a["regression_weight"], "init": a.get("init", "target-layer"),
+                     "tokens_per_step": a["tokens_per_step"], "lr": a["lr"], "steps": r["training"]["steps"],
+                     "top1_answers": r["heldout_top1_answers"], "top1_all": r["heldout_top1_all"]})
+    return rows
+
+
 def model_card(s: dict) -> str:
     a, d, t, acc, cost = s["args"], s["data"], s["training"], s["acceptance"], s["cost"]
     cov = s["coverage_heldout_answers"]
@@ -896,8 +942,19 @@ def model_card(s: dict) -> str:
         f"| {k} | {acc['by_k'][k]['identical_to_plain']}/{acc['rows']} | {acc['by_k'][k]['acceptance_rate']:.3f} | "
         f"{acc['by_k'][k]['mean_accepted_length']:.2f} | {', '.join(f'{x:.2f}' for x in acc['by_k'][k]['acceptance_by_position'])} | "
         f"{acc['by_k'][k]['speedup_cpu_clock']:.2f}x |" for k in ks)
-    cost_rows = "\n".join(f"| {r} | {c['target_step_ms']} | {c['head_step_ms']} | **{c['c']}** |" for r, c in cost.items())
+    cost_rows = "\n".join(f"| {s['draft_vocab_size']} | {r} | {c['target_step_ms']} | {c['head_step_ms']} | **{c['c']}** |"
+                          for r, c in cost.items())
+    for n, by_rows in s.get("cost_by_draft_vocab_size", {}).items():
+        cost_rows += "\n" + "\n".join(f"| {n} | {r} | {c['target_step_ms']} | {c['head_step_ms']} | {c['c']} |"
+                                      for r, c in by_rows.items())
+    other_rows = "\n".join(f"| {label} | {r['identical_to_plain']}/{acc['rows']} | {r['acceptance_rate']:.3f} | "
+                           f"{r['mean_accepted_length']:.2f} | {r['speedup_cpu_clock']:.2f}x |"
+                           for label, r in acc.get("other", {}).items()) or "| (none) | | | | |"
     cov_line = ", ".join(f"{n}: {v:.3f}" for n, v in cov.items())
+    ablation_rows = "\n".join(
+        f"| {r['run']} | {r['feature_layers']} | {'tied' if r['tie'] else 'own'} | {r['unroll']} | {r['regression_weight']} | "
+        f"{r['init']} | {r['tokens_per_step']} x {r['steps']} | {', '.join(f'{x:.3f}' for x in r['top1_answers'])} "
+        f"({', '.join(f'{x:.3f}' for x in r['top1_all'])}) |" for r in s.get("ablations", [])) or "| (none run) | | | | | | | |"
     pos = ", ".join(f"{x:.3f}" for x in s["heldout_top1_answers"])
     pos_all = ", ".join(f"{x:.3f}" for x in s["heldout_top1_all"])
     head_kind = ("tied: the target's output-layer rows of the draft vocabulary, not stored" if s["tie_lm_head"]
@@ -953,6 +1010,15 @@ argmax by draft position 1-4: **{pos}** (answer tokens; all positions: {pos_all}
 
 Coverage of the target's argmax on the held-out answers by the N most frequent ids: {cov_line}.
 
+## Design measurements
+
+Short runs of the same script on the same cached data (`--stop-after train --run-name abl-*`), held-out top-1
+agreement with the target by draft position 1-4 on the answer tokens (all positions in brackets):
+
+| run | features | output layer | draft positions trained | feature regression | warm start | positions/step x steps | top-1 by position |
+| --- | --- | --- | ---: | ---: | --- | ---: | --- |
+{ablation_rows}
+
 ## Acceptance with the engine
 
 Greedy, {acc['max_new_tokens']} new tokens, {acc['rows']} held-out XSum prompts (articles 0-{a['eval_rows'] - 1}),
@@ -964,13 +1030,21 @@ Greedy, {acc['max_new_tokens']} new tokens, {acc['rows']} held-out XSum prompts 
 
 (The speed-up column is one run on a shared machine, {acc['rows_in_flight']} rows in flight; `bench/bench_real.py` is the benchmark.)
 
+Other runs on the same prompts (reduced draft vocabularies, the engine's own draft length, and the standalone
+drafter `models/smollm2-135m-drafter` with method `draft_model`, whose LM head computes only the first N ids of
+this head's `draft_vocab` with `method.draft_vocab: models/smollm2-135m-eagle` and `method.draft_vocab_size: N`):
+
+| run | identical to plain | acceptance rate | mean accepted length | CPU-clock speed-up over plain |
+| --- | ---: | ---: | ---: | ---: |
+{other_rows}
+
 ## Cost
 
 c = one head draft step (a one-token chained pass of the head + its output layer, every row) / one target decode
 step (one token per row, after the same held-out prompt), float32, 1 thread, medians:
 
-| rows | target step (ms) | head step (ms) | c |
-| ---: | ---: | ---: | ---: |
+| draft vocabulary N | rows | target step (ms) | head step (ms) | c |
+| ---: | ---: | ---: | ---: | ---: |
 {cost_rows}
 
 ## Run

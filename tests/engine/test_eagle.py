@@ -430,3 +430,24 @@ def test_draft_model_with_a_reduced_vocabulary(tmp_path, target, references):
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[ids[:12]] = False
     assert float(d.probs[:, outside].sum()) == 0.0 and set(d.tokens.tolist()) <= set(ids[:12])
+
+
+def test_float32_with_the_cpu_kernels_and_a_head_loaded_under_inference_mode(tmp_path, heads):
+    """In float32 the head's linear layers run the engine's packed CPU kernels and its
+    short-query passes the small-query attention; a head loaded (and cut to a smaller draft
+    vocabulary) inside inference mode still has ordinary weights.  Greedy output = plain."""
+    target32 = tiny_target().float()
+    save_draft_head(heads["trained"], tmp_path / "h", dtype=torch.float32)
+    with torch.inference_mode():
+        engine = SpeculativeEngine(target32, SpeculationSettings(method="eagle", num_assistant_tokens=3,
+                                                                 draft_vocab_size=80),
+                                   drafter=str(tmp_path / "h"), max_batch_size=4)
+        results = engine.generate_batch(SEEN, GenerationSettings(max_new_tokens=20))
+    plain = SpeculativeEngine(target32, max_batch_size=4).generate_batch(SEEN, GenerationSettings(max_new_tokens=20))
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    assert sum(r.stats.accepted_tokens for r in results) > 0
+    from pipeline.engine import kernels
+
+    if kernels.enabled() and kernels._onednn_available():
+        assert any(type(m) is kernels.PackedLinear for m in engine.proposer.head.modules())
+        assert not any(p.is_inference() for p in engine.proposer.head.parameters())

@@ -62,7 +62,8 @@ def test_training_script_smoke(tmp_path):
             "--data", str(tmp_path / "data"), "--gen-minutes", "0.04", "--news-minutes", "0.01",
             "--train-minutes", "0.04", "--eval-rows", "2", "--eval-k", "1,2", "--max-new-tokens", "8",
             "--max-prompt", "200", "--draft-vocab", "48", "--feature-layers", "eagle3", "--no-tie",
-            "--tokens-per-step", "256", "--max-len", "64", "--threads", "1", "--smoke", "--no-autocast"]
+            "--tokens-per-step", "256", "--max-len", "64", "--threads", "1", "--smoke", "--no-autocast",
+            "--eval-vocab-sizes", "16,32", "--eval-drafter", ""]
     assert script.main(args) == 0
     out = tmp_path / "head"
     config = json.loads((out / "config.json").read_text())
@@ -73,7 +74,11 @@ def test_training_script_smoke(tmp_path):
     assert summary["training"]["steps"] > 0 and len(summary["heldout_top1_answers"]) == 4
     for k, row in summary["acceptance"]["by_k"].items():
         assert row["identical_to_plain"] == summary["acceptance"]["rows"], k  # lossless
-    assert set(summary["cost"]) == {"1", "2"} or set(summary["cost"]) == {1, 2}
+    assert set(summary["cost"]) == {"1", "2"}
+    assert set(summary["cost_by_draft_vocab_size"]) == {"16", "32"}
+    other = summary["acceptance"]["other"]
+    assert {"eagle k=2, N=16", "eagle k=2, N=32"} <= set(other)
+    assert all(row["identical_to_plain"] == summary["acceptance"]["rows"] for row in other.values())
     card = (out / "README.md").read_text()
     assert "0-263" in card and "acceptance" in card.lower()
     # the XSum report and benchmark articles are in no training record

@@ -227,7 +227,8 @@ class DraftHead(nn.Module):
             out = target.get_output_embeddings()
             if out is None:
                 raise ValueError("method 'eagle': a tied draft head needs the target's output layer; it has none")
-            with torch.no_grad():
+            # ordinary tensors even when called under inference mode (the packed kernels track weight versions)
+            with torch.inference_mode(False), torch.no_grad():
                 rows = out.weight.detach().index_select(0, self.draft_vocab.to(out.weight.device))
                 self.lm_head.weight.data = rows.to(device=self.device, dtype=self.dtype).clone()
         return self
@@ -246,12 +247,13 @@ class DraftHead(nn.Module):
             raise ValueError(f"draft_vocab_size must be in 1 .. {self.head_config.draft_vocab_size}, got {n}")
         if n == self.head_config.draft_vocab_size:
             return
-        with torch.no_grad():
-            w = self.lm_head.weight.data[:n].clone()
-        self.lm_head = nn.Linear(self.head_config.hidden_size, n, bias=False, device=w.device, dtype=w.dtype)
-        self.lm_head.weight.data = w
-        self.lm_head.weight.requires_grad_(not self.head_config.tie_lm_head)
-        self.draft_vocab = self.draft_vocab[:n].clone()
+        with torch.inference_mode(False):  # ordinary tensors, even under inference mode
+            with torch.no_grad():
+                w = self.lm_head.weight.data[:n].clone()
+            self.lm_head = nn.Linear(self.head_config.hidden_size, n, bias=False, device=w.device, dtype=w.dtype)
+            self.lm_head.weight.data = w
+            self.lm_head.weight.requires_grad_(not self.head_config.tie_lm_head)
+            self.draft_vocab = self.draft_vocab[:n].clone()
         self.head_config.draft_vocab_size = n
 
     # ---- the math
@@ -379,6 +381,13 @@ def load_draft_head(path: str, target=None, dtype: torch.dtype | None = None, de
     """
     from safetensors.torch import load_file
 
+    with torch.inference_mode(False):  # ordinary parameters, even when called under inference mode
+        return _load_draft_head(path, target, dtype, device)
+
+
+def _load_draft_head(path, target, dtype, device) -> DraftHead:
+    from safetensors.torch import load_file
+
     path = os.path.expanduser(str(path))
     cfg_file, weights = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(cfg_file) or not os.path.isfile(weights):
@@ -443,7 +452,8 @@ class EagleProposer:
     Args:
         target: the target model (its embeddings, and tied its output rows, are the head's).
         head: the draft head (:func:`load_draft_head`); attached to ``target`` here.
-        draft_vocab_size: use only the head's first ``N`` draft-vocabulary ids (``None``: all).
+        draft_vocab_size: use only the head's first ``N`` draft-vocabulary ids (``None``: all);
+            the head is cut in place (:meth:`DraftHead.truncate_vocab`).
 
     Raises:
         ValueError: a head that does not fit the target.
