@@ -41,7 +41,7 @@ REAL = sorted((Path(__file__).resolve().parents[1] / "configs" / "real").glob("*
 
 
 def test_real_model_configs_cover_the_methods():
-    """configs/real/: SmolLM2 with draft_model, prompt_lookup, early_exit; Gemma 3 with prompt_lookup
+    """configs/real/: SmolLM2 with draft_model, prompt_lookup, early_exit, eagle; Gemma 3 with prompt_lookup
     and early_exit; universal with a Gemma 3 target and a SmolLM2 drafter (different tokenizers)."""
     runs = set()
     for path in REAL:
@@ -51,6 +51,7 @@ def test_real_model_configs_cover_the_methods():
         ("SmolLM2-135M-Instruct", "draft_model", "smollm2-135m-drafter"),
         ("SmolLM2-135M-Instruct", "prompt_lookup", None),
         ("SmolLM2-135M-Instruct", "early_exit", None),
+        ("SmolLM2-135M-Instruct", "eagle", "smollm2-135m-eagle"),
         ("gemma-3-270m", "prompt_lookup", None),
         ("gemma-3-270m", "early_exit", None),
         ("gemma-3-270m", "universal", "SmolLM2-135M-Instruct"),

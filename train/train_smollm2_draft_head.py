@@ -934,6 +934,14 @@ def ablations(work: Path) -> list[dict]:
     return rows
 
 
+INIT_TEXT = {
+    "identity": "the decoder layer is a copy of the target's last layer with its attention and MLP output "
+                "projections zeroed, so the head starts as the output layer on W_fc's mix",
+    "target-layer": "the decoder layer is a copy of the target's last layer",
+    "random": "transformers' initialisation",
+}
+
+
 def model_card(s: dict) -> str:
     a, d, t, acc, cost = s["args"], s["data"], s["training"], s["acceptance"], s["cost"]
     cov = s["coverage_heldout_answers"]
@@ -1002,8 +1010,8 @@ log-probabilities ({d['tokens']:,} tokens in all).
 Loss: cross-entropy against the target's top-{a['top_k']} distribution renormalized over the draft vocabulary at draft
 positions 1-{a['unroll']} (training-time test: each position fed the head's own previous output, with inference's
 attention pattern), weighted {a['step_decay']}^(s-1); answer tokens weighted {a['answer_weight']}x, {a['prompt_fraction']:.0%} of
-the other positions sampled; windows of {a['max_len']} positions. Warm start: the decoder layer is a copy of the
-target's last layer, the final norm the target's.
+the other positions sampled; windows of {a['max_len']} positions. Warm start ({a.get('init', 'identity')}): {INIT_TEXT[a.get('init', 'identity')]}; the final
+norm is the target's.
 
 Held-out (the target's own answers to XSum articles 0-{a['eval_rows'] - 1}, float32), top-1 agreement with the target's
 argmax by draft position 1-4: **{pos}** (answer tokens; all positions: {pos_all}). Before training: {', '.join(f'{x:.3f}' for x in s['heldout_top1_before'])}.

@@ -121,6 +121,9 @@ class DraftModelProposer:
             if int(draft_vocab.max()) >= min(target_vocab_size, text_config(drafter).vocab_size):
                 raise ValueError("draft_vocab has ids outside the vocabulary the drafter and the target share")
             self.reduced = ReducedHeadLM(drafter, draft_vocab)
+            from .. import kernels
+
+            kernels.pack_linears(self.reduced)  # the row copy too runs the engine's CPU kernels
         self.layout = model_layout(drafter, "drafter", method)
         self.context = self.layout.context
         self.device = drafter.device
