@@ -33,8 +33,8 @@ each row asks for: this is what saves a model drafter's passes), and
 that the proposer's cost is spent and each draft's real length is known: this is what
 decides for prompt lookup, whose drafts are free but often short or missing).
 
-Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) steps draft 0, 1 and 2 tokens
-in turn, so that the fit sees three widths at little cost; every :data:`PROBE_EVERY` steps
+Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) steps draft 0, 1, 0 and 2
+tokens in turn (:data:`EXPLORE`), so that the fit sees three widths at little cost; every :data:`PROBE_EVERY` steps
 rows ask one token more than the plan, so acceptance keeps being measured when the plan is
 to draft nothing, and longer drafts get measured when they pay.  Greedy outputs never depend on the draft
 length; sampled outputs keep the target's law whatever it is, but the draws a seed gives
@@ -50,9 +50,15 @@ import torch
 #: weight of a new observation in the decayed cost fits
 DECAY = 0.05
 #: target passes to see before the policy acts
-MIN_OBSERVATIONS = 12
-#: every this many steps, rows ask one token more than planned (acceptance keeps being measured)
+MIN_OBSERVATIONS = 6
+#: what the first passes draft, in turn, until then: plain steps and drafts of one and two
+#: tokens give the cost fit three widths and the acceptance its first positions at little cost
+EXPLORE = (0, 1, 0, 2)
+#: every this many steps, rows ask one token more than planned (acceptance keeps being measured);
+#: the interval doubles after each probe whose drafts were all rejected (up to MAX_PROBE_EVERY),
+#: and comes back to this when drafting pays again
 PROBE_EVERY = 32
+MAX_PROBE_EVERY = 1024
 #: the engine's pooled acceptance counts as this many drafts of a row's own evidence
 PRIOR_DRAFTS = 4.0
 #: a draft is made only when its predicted tokens per second beat a plain step's by this
@@ -106,6 +112,9 @@ class DraftLengthPolicy:
         self.verify_passes = 0
         self.steps = 0
         self.probing = False  # this step asks one token more than the plan
+        self.probe_every = PROBE_EVERY
+        self._next_probe = PROBE_EVERY
+        self._probe_accepted = 0
 
     # ------------------------------------------------------------------ measurements
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -129,6 +138,8 @@ class DraftLengthPolicy:
             self.drafted[i] += 1
             if i < accepted:
                 self.accepted[i] += 1
+        if self.probing:
+            self._probe_accepted += accepted
 
     # ------------------------------------------------------------------ model
     @property
@@ -200,6 +211,10 @@ class DraftLengthPolicy:
             more than the plan.
         """
         self.steps += 1
+        if self.probing:  # the last step probed: the next probe comes an interval after it
+            if not self._probe_accepted:  # it found nothing: probe less often
+                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            self._next_probe = self.steps - 1 + self.probe_every
         self.probing = False
         caps = [max(0, min(int(c), self.k_max)) for c in caps]
         if not self.measured:
@@ -207,7 +222,7 @@ class DraftLengthPolicy:
             # three widths and the acceptance its first positions; longer drafts come when the
             # plan (extrapolating them) says they pay (a first pass of the full K at 8 rows
             # costs several plain steps)
-            return [min(c, self.steps % 3) for c in caps]
+            return [min(c, EXPLORE[(self.steps - 1) % len(EXPLORE)]) for c in caps]
         b = len(caps)
         pa, pb, pc = self.propose.weights() if self.propose.count else (0.0, 0.0, 0.0)
         verify = [self.verify_time(b, w + 1) for w in range(max(caps, default=0) + 1)]
@@ -235,8 +250,11 @@ class DraftLengthPolicy:
                     best, best_ks = r, list(ks)
         if best < plain * (1.0 + MIN_GAIN):
             best_ks = [0] * b
-        self.probing = self.steps % PROBE_EVERY == 0
-        if self.probing:
+        if any(best_ks):
+            self.probe_every = PROBE_EVERY  # drafting pays: keep measuring at the usual rate
+        if self.steps >= self._next_probe:
+            self._next_probe = self.steps + self.probe_every  # until its outcome moves it
+            self.probing, self._probe_accepted = True, 0
             best_ks = [min(c, k + 1) for c, k in zip(caps, best_ks)]
         return best_ks
 

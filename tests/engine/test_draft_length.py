@@ -101,8 +101,20 @@ def test_it_explores_cheaply_until_it_has_measured_and_probes_now_and_then():
     assert sorted(set(first)) == [0, 1, 2]  # cheap passes of three widths until the costs are measured
     p = _policy(5, lambda b, w: 0.01 + 0.01 * b * w, 0.003)  # nothing pays
     p.steps = 0
-    choices = [p.plan([[0.1] * 5], [5])[0] for _ in range(2 * PROBE_EVERY)]
-    assert set(choices) == {0, 1} and choices.count(1) == 2
+    choices = [p.plan([[0.1] * 5], [5])[0] for _ in range(8 * PROBE_EVERY)]
+    assert set(choices) == {0, 1}
+    # probes whose drafts are all rejected come ever less often: at 32, then 64 and 128 steps later
+    probes = [i + 1 for i, k in enumerate(choices) if k]
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    # a probe that finds accepted tokens keeps the interval
+    p = _policy(5, lambda b, w: 0.01 + 0.01 * b * w, 0.003)
+    p.steps = 0
+    steps = []
+    for i in range(3 * PROBE_EVERY):
+        if p.plan([[0.1] * 5], [5])[0]:
+            steps.append(i + 1)
+            p.observe_draft(1, 1)
+    assert steps == [PROBE_EVERY, 2 * PROBE_EVERY, 3 * PROBE_EVERY]
 
 
 def test_in_the_engine_a_useless_drafter_falls_back_to_plain_steps():
