@@ -100,7 +100,10 @@ def test_driver_memory_is_flat_in_the_shard_size(ray_local, tiny_models, tmp_pat
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     print(f"driver peak growth: one 5,000-row shard {big:.1f} MB, ten of 500 {small:.1f} MB, "
           f"one shard held whole {whole:.1f} MB")
-    assert big < small + 6, (big, small)
-    assert whole > big + 8, (whole, big)  # the measurement sees a shard held in memory
+    # the measurement sees a shard held in memory ...
+    assert whole > big + 8, (whole, big)
+    # ... and the 5,000-row shard streamed in files of 500 rows sits near the ten small shards,
+    # far from the shard held whole (allocator noise under a loaded machine is a few MB)
+    assert big < small + max(6.0, 0.4 * (whole - small)), (big, small, whole)
     files = json.loads((tmp_path / "out" / "big" / "_manifest" / "part-00000.json").read_text())["files"]
     assert len(files) == 10 and pq.read_table(tmp_path / "out" / "big").num_rows == 5000
