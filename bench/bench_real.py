@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the models' device)")
     ap.add_argument("--dtype", default=None, help="models.dtype (default: the config's; float32 on the CPU)")
-    ap.add_argument("--set", action="append", default=[], help="config override section.key=value (every method)")
+    ap.add_argument("--set", action="append", default=[], help="config override section.key=value (every method), or method:section.key=value "
+                    "(that method only, e.g. eagle:method.draft_vocab_size=4096)")
     ap.add_argument("--output", default=None, help="write report.json / report.md here (e.g. reports/bench_real)")
     args = ap.parse_args(argv)
 
@@ -171,9 +172,15 @@ def main(argv=None) -> int:
     clock_name = "CPU" if cpu_clock else "wall"
 
     def config(method):
-        sets = [f"method.name={method}"] + ([f"models.dtype={args.dtype}"] if args.dtype else []) + args.set
+        sets = [f"method.name={method}"] + ([f"models.dtype={args.dtype}"] if args.dtype else [])
         if method in DEFAULT_DRAFTERS:
             sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[method]}")
+        for s in args.set:
+            scope, sep, rest = s.partition(":")
+            if not sep or "=" in scope:  # section.key=value: every method
+                sets.append(s)
+            elif scope == method:
+                sets.append(rest)
         return load_config(args.config, sets)
 
     def rows_for(batch: int, n: int) -> int:
