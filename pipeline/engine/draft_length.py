@@ -55,8 +55,8 @@ MIN_OBSERVATIONS = 6
 #: tokens give the cost fit three widths and the acceptance its first positions at little cost
 EXPLORE = (0, 1, 0, 2)
 #: every this many steps, rows ask one token more than planned (acceptance keeps being measured);
-#: the interval doubles after each probe whose drafts were all rejected (up to MAX_PROBE_EVERY),
-#: and comes back to this when drafting pays again
+#: the interval doubles after each probe after which drafting still does not pay, whatever the
+#: probe accepted (up to MAX_PROBE_EVERY), and comes back to this when drafting pays again
 PROBE_EVERY = 32
 MAX_PROBE_EVERY = 1024
 #: the engine's pooled acceptance counts as this many drafts of a row's own evidence
@@ -211,9 +211,8 @@ class DraftLengthPolicy:
             more than the plan.
         """
         self.steps += 1
-        if self.probing:  # the last step probed: the next probe comes an interval after it
-            if not self._probe_accepted:  # it found nothing: probe less often
-                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+        after_probe = self.probing
+        if after_probe:  # the last step probed: the next probe comes an interval after it
             self._next_probe = self.steps - 1 + self.probe_every
         self.probing = False
         caps = [max(0, min(int(c), self.k_max)) for c in caps]
@@ -222,6 +221,8 @@ class DraftLengthPolicy:
             # three widths and the acceptance its first positions; longer drafts come when the
             # plan (extrapolating them) says they pay (a first pass of the full K at 8 rows
             # costs several plain steps)
+            if after_probe and not self._probe_accepted:
+                self._back_off()
             return [min(c, EXPLORE[(self.steps - 1) % len(EXPLORE)]) for c in caps]
         b = len(caps)
         pa, pb, pc = self.propose.weights() if self.propose.count else (0.0, 0.0, 0.0)
@@ -252,11 +253,20 @@ class DraftLengthPolicy:
             best_ks = [0] * b
         if any(best_ks):
             self.probe_every = PROBE_EVERY  # drafting pays: keep measuring at the usual rate
+        elif after_probe:  # what the probe measured still says drafting does not pay: probe less often
+            self._back_off()
         if self.steps >= self._next_probe:
             self._next_probe = self.steps + self.probe_every  # until its outcome moves it
             self.probing, self._probe_accepted = True, 0
             best_ks = [min(c, k + 1) for c, k in zip(caps, best_ks)]
         return best_ks
+
+    def _back_off(self) -> None:
+        """Double the probe interval (up to :data:`MAX_PROBE_EVERY`) from the last probe: a
+        method that does not pay costs a bounded, shrinking share of steps (a draft head's
+        catch-up over the positions since its last draft is paid at every probe)."""
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+        self._next_probe = self.steps - 1 + self.probe_every
 
     def trim(self, reach: Sequence[Sequence[float]], lengths: Sequence[int]) -> int:
         """How many tokens of each draft to verify, once drafted (``lengths[i]`` tokens for

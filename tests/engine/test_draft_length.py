@@ -106,15 +106,21 @@ def test_it_explores_cheaply_until_it_has_measured_and_probes_now_and_then():
     # probes whose drafts are all rejected come ever less often: at 32, then 64 and 128 steps later
     probes = [i + 1 for i, k in enumerate(choices) if k]
     assert probes == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
-    # a probe that finds accepted tokens keeps the interval
+    # accepted tokens in a probe do not keep the interval while drafting still does not pay ...
     p = _policy(5, lambda b, w: 0.01 + 0.01 * b * w, 0.003)
     p.steps = 0
     steps = []
-    for i in range(3 * PROBE_EVERY):
+    for i in range(8 * PROBE_EVERY):
         if p.plan([[0.1] * 5], [5])[0]:
             steps.append(i + 1)
             p.observe_draft(1, 1)
-    assert steps == [PROBE_EVERY, 2 * PROBE_EVERY, 3 * PROBE_EVERY]
+    assert steps == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    # ... and when drafting pays (here one token a step) the probes, one token more, come every PROBE_EVERY steps
+    p = _policy(5, lambda b, w: 0.01 + 0.004 * b * w, 0.0001)
+    p.steps = 0
+    plans = [p.plan([geometric(0.5, 5)], [5])[0] for _ in range(3 * PROBE_EVERY)]
+    assert set(plans) == {1, 2} and p.probe_every == PROBE_EVERY
+    assert [i + 1 for i, k in enumerate(plans) if k == 2] == [PROBE_EVERY, 2 * PROBE_EVERY, 3 * PROBE_EVERY]
 
 
 def test_in_the_engine_a_useless_drafter_falls_back_to_plain_steps():

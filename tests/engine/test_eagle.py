@@ -305,6 +305,49 @@ def test_noise_in_rejected_positions_changes_no_output(target, heads, references
     assert sum(touched) > 0
 
 
+def test_a_catch_up_reads_only_the_latest_window_and_changes_no_output(target, heads, references, monkeypatch):
+    """After a stretch without drafts (here: every prompt longer than a small window, and
+    drafts only every fifth step), the head restarts on the row's latest
+    ``CATCH_UP_WINDOW`` positions: no head pass feeds a row more than that, the features kept
+    per row stay bounded, and greedy output is plain's in one row and in a batch."""
+    import dataclasses
+
+    import pipeline.engine.proposers.eagle as eagle
+
+    monkeypatch.setattr(eagle, "CATCH_UP_WINDOW", 6)
+    rows, expected = references
+    widths, kept = [], []
+    original_pass, original_rollback = EagleProposer._pass, EagleProposer.rollback
+
+    def counted_pass(self, slots, feats, ids, starts):
+        widths.extend(int(f.shape[0]) for f in feats)
+        return original_pass(self, slots, feats, ids, starts)
+
+    def counted_rollback(self, slot, valid_length):
+        original_rollback(self, slot, valid_length)
+        f = self.feats[slot]
+        kept.append(f.end - f.start)
+
+    monkeypatch.setattr(EagleProposer, "_pass", counted_pass)
+    monkeypatch.setattr(EagleProposer, "rollback", counted_rollback)
+    original_propose = EagleProposer.propose
+    calls = [0]
+
+    def sometimes(self, requests):  # a draft every fifth call: the backlog grows past the window
+        calls[0] += 1
+        if calls[0] % 5:
+            requests = [dataclasses.replace(r, k=0) for r in requests]
+        return original_propose(self, requests)
+
+    monkeypatch.setattr(EagleProposer, "propose", sometimes)
+    for batch in (1, 4):
+        engine = _engine(target, heads["trained"], 3, batch)
+        results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
+        assert [r.token_ids for r in results] == expected, batch
+    assert widths and max(widths) <= 6 and 6 in widths
+    assert max(kept) <= 6 + 2 + 4  # the window, its margin and one verified draft
+
+
 # ---------------------------------------------------------------------------- training = inference
 @pytest.mark.parametrize("features", [None, [1, 2]])
 @torch.no_grad()

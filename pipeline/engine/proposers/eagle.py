@@ -62,6 +62,12 @@ except ImportError:  # pragma: no cover - an engine without them
     _kernels = None
 
 MODEL_TYPE = "specbatch_draft_head"
+#: the head's context when it catches up after a stretch without drafts: at most this many of
+#: the row's latest positions (its cache restarts there, RoPE positions shifted; drafts only,
+#: the target verifies as always).  A catch-up over a whole prompt costs the head's share of the
+#: target's prefill (about 1/30 for SmolLM2): 8 rows of 400 tokens are about 8 target steps, paid
+#: at every probe of a head that does not pay.  The features kept per row are bounded the same way.
+CATCH_UP_WINDOW = 64
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -482,12 +488,13 @@ class EagleProposer:
         self.runner.device = self.device
         self.small_query = _kernels is not None and _kernels.uses_small_query_attention(self.head)
         self.feats = [Positions() for _ in range(max_rows)]  # p_j of committed positions
-        self.length = [0] * max_rows  # real head KV entries: main positions 0 .. n-1
+        self.length = [0] * max_rows  # real head KV entries: main positions offset .. n-1
+        self.offset = [0] * max_rows  # head position = main position - offset (CATCH_UP_WINDOW)
 
     def admit(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
         for s in slots:
             self.feats[s] = Positions()
-            self.length[s] = 0
+            self.length[s] = self.offset[s] = 0
 
     def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
         """The target pass, keeping the head's feature ``p`` of every position it ran."""
@@ -501,7 +508,10 @@ class EagleProposer:
     def rollback(self, slot: int, valid_length: int) -> None:
         self.feats[slot].crop(valid_length)
         self.length[slot] = max(0, min(self.length[slot], valid_length - 1))
-        self.feats[slot].drop_before(self.length[slot])  # older features are never read again
+        if self.length[slot] < self.offset[slot]:  # rolled back past the head's window: it restarts
+            self.length[slot] = self.offset[slot] = 0
+        # older features are never read again: a catch-up reads at most the window before the end
+        self.feats[slot].drop_before(max(self.length[slot], valid_length - CATCH_UP_WINDOW - 2))
 
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -517,11 +527,14 @@ class EagleProposer:
         reqs = [requests[i] for i in rows]
         slots, feats, ids, starts = [], [], [], []
         for r in reqs:
-            L, n = r.sequence.shape[1], self.length[r.slot]
+            L, n, f = r.sequence.shape[1], self.length[r.slot], self.feats[r.slot]
+            if n < f.start or L - 1 - n > CATCH_UP_WINDOW:  # restart the head on the latest positions
+                n = max(L - 1 - CATCH_UP_WINDOW, f.start, 0)
+                self.offset[r.slot] = n
             slots.append(r.slot)
-            feats.append(self.feats[r.slot].get(n, L - 1))
+            feats.append(f.get(n, L - 1))
             ids.append(r.sequence[0, n + 1 : L])
-            starts.append(n)
+            starts.append(n - self.offset[r.slot])
         g = self._pass(slots, feats, ids, starts)[:, -1]  # (b, H): main position L-2 of every row
         for r in reqs:
             self.length[r.slot] = r.sequence.shape[1] - 1
@@ -536,7 +549,7 @@ class EagleProposer:
                 break
             rows, reqs = [rows[j] for j in keep], [reqs[j] for j in keep]
             g, chosen = g[keep], chosen[keep]
-            starts = [r.sequence.shape[1] - 3 + position for r in reqs]
+            starts = [r.sequence.shape[1] - 3 + position - self.offset[r.slot] for r in reqs]
             g = self._pass([r.slot for r in reqs], list(g.unsqueeze(1)), list(chosen.view(-1, 1)), starts)[:, -1]
             chosen = self._choose(g, rows, reqs, drafting)
         return drafting.drafts()
