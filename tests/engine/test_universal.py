@@ -181,3 +181,33 @@ def test_rows_draft_together_in_a_batch(pair):
     plain = SpeculativeEngine(target)
     for prompt, result in zip(rows, results):
         assert result.token_ids == plain.generate(prompt, GenerationSettings(max_new_tokens=20)).token_ids
+
+
+def test_a_catch_up_feeds_the_drafter_only_the_latest_window(pair, monkeypatch):
+    """A row the drafter has not seen (its first draft, or the first after steps without
+    drafts) is caught up on the text's latest ``CATCH_UP_WINDOW`` drafter tokens only (its
+    cache restarts there): no drafter pass feeds a row more, and greedy output is plain's,
+    one row and batched."""
+    import pipeline.engine.proposers.universal as universal
+    from pipeline.engine.runner import ModelRunner
+
+    monkeypatch.setattr(universal, "CATCH_UP_WINDOW", 4)
+    target, drafter, tok_t, tok_d = pair
+    eng = engine(pair)
+    fed = []
+    original = ModelRunner.forward
+
+    def counted(self, slots, tokens, starts, *a, **kw):
+        if self is eng.proposer.runner:
+            fed.extend(int(t.shape[0]) for t in tokens)
+        return original(self, slots, tokens, starts, *a, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward", counted)
+    rows = prompts(tok_t)
+    assert min(r.shape[1] for r in rows) > 4
+    plain = [SpeculativeEngine(target).generate(p, GenerationSettings(max_new_tokens=20)).token_ids for p in rows]
+    assert [eng.generate(p, GenerationSettings(max_new_tokens=20)).token_ids for p in rows] == plain
+    batched = eng.generate_batch(rows, GenerationSettings(max_new_tokens=20), max_batch_size=3)
+    assert [r.token_ids for r in batched] == plain
+    assert fed and max(fed) <= 4 and 4 in fed
+    assert sum(r.stats.draft_tokens for r in batched) > 0

@@ -32,7 +32,9 @@ The proposer is deterministic (``q`` one-hot), so greedy and sampled decoding bo
 lossless; static ensemble verification is refused (no draft logits in the target's
 vocabulary).  A drafter whose context cannot hold the row proposes nothing (the step
 is a plain decoding step).  Cost per step: one decode of the committed sequence and one
-encode of its text with the drafter's tokenizer (linear in the row's length).
+encode of its text with the drafter's tokenizer (linear in the row's length); the drafter runs
+over at most :data:`CATCH_UP_WINDOW` tokens of a row that it has not seen (a row's first draft,
+or the first after the draft-length policy drafted nothing for a while).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ from .base import Draft, DraftRequest, empty_draft
 
 #: committed target tokens whose text is re-encoded together with the drafted text
 CONTEXT_TOKENS = 8
+#: the drafter's context when it catches up after a stretch without drafts (a row's first draft
+#: included): at most this many of the text's latest drafter tokens (its cache restarts there;
+#: drafts only, the target verifies as always).  A catch-up over a whole prompt is the drafter's
+#: prefill of it, paid by every row the policy probes even when drafting does not pay (SmolLM2
+#: over a 1,000-token prompt is about 40 Gemma 3 decode steps on a CPU).
+CATCH_UP_WINDOW = 64
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -90,14 +98,17 @@ class UniversalProposer:
         self.draft_eos = eos
         self.runner: ModelRunner | None = None
         self.ids: list[list[int]] = []  # per slot: the drafter ids in the drafter's cache, in order
+        self.base: list[int] = []  # per slot: the index, in the text's drafter ids, of cache position 0
 
     def bind(self, max_rows: int, target_runner) -> None:
         self.runner = ModelRunner(self.model, max_rows, self.layout)
         self.ids = [[] for _ in range(max_rows)]
+        self.base = [0] * max_rows
 
     def admit(self, slots, prompts) -> None:
         for s in slots:
             self.ids[s] = []
+            self.base[s] = 0
 
     def rollback(self, slot: int, valid_length: int) -> None:
         pass  # re-synchronised from the committed text at the next propose()
@@ -132,10 +143,14 @@ class UniversalProposer:
     # ------------------------------------------------------------------ drafting
     def _sync(self, slot: int, text: str) -> list[int] | None:
         """Crop the slot's drafter cache to what still matches ``text``; the ids to feed."""
-        target_ids = self.tok_d(text, add_special_tokens=True).input_ids
-        if not target_ids:
+        full = self.tok_d(text, add_special_tokens=True).input_ids
+        if not full:
             return None
+        target_ids = full[self.base[slot]:]
         keep = min(_common_prefix(self.ids[slot], target_ids), len(target_ids) - 1)
+        if len(target_ids) - keep > CATCH_UP_WINDOW:  # far behind: restart on the latest window
+            self.base[slot] = len(full) - CATCH_UP_WINDOW
+            target_ids, keep = full[self.base[slot]:], 0
         self.ids[slot] = self.ids[slot][:keep]  # the cache's entries past them are never read again
         return target_ids[keep:]
 
