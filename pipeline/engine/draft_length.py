@@ -35,7 +35,7 @@ decides for prompt lookup, whose drafts are free but often short or missing).
 
 Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) steps draft 0, 1, 0 and 2
 tokens in turn (:data:`EXPLORE`), so that the fit sees three widths at little cost; every :data:`PROBE_EVERY` steps
-rows ask one token more than the plan, so acceptance keeps being measured when the plan is
+one row (rows in turn) asks one token more than the plan, so acceptance keeps being measured when the plan is
 to draft nothing, and longer drafts get measured when they pay.  Greedy outputs never depend on the draft
 length; sampled outputs keep the target's law whatever it is, but the draws a seed gives
 depend on it (see the engine's ``adaptive_draft_length``).
@@ -54,7 +54,7 @@ MIN_OBSERVATIONS = 6
 #: what the first passes draft, in turn, until then: plain steps and drafts of one and two
 #: tokens give the cost fit three widths and the acceptance its first positions at little cost
 EXPLORE = (0, 1, 0, 2)
-#: every this many steps, rows ask one token more than planned (acceptance keeps being measured);
+#: every this many steps, one row asks one token more than planned (acceptance keeps being measured);
 #: the interval doubles after each probe after which drafting still does not pay, whatever the
 #: probe accepted (up to MAX_PROBE_EVERY), and comes back to this when drafting pays again
 PROBE_EVERY = 32
@@ -117,6 +117,7 @@ class DraftLengthPolicy:
         self.probe_every = PROBE_EVERY
         self._next_probe = PROBE_EVERY
         self._probe_accepted = 0
+        self._probe_turn = 0  # which row the next probe asks
 
     # ------------------------------------------------------------------ measurements
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -210,7 +211,7 @@ class DraftLengthPolicy:
             widest draft ``w``, draft positions added in order of their acceptance; ``A_ij``
             never grows with ``j``, so the order respects positions); all 0 when no draft pays.  Before the
             costs are measured: the caps (with some shorter passes); on a probe step, one
-            more than the plan.
+            row (rows in turn) asks one token more than the plan.
         """
         self.steps += 1
         after_probe = self.probing
@@ -258,9 +259,17 @@ class DraftLengthPolicy:
         elif after_probe:  # what the probe measured still says drafting does not pay: probe less often
             self._back_off()
         if self.steps >= self._next_probe:
-            self._next_probe = self.steps + self.probe_every  # until its outcome moves it
-            self.probing, self._probe_accepted = True, 0
-            best_ks = [min(c, k + 1) for c, k in zip(caps, best_ks)]
+            # one row asks one token more (rows in turn): the probe measures acceptance and the
+            # pass's width for every row's price, and a proposer that must catch up on a row it
+            # has not drafted for (a draft head, a drafter with another tokenizer) does it for one
+            open_rows = [i for i, (c, k) in enumerate(zip(caps, best_ks)) if k < c]
+            if open_rows:
+                self._next_probe = self.steps + self.probe_every  # until its outcome moves it
+                self.probing, self._probe_accepted = True, 0
+                i = open_rows[self._probe_turn % len(open_rows)]
+                self._probe_turn += 1
+                best_ks = list(best_ks)
+                best_ks[i] += 1
         return best_ks
 
     def _back_off(self) -> None:

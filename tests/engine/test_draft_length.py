@@ -158,3 +158,18 @@ def test_measured_passes_of_a_shape_replace_the_fit():
         p.observe_verify(8, 2, 0.050)  # far above the line's 0.026
     assert p.verify_time(8, 2) == pytest.approx(0.050, rel=0.05)
     assert p.verify_time(8, 3) == pytest.approx(p.verify.predict((1.0, 8, 24)))  # not measured: the fit
+
+
+def test_a_probe_asks_one_row_at_a_time_in_turn():
+    """At 8 rows in flight with nothing paying, each probe asks one row for a token, a
+    different row each time (a proposer that catches up on rows it has not drafted for does
+    it for one row per probe, not for all)."""
+    p = _policy(5, lambda b, w: 0.01 + 0.01 * b * w, 0.003)  # nothing pays
+    p.steps = 0
+    probed = []
+    for _ in range(8 * PROBE_EVERY):
+        ks = p.plan([[0.1] * 5] * 8, [5] * 8)
+        if any(ks):
+            assert sum(ks) == 1
+            probed.append(ks.index(1))
+    assert len(probed) >= 3 and len(set(probed)) == len(probed)
