@@ -214,7 +214,8 @@ def _drop_none(d: Any) -> Any:
 
 def describe_changes(old: dict[str, Any] | None, new: dict[str, Any], limit: int = 6) -> str:
     """``"method.name: 'plain' -> 'draft_model'; generation.max_new_tokens: 4 -> 8"``: the
-    keys whose values differ (at most ``limit``, then a count)."""
+    keys whose values differ (at most ``limit``, then a count); a section's ``name`` (the
+    method, the task) first, then in key order."""
     if not old:
         return "the committed shards carry no config fingerprint (written by an older version)"
     if old.get("scheme") != new.get("scheme"):
@@ -223,7 +224,7 @@ def describe_changes(old: dict[str, Any] | None, new: dict[str, Any], limit: int
                 "whether they match cannot be told")
     a, b = _flatten(old), _flatten(new)
     changes = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted(set(a) | set(b), key=lambda k: (not k.endswith(".name"), k)):
         va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
         if va == vb:
             continue

@@ -53,7 +53,8 @@ def test_bad_rows_get_an_error_and_the_batch_goes_on(actor):
 def test_row_statistics_equal_the_engine(actor, tiny_models):
     out = actor(_rows(TEXTS[:3])).to_pylist()
     m = actor.models
-    engine = SpeculativeEngine(m.target, actor.cfg.method.speculation_settings(), drafter=m.drafter, tokenizer=m.tokenizer)
+    engine = SpeculativeEngine(m.target, actor.cfg.method.speculation_settings(), drafter=m.drafter, tokenizer=m.tokenizer,
+                               adaptive_draft_length=actor.cfg.compute.adaptive_draft_length)  # the actor's (fixed k)
     builder = PromptBuilder(m.tokenizer, actor.cfg.task)
     for text, row in zip(TEXTS[:3], out):
         prompt, ids = builder.build(text)

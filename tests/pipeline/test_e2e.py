@@ -83,7 +83,8 @@ def test_bad_rows_have_an_error_and_the_rest_succeed(result):
 def test_statistics_equal_the_engine_in_process(result):
     cfg, out, _ = result
     m = load_models(cfg.models, cfg.uses_drafter, "cpu")
-    engine = SpeculativeEngine(m.target, cfg.method.speculation_settings(), drafter=m.drafter, tokenizer=m.tokenizer)
+    engine = SpeculativeEngine(m.target, cfg.method.speculation_settings(), drafter=m.drafter, tokenizer=m.tokenizer,
+                               adaptive_draft_length=cfg.compute.adaptive_draft_length)  # the job's (fixed k)
     builder = PromptBuilder(m.tokenizer, cfg.task)
     texts = dict(zip(["0", "1", "2", "3", "ok", "p0", "p1"], TEXTS[:7]))
     for row in pq.read_table(out).to_pylist():

@@ -48,7 +48,8 @@ def test_drafter_is_lossless_and_accepted(smollm2):
     gs = GenerationSettings(max_new_tokens=24)
     plain = SpeculativeEngine(model, SpeculationSettings(method="plain"), tokenizer=tok)
     spec = SpeculativeEngine(model, SpeculationSettings(method="draft_model", num_assistant_tokens=5),
-                             drafter=drafter, tokenizer=tok, drafter_tokenizer=tok)
+                             drafter=drafter, tokenizer=tok, drafter_tokenizer=tok,
+                             adaptive_draft_length=False)  # drafts every step (by expected gain it may not)
     accepted = drafted = 0
     for row in DEMO[:2]:
         _, ids = PromptBuilder(tok, task).build(row["text"])
@@ -61,8 +62,8 @@ def test_drafter_is_lossless_and_accepted(smollm2):
 
 @pytest.mark.slow
 def test_default_job_writes_readable_summaries(smollm2, tmp_path):
-    """``python jobs/summarize.py`` as in the quick start (configs/summarize.yaml: SmolLM2 + drafter,
-    chat template), on two demo articles, started in another directory (the config's relative model
+    """``python jobs/summarize.py`` as in the quick start (configs/summarize.yaml: SmolLM2, prompt
+    lookup, chat template), on two demo articles, started in another directory (the config's relative model
     paths resolve against configs/)."""
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DEMO[:2]))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
@@ -74,9 +75,8 @@ def test_default_job_writes_readable_summaries(smollm2, tmp_path):
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert len(rows) == 2
     for row in rows:
-        assert row["error"] is None and row["method"] == "draft_model"
+        assert row["error"] is None and row["method"] == "prompt_lookup"  # jobs/tune.py's choice (configs/summarize.yaml)
         assert row["target_model"] == str(REPO / "models" / "cache" / "SmolLM2-135M-Instruct")  # config paths resolve against configs/
-        assert row["draft_model"] == str(REPO / "models" / "smollm2-135m-drafter")
         assert row["prompt"].endswith("<|im_start|>assistant\n")
         words = row["output_text"].split()
         assert len(words) >= 5 and sum(w.isalpha() for w in words) >= 3, row["output_text"]
