@@ -109,21 +109,18 @@ class DraftLengthPolicy:
         self.accepted = [0.0] * k_max  # pooled: ... and were accepted there
         self.verify = _DecayedFit(3)  # t = a + b*B + c*B*W
         self.propose = _DecayedFit(3)  # t = p0 + p1*max k + p2*sum k
-        self._widths: set[tuple[int, int]] = set()
         self._table: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [decayed mean, passes]
         self.verify_passes = 0
         self.steps = 0
         self.probing = False  # this step asks one token more than the plan
         self.probe_every = PROBE_EVERY
         self._next_probe = PROBE_EVERY
-        self._probe_accepted = 0
         self._probe_turn = 0  # which row the next probe asks
 
     # ------------------------------------------------------------------ measurements
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         """A target pass over ``rows`` rows of ``width`` tokens each (padded) took ``seconds``."""
         self.verify.observe((1.0, rows, rows * width), seconds)
-        self._widths.add((rows, width))
         entry = self._table.setdefault((rows, width), [seconds, 0])
         entry[0] += (seconds - entry[0]) * max(DECAY, 1.0 / (entry[1] + 1))
         entry[1] += 1
@@ -141,14 +138,12 @@ class DraftLengthPolicy:
             self.drafted[i] += 1
             if i < accepted:
                 self.accepted[i] += 1
-        if self.probing:
-            self._probe_accepted += accepted
 
     # ------------------------------------------------------------------ model
     @property
     def measured(self) -> bool:
         """Whether the cost fits can be trusted (enough passes, at more than one width)."""
-        return self.verify_passes >= MIN_OBSERVATIONS and len({w for _, w in self._widths}) > 1
+        return self.verify_passes >= MIN_OBSERVATIONS and len({w for _, w in self._table}) > 1
 
     def verify_time(self, rows: int, width: int) -> float:
         """Predicted seconds of a target pass over ``rows`` rows of ``width`` tokens: the measured
@@ -223,9 +218,7 @@ class DraftLengthPolicy:
             # cheap passes first: plain steps and drafts of one and two tokens give the cost fit
             # three widths and the acceptance its first positions; longer drafts come when the
             # plan (extrapolating them) says they pay (a first pass of the full K at 8 rows
-            # costs several plain steps)
-            if after_probe and not self._probe_accepted:
-                self._back_off()
+            # costs several plain steps); probes come only once measured
             return [min(c, EXPLORE[(self.steps - 1) % len(EXPLORE)]) for c in caps]
         b = len(caps)
         pa, pb, pc = self.propose.weights() if self.propose.count else (0.0, 0.0, 0.0)
@@ -265,7 +258,7 @@ class DraftLengthPolicy:
             open_rows = [i for i, (c, k) in enumerate(zip(caps, best_ks)) if k < c]
             if open_rows:
                 self._next_probe = self.steps + self.probe_every  # until its outcome moves it
-                self.probing, self._probe_accepted = True, 0
+                self.probing = True
                 i = open_rows[self._probe_turn % len(open_rows)]
                 self._probe_turn += 1
                 best_ks = list(best_ks)
