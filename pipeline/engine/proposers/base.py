@@ -23,6 +23,14 @@ import torch
 
 from ..sampling import LogitsShaper
 
+#: a proposer that keeps per-row state (a draft head's cache, a drafter's) and has not drafted
+#: for a row for a while catches up on at most this many of the row's latest positions (of its
+#: own sequence: the target's positions for a draft head, the drafter's tokens for universal);
+#: its cache restarts there, positions shifted.  Drafts only: the target verifies as always.
+#: A catch-up over a whole prompt is a prefill by the proposer, paid at every probe of the
+#: draft-length policy even when drafting does not pay.
+CATCH_UP_WINDOW = 64
+
 
 @dataclass
 class ProposerInputs:

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ..runner import ModelLayout, ModelRunner, text_config
-from .base import Draft, DraftRequest, Drafting, draft_tokens
+from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens
 from .mtp import Positions, store_hidden
 
 try:  # the engine's CPU kernels (oneDNN packed linears, small-query attention), when present
@@ -62,12 +62,6 @@ except ImportError:  # pragma: no cover - an engine without them
     _kernels = None
 
 MODEL_TYPE = "specbatch_draft_head"
-#: the head's context when it catches up after a stretch without drafts: at most this many of
-#: the row's latest positions (its cache restarts there, RoPE positions shifted; drafts only,
-#: the target verifies as always).  A catch-up over a whole prompt costs the head's share of the
-#: target's prefill (about 1/30 for SmolLM2): 8 rows of 400 tokens are about 8 target steps, paid
-#: at every probe of a head that does not pay.  The features kept per row are bounded the same way.
-CATCH_UP_WINDOW = 64
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 

@@ -33,7 +33,7 @@ lossless; static ensemble verification is refused (no draft logits in the target
 vocabulary).  A drafter whose context cannot hold the row proposes nothing (the step
 is a plain decoding step).  Cost per step: one decode of the committed sequence and one
 encode of its text with the drafter's tokenizer (linear in the row's length); the drafter runs
-over at most :data:`CATCH_UP_WINDOW` tokens of a row that it has not seen (a row's first draft,
+over at most :data:`~pipeline.engine.proposers.base.CATCH_UP_WINDOW` tokens of a row that it has not seen (a row's first draft,
 or the first after the draft-length policy drafted nothing for a while).
 """
 
@@ -42,16 +42,10 @@ from __future__ import annotations
 import torch
 
 from ..runner import ModelRunner, model_layout, text_config
-from .base import Draft, DraftRequest, empty_draft
+from .base import CATCH_UP_WINDOW, Draft, DraftRequest, empty_draft
 
 #: committed target tokens whose text is re-encoded together with the drafted text
 CONTEXT_TOKENS = 8
-#: the drafter's context when it catches up after a stretch without drafts (a row's first draft
-#: included): at most this many of the text's latest drafter tokens (its cache restarts there;
-#: drafts only, the target verifies as always).  A catch-up over a whole prompt is the drafter's
-#: prefill of it, paid by every row the policy probes even when drafting does not pay (SmolLM2
-#: over a 1,000-token prompt is about 40 Gemma 3 decode steps on a CPU).
-CATCH_UP_WINDOW = 64
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
