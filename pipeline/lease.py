@@ -179,13 +179,13 @@ class OutputLease:
 
     def _bound(self, holder: Holder) -> float:
         """The stale bound for ``holder``: ours or the holder's own, whichever is longer; what
-        a lease file claims counts only as a finite number of seconds, at most
-        :data:`~pipeline.config.MAX_LEASE_TIMEOUT_S` (the longest bound a run can hold, so a
-        forged ``"timeout_s": 1e308`` or an ``Infinity`` cannot lock the output for good)."""
+        a lease file claims counts as at most :data:`~pipeline.config.MAX_LEASE_TIMEOUT_S`
+        (the longest bound a run can hold, so a forged ``"timeout_s": 1e308`` or ``Infinity``
+        cannot lock the output for good), and a claim that is no positive number (``NaN``,
+        negative, a string) counts as the reader's own bound."""
         theirs = holder.content.get("timeout_s")
-        if isinstance(theirs, bool) or not isinstance(theirs, (int, float)) or not math.isfinite(theirs) \
-                or theirs <= 0:
-            return self.timeout_s
+        if isinstance(theirs, bool) or not isinstance(theirs, (int, float)) or math.isnan(theirs) or theirs <= 0:
+            return self.timeout_s  # no bound at all: the reader's own
         return max(self.timeout_s, min(float(theirs), MAX_LEASE_TIMEOUT_S))
 
     def _refuse_skew(self, holder: Holder) -> None:

@@ -361,7 +361,8 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
     for i, (p, real, fmt, comp) in enumerate(picked):
         url = _unstrip(fs, real)
         if local:
-            refuse_special_file(real, f"input shard {url!r}", "input.uri")
+            link = f" (a link to {real!r})" if os.path.islink(p) else ""
+            refuse_special_file(real, f"input shard {_unstrip(fs, p)!r}{link}", "input.uri")
         try:
             n, fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp), shard_fingerprint(fs.info(real))),
                        f"read input shard {url!r}")
@@ -578,7 +579,7 @@ def open_stream(fs, path: str, compression: str | None):
             with fs.open(path, "rb", compression=compression) as f:
                 yield f
     except EOFError as e:
-        raise InputError(f"input shard {path!r} is truncated: its {compression or 'input'} stream ends before "
+        raise InputError(f"input shard {_unstrip(fs, path)!r} is truncated: its {compression or 'input'} stream ends before "
                          f"its end-of-stream marker ({e}); the rows after the cut would be lost: replace the "
                          "file, or move it out of the input") from None
 
