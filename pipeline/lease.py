@@ -5,7 +5,8 @@ output's manifest, keeps it alive with a heartbeat while it runs, checks before 
 publish that it still holds it, and releases it on every exit path it lives through.  A
 second run on a leased output is refused (:class:`LeaseHeld`, exit 2) naming the holder
 and how long ago it last beat; a lease whose last heartbeat is older than the bound
-(``output.lease_timeout_s``, or the holder's own bound when that is longer) is *stale*:
+(``output.lease_timeout_s``, or the holder's own bound when that is longer, counted as at
+most a day whatever the lease file claims) is *stale*:
 its holder is presumed dead (SIGKILL, a lost node) and the next run takes it over with a
 warning.  A run that finds its lease gone or taken over publishes nothing more
 (:class:`LeaseLost`).  A run that fails because the storage failed leaves its lease
@@ -16,7 +17,10 @@ at once, since it knows that run is over.
 The lease records the holder: run id, ``user@host``, pid, config fingerprint, when it was
 taken and when it last beat.  The heartbeat time is the lease file's modification time as
 the storage reports it (local ``st_mtime``, S3 ``LastModified``), compared with this
-machine's clock, so hosts sharing an output need clocks that agree to well within the bound.
+machine's clock, so hosts sharing an output need clocks that agree to well within the bound;
+a heartbeat more than :data:`CLOCK_SKEW_TOLERANCE_S` in the future is refused as clock skew
+(:class:`LeaseHeld`, naming it).  A ``_lease.json`` that is not a regular file (a named pipe)
+is refused without being read.
 
 How each storage makes it exclusive:
 
