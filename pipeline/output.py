@@ -484,7 +484,7 @@ class OutputLocation:
 
         try:
             mode = os.lstat(p).st_mode
-        except FileNotFoundError:
+        except OSError:  # missing, or not reachable: left to the caller's own checks
             return
         if stat.S_ISREG(mode) or (dir_ok and stat.S_ISDIR(mode)):
             return

@@ -168,7 +168,7 @@ _SPECIAL = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character devi
 def refuse_special_file(path: str, what: str, key: str) -> None:
     """Refuse a local ``path`` (following links) that exists but is not a regular file: a
     read of a named pipe, a device (``/dev/zero``) or a socket may never return, so the job
-    never opens one.  A missing file is left to the caller.
+    never opens one.  A missing or unreachable path is left to the caller.
 
     Raises:
         InputError: ``path`` is a FIFO, a device, a socket or a folder (``what`` and the
@@ -176,7 +176,7 @@ def refuse_special_file(path: str, what: str, key: str) -> None:
     """
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
+    except OSError:  # missing, or not reachable: left to the caller's own checks
         return
     if stat.S_ISREG(mode):
         return
@@ -701,10 +701,24 @@ def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None,
     s = Shard(**shard) if isinstance(shard, dict) else shard
     fs, path = open_fs(s.url, cfg.storage_options, retry)
     table = retrying(retry, endpoint_of(fs))(lambda: _read_shard(s, cfg, fs, path), f"read input shard {s.url!r}")
+    check_row_count(s, table.num_rows)
     parts = s.partitions or {}
     for key in (list(parts) if partition_keys is None else partition_keys):
         table = table.append_column(pa.field(key, pa.string()), pa.array([parts.get(key)] * table.num_rows, pa.string()))
     return table
+
+
+def check_row_count(shard: Shard, rows: int) -> None:
+    """A shard's read gave the rows the preflight counted, or the read is refused: any
+    reader that stops early (or a file cut or grown while the job ran) would otherwise
+    lose rows, or add them, in silence.
+
+    Raises:
+        InputError: ``rows`` is not ``shard.num_rows`` (naming the file and both counts).
+    """
+    if rows != shard.num_rows:
+        raise InputError(f"input shard {shard.url!r} gave {rows} rows, but held {shard.num_rows} when the job "
+                         "started: it changed or was cut while the job ran; rerun (committed shards are kept)")
 
 
 def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:

@@ -91,6 +91,21 @@ def test_a_stream_cut_after_the_preflight_fails_the_read_naming_the_file(tmp_pat
         read_shard(shard, cfg)
 
 
+@pytest.mark.parametrize("change", ["cut", "grown"])
+def test_a_plain_file_cut_or_grown_after_the_preflight_fails_its_read_naming_both_counts(tmp_path, change):
+    """Any reader that can stop early: the rows read must be the rows counted."""
+    p = tmp_path / "plain.jsonl"
+    p.write_bytes(BIG)
+    cfg = InputConfig(uri=str(p))
+    (shard,) = resolve_shards(cfg)
+    now = BIG[: len(BIG) // 2 + 7] if change == "cut" else BIG + SMALL
+    p.write_bytes(now)
+    counted = len([line for line in now.split(b"\n") if line.strip()])  # a cut line is an error row of its own
+    assert counted != N
+    with pytest.raises(InputError, match=rf"plain\.jsonl' gave {counted} rows, but held {N}"):
+        read_shard(shard, cfg)
+
+
 def test_a_truncated_stream_on_s3_is_refused_naming_the_object(moto_s3):
     c, opts = moto_s3["client"], moto_s3["options"]
     b = "edges-trunc"
@@ -429,3 +444,35 @@ def test_a_heartbeat_in_the_future_is_named_as_clock_skew(lease_place):
             slightly.acquire()
     finally:
         holder.release()
+
+
+@pytest.mark.slow
+def test_a_job_whose_output_disk_fills_fails_and_a_rerun_after_space_returns_writes_every_row_once(
+        ray_local, tiny_models, tmp_path, tiny_disk):
+    """The issue's case through the job's entry: the output on a tmpfs with room for about
+    one shard; the run fails on ENOSPC wherever it falls, and once the space is back a plain
+    rerun (same config, no overwrite) completes with every row exactly once."""
+    from pipeline_testkit import TEXTS, job_config, write_jsonl
+    from pipeline.run import run_job
+
+    disk, fill = tiny_disk
+    ids = []
+    for s in range(4):
+        rows = [{"id": f"s{s}-{i}", "text": TEXTS[(s + i) % len(TEXTS)]} for i in range(2)]
+        write_jsonl(tmp_path / "in" / f"{s}.jsonl", rows)
+        ids += [r["id"] for r in rows]
+    out = disk / "out"
+    cfg = job_config(tiny_models, str(tmp_path / "in"), str(out), method="plain",
+                     overrides=["generation.max_new_tokens=2"])
+    (disk / "reserve").write_bytes(b"\0" * 24 * 1024)
+    fill()
+    os.unlink(disk / "reserve")  # 24 KiB free: the lease and about one shard
+    with pytest.raises(Exception, match="No space left"):
+        run_job(cfg, progress=False)
+    assert not is_complete(str(out))
+    _no_partial_records(out)
+    os.unlink(disk / "filler")
+    run_job(cfg, progress=False)
+    assert is_complete(str(out))
+    got = pq.read_table(str(out), columns=["id"]).column("id").to_pylist()
+    assert sorted(got) == sorted(ids)  # every row, exactly once
