@@ -54,6 +54,11 @@ DEFAULT_TEMPLATES = {
 }
 
 
+#: the longest ``output.lease_timeout_s`` (seconds, a day): a killed run locks its output for
+#: at most this long, and a lease file claiming a longer bound counts as this (pipeline.lease)
+MAX_LEASE_TIMEOUT_S = 86400.0
+
+
 class JobRefused(ValueError):
     """Base of every refusal of a job before any work starts: a bad config, input, model
     or output location.  The command line reports it in one line and exits with status 2."""
@@ -293,7 +298,7 @@ class ComputeConfig(_Section):
     #: fail when no output row comes back for this long (seconds), whatever the cause (a
     #: resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
     #: longer than model loading plus the slowest batch of ``rows_per_batch`` rows
-    stall_timeout_s: float = Field(1800, gt=0)
+    stall_timeout_s: float = Field(1800, gt=0, allow_inf_nan=False)
 
 
 class OutputConfig(_Section):
@@ -319,8 +324,9 @@ class OutputConfig(_Section):
     #: a run holds a lease on the folder it writes (``_lease.json``, :mod:`pipeline.lease`),
     #: renewed every sixth of this (at most every 30 s); another run is refused while the
     #: lease's last heartbeat is younger than this many seconds, and takes an older lease over
-    #: with a warning (its holder presumed dead)
-    lease_timeout_s: float = Field(120.0, gt=0)
+    #: with a warning (its holder presumed dead); finite, at most :data:`MAX_LEASE_TIMEOUT_S`
+    #: (a day), so a killed run never locks its output for longer
+    lease_timeout_s: float = Field(120.0, gt=0, le=MAX_LEASE_TIMEOUT_S, allow_inf_nan=False)
     #: passed to fsspec, e.g. for an S3-compatible server ``{key: ..., secret: ...,
     #: client_kwargs: {endpoint_url: http://127.0.0.1:9000}}``; without them s3fs uses the
     #: standard AWS chain (environment, ``~/.aws``, instance role)
@@ -362,15 +368,15 @@ class RetryConfig(_Section):
     #: attempts of one call in all
     attempts: int = Field(6, ge=1)
     #: the wait before the first retry, doubled at each one
-    initial_backoff_s: float = Field(0.5, ge=0)
+    initial_backoff_s: float = Field(0.5, ge=0, allow_inf_nan=False)
     #: the longest wait between two attempts
-    max_backoff_s: float = Field(30.0, ge=0)
+    max_backoff_s: float = Field(30.0, ge=0, allow_inf_nan=False)
     #: an S3 request gives up connecting after this long (passed to botocore)
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     #: an S3 request gives up waiting for the next bytes of an answer after this long (botocore)
-    read_timeout_s: float = Field(30.0, gt=0)
+    read_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     #: no attempt starts later than this many seconds after the call's first one
-    deadline_s: float = Field(60.0, gt=0)
+    deadline_s: float = Field(60.0, gt=0, allow_inf_nan=False)
 
 
 class AuditConfig(_Section):

@@ -5,7 +5,8 @@ output's manifest, keeps it alive with a heartbeat while it runs, checks before 
 publish that it still holds it, and releases it on every exit path it lives through.  A
 second run on a leased output is refused (:class:`LeaseHeld`, exit 2) naming the holder
 and how long ago it last beat; a lease whose last heartbeat is older than the bound
-(``output.lease_timeout_s``, or the holder's own bound when that is longer) is *stale*:
+(``output.lease_timeout_s``, or the holder's own bound when that is longer, counted as at
+most a day whatever the lease file claims) is *stale*:
 its holder is presumed dead (SIGKILL, a lost node) and the next run takes it over with a
 warning.  A run that finds its lease gone or taken over publishes nothing more
 (:class:`LeaseLost`).  A run that fails because the storage failed leaves its lease
@@ -16,7 +17,10 @@ at once, since it knows that run is over.
 The lease records the holder: run id, ``user@host``, pid, config fingerprint, when it was
 taken and when it last beat.  The heartbeat time is the lease file's modification time as
 the storage reports it (local ``st_mtime``, S3 ``LastModified``), compared with this
-machine's clock, so hosts sharing an output need clocks that agree to well within the bound.
+machine's clock, so hosts sharing an output need clocks that agree to well within the bound;
+a heartbeat more than :data:`CLOCK_SKEW_TOLERANCE_S` in the future is refused as clock skew
+(:class:`LeaseHeld`, naming it).  A ``_lease.json`` that is not a regular file (a named pipe)
+is refused without being read.
 
 How each storage makes it exclusive:
 
@@ -51,16 +55,18 @@ import errno
 import getpass
 import json
 import logging
+import math
 import os
 import posixpath
 import socket
+import stat
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.config import JobRefused
+from pipeline.config import MAX_LEASE_TIMEOUT_S, JobRefused
 
 log = logging.getLogger("specbatch")
 
@@ -70,6 +76,8 @@ _MARK = "specbatch output lease"
 #: this process, in the leases it takes (a lease of this process whose run is over is a leftover)
 _PROCESS = uuid.uuid4().hex
 _ACTIVE: set[str] = set()  # run ids whose lease this process holds now
+#: a lease heartbeat further in the future than this (seconds) is named as clock skew
+CLOCK_SKEW_TOLERANCE_S = 10.0
 
 
 class LeaseHeld(JobRefused):
@@ -98,8 +106,8 @@ class Holder:
         who = c.get("owner") or "an unknown holder"
         fp = f", config fingerprint {c['config_fingerprint']}" if c.get("config_fingerprint") else ""
         started = f", started {c['acquired_at']}" if c.get("acquired_at") else ""
-        return (f"run {c.get('run_id') or '?'} of {who} (pid {c.get('pid', '?')}{fp}{started}), "
-                f"last heartbeat {self.age_s:.0f} s ago")
+        beat = f"{self.age_s:.0f} s ago" if self.age_s >= 0 else f"{-self.age_s:.0f} s in the future"
+        return f"run {c.get('run_id') or '?'} of {who} (pid {c.get('pid', '?')}{fp}{started}), last heartbeat {beat}"
 
 
 def lease_interval(timeout_s: float) -> float:
@@ -131,6 +139,9 @@ class OutputLease:
         self.path = posixpath.join(self.root, LEASE)
         self.io = io or (lambda fn, what: fn())
         self.timeout_s = float(timeout_s)
+        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= MAX_LEASE_TIMEOUT_S):
+            raise ValueError(f"output.lease_timeout_s must be a finite number of seconds in (0, "
+                             f"{MAX_LEASE_TIMEOUT_S:g}], got {timeout_s!r}")
         self.interval_s = lease_interval(self.timeout_s)
         self.config_fingerprint = config_fingerprint
         self.clock = clock
@@ -171,9 +182,32 @@ class OutputLease:
         return c
 
     def _bound(self, holder: Holder) -> float:
-        """The stale bound for ``holder``: ours or the holder's own, whichever is longer."""
+        """The stale bound for ``holder``: ours or the holder's own, whichever is longer; what
+        a lease file claims counts as at most :data:`~pipeline.config.MAX_LEASE_TIMEOUT_S`
+        (the longest bound a run can hold, so a forged ``"timeout_s": 1e308`` or ``Infinity``
+        cannot lock the output for good), and a claim that is no positive number (``NaN``,
+        negative, a string) counts as the reader's own bound."""
         theirs = holder.content.get("timeout_s")
-        return max(self.timeout_s, float(theirs)) if isinstance(theirs, (int, float)) else self.timeout_s
+        if isinstance(theirs, bool) or not isinstance(theirs, (int, float)) or math.isnan(theirs) or theirs <= 0:
+            return self.timeout_s  # no bound at all: the reader's own
+        return max(self.timeout_s, min(float(theirs), MAX_LEASE_TIMEOUT_S))
+
+    def _refuse_skew(self, holder: Holder) -> None:
+        """Refuse a lease whose last heartbeat lies further in the future than
+        :data:`CLOCK_SKEW_TOLERANCE_S`: this machine's clock and the storage's disagree (the
+        heartbeat is the storage's modification time), and no age measured across them means
+        anything, so the lease is neither taken over nor waited on in silence.
+
+        Raises:
+            LeaseHeld: naming the skew, in seconds.
+        """
+        if holder.age_s >= -CLOCK_SKEW_TOLERANCE_S:
+            return
+        raise LeaseHeld(
+            f"output {self.url!r}: the last heartbeat of its lease ({LEASE}, {holder.describe()}) lies "
+            f"{-holder.age_s:.0f} s in the future by this machine's clock: clock skew between this machine and the "
+            "storage (or the holder's host); the job cannot tell whether that run is alive, so it does nothing: set "
+            "the clocks right (NTP), then rerun; if no run holds the output, remove the lease")
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(self) -> None:
@@ -205,6 +239,7 @@ class OutputLease:
             holder = self.backend.read()
             if holder is None:
                 continue
+            self._refuse_skew(holder)
             bound = self._bound(holder)
             leftover = holder.content.get("process") == _PROCESS and holder.content.get("run_id") not in _ACTIVE
             if leftover and self.backend.take_over(holder, force=True):
@@ -396,8 +431,8 @@ class _Local(_Backend):
     def read(self) -> Holder | None:
         path = self.lease.path
         for attempt in range(10):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:  # O_NONBLOCK: opening a named pipe planted there returns at once (refused below)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             except FileNotFoundError:
                 return None
             except OSError as e:
@@ -407,6 +442,10 @@ class _Local(_Backend):
                 raise
             try:
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+                    raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is not a regular file (a named pipe, "
+                                          "a device or a socket), so not a lease of this job: a read of it may "
+                                          "never return; move it away")
                 raw = os.read(fd, 1 << 20)
             except IsADirectoryError:
                 raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is a folder, not a lease of this job: "

@@ -81,13 +81,32 @@ ENTRY_FILE = re.compile(r"part-(\d{5,})\.json")
 INTENT_FILE = re.compile(r"part-(\d{5,})\.([A-Za-z0-9_-]+)\.json")
 #: what a run stages, ``_staging/<this>``: its shards' files, manifest entries, write probe
 STAGED_FILE = re.compile(r"[A-Za-z0-9_-]+/(part-\d{5,}/\d{5,}\.parquet|part-\d{5,}\.parquet\.json|\.probe)")
+#: the temporary name a small file of the job is written under before its rename
+#: (:meth:`OutputLocation.put_atomic`): ``.<name>.<32 hex digits>.tmp`` beside it
+TEMP_FILE = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp")
+
+
+def temp_name(path: str) -> str:
+    """Where :meth:`OutputLocation.put_atomic` writes ``path`` before renaming it: a
+    hidden name of :data:`TEMP_FILE` in the same folder (so the rename is atomic)."""
+    import uuid
+
+    folder, name = posixpath.split(path)
+    return posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
 
 
 def owned_layout_file(rel: str) -> bool:
     """Whether ``rel`` (a path relative to the output folder) is a file of this job's own
-    layout under ``_manifest/`` or ``_staging/``, or its lease."""
+    layout under ``_manifest/`` or ``_staging/``, its lease, or the temporary name of one of
+    its small files (``_manifest/pending/.part-00000.<run>.json.<hex>.tmp``,
+    ``._SUCCESS.<hex>.tmp``: a run killed between the write and the rename leaves it)."""
     if rel == LEASE:
         return True
+    folder, name = posixpath.split(rel)
+    tmp = TEMP_FILE.fullmatch(name)
+    if tmp:
+        meant = posixpath.join(folder, tmp.group(1))
+        return meant in (SUCCESS, SUMMARY) or (meant != LEASE and owned_layout_file(meant))
     top, _, rest = rel.partition("/")
     if top == MANIFEST:
         sub, _, name = rest.partition("/")
@@ -138,6 +157,9 @@ class OutputLocation:
         self.entries: dict[str, dict[str, Any]] = {}
         self.intents: dict[str, dict[str, Any]] = {}
         self.foreign: list[str] = []
+        #: manifest records (paths) an earlier run began and never finished writing (empty, or
+        #: cut short): its own, naming nothing; removed by :meth:`prepare`
+        self.leftovers: list[str] = []
         self.skipped: list[str] = []
         self.nothing_to_do = False
         protos = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
@@ -172,6 +194,36 @@ class OutputLocation:
                 pass
 
         self.io(rm, what)
+
+    def put_atomic(self, path: str, data: bytes, what: str) -> None:
+        """Write the small file ``path`` (a manifest record, a marker) whole or not at all,
+        retried: on local disk it is written under :func:`temp_name`, flushed to disk, then
+        renamed over ``path`` (a failed write, a full disk included, removes the temporary
+        file and leaves ``path`` as it was); on an object store it is one PUT, which the
+        store makes atomic.
+
+        Raises:
+            StorageError: the write kept failing (``ENOSPC`` is not retried).
+        """
+        def put() -> None:
+            self.makedirs(posixpath.dirname(path))
+            if not self.local:
+                self.fs.pipe_file(path, data)
+                return
+            tmp = temp_name(path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+
+        self.io(put, what)
 
     def remove_owned(self, under: str, retry: bool = True) -> None:
         """Delete the files of this job's layout under the subfolder ``under`` (``_staging``,
@@ -267,6 +319,10 @@ class OutputLocation:
                 rel = p[len(prefix):] if p.startswith(prefix) else p
                 with self.fs.open(p, "rb") as f:
                     raw = f.read()
+                if _partial_record(raw, int(m.group(1))):
+                    if p not in self.leftovers:
+                        self.leftovers.append(p)
+                    continue
                 try:
                     entry = json.loads(raw)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -339,10 +395,12 @@ class OutputLocation:
             self._refuse_links()
         try:
             files = self.listing()
+            self.leftovers = []
             entries = self.read_manifest()
             self.intents = self.read_intents()
             self.foreign = self._foreign(files, entries)
             self._check_foreign(entries)
+            self._remove_leftovers(files)
             if self.cfg.overwrite:
                 self._clear(entries, files)
                 skip: set[int] = set()
@@ -380,6 +438,24 @@ class OutputLocation:
             raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
         return skip
 
+    def _remove_leftovers(self, files: list[str]) -> None:
+        """Remove what an earlier run of this job began to write and never finished: the
+        temporary files of :meth:`put_atomic` (a run killed between write and rename) and the
+        manifest records found empty or cut short (:func:`_partial_record`: written by a
+        version that wrote them in place, on a full disk).  Each names no published file (an
+        intent is complete before any file is published, an entry is the last write of its
+        shard, whose intent still names the files), so nothing else goes with them.  The run
+        holds the output's lease: no other run is writing them."""
+        prefix = self.root.rstrip("/") + "/"
+        temps = [self.path(rel) for rel in files if TEMP_FILE.fullmatch(posixpath.basename(rel))
+                 and owned_layout_file(rel)]
+        for path in self.leftovers + temps:
+            rel = path[len(prefix):] if path.startswith(prefix) else path
+            log.info("output %s: removing %s, a record an earlier run began to write and never finished",
+                     self.url(), rel)
+            self.remove(path, f"remove the unfinished {rel}")
+        self.leftovers = []
+
     def _refuse_links(self) -> None:
         """Local disk: refuse a symbolic link where this job writes its own files."""
         def refuse(p: str) -> None:
@@ -391,11 +467,31 @@ class OutputLocation:
         for name in (MANIFEST, STAGING, SUCCESS, SUMMARY, LEASE):
             if os.path.islink(self.path(name)):
                 refuse(self.path(name))
+        for name in (SUCCESS, SUMMARY):
+            self._refuse_special(self.path(name), dir_ok=False)
         for d in (MANIFEST, STAGING):
             for dirpath, dirnames, filenames in os.walk(self.path(d)):
                 for n in dirnames + filenames:
                     if os.path.islink(os.path.join(dirpath, n)):
                         refuse(os.path.join(dirpath, n))
+                for n in filenames:
+                    self._refuse_special(os.path.join(dirpath, n), dir_ok=True)
+
+    def _refuse_special(self, p: str, dir_ok: bool) -> None:
+        """Local disk: refuse a named pipe, device or socket where the job reads or writes
+        its own files (a read of it may never return); a folder too, unless ``dir_ok``."""
+        import stat
+
+        try:
+            mode = os.lstat(p).st_mode
+        except OSError:  # missing, or not reachable: left to the caller's own checks
+            return
+        if stat.S_ISREG(mode) or (dir_ok and stat.S_ISDIR(mode)):
+            return
+        rel = p[len(self.root.rstrip("/")) + 1:]
+        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe, a device or a socket"
+        raise OutputError(f"output {self.url()!r}: {rel} is {kind}, not a file this job wrote: a read of it may "
+                          "never return and the job never deletes what it did not write: move it away")
 
     def _owned_data_files(self, entries: dict[str, dict[str, Any]]) -> set[str]:
         """The data files the (checked) manifest entries and intents name."""
@@ -495,6 +591,23 @@ class OutputLocation:
         self.entries = dict(entries)
         self.skipped = sorted(entries)
         return skip
+
+
+def _partial_record(raw: bytes, index: int) -> bool:
+    """Whether ``raw``, read from the manifest record of shard ``index``, is one this job
+    began and never finished: empty, or the start of the record it writes (``{"part":
+    "part-NNNNN.parquet"...``, JSON cut short).  Anything else that does not parse is not
+    the job's, and is refused."""
+    if not raw:
+        return True
+    head = ('{"part": "%s"' % part_name(index)).encode()
+    if not raw.startswith(head):
+        return False
+    try:
+        json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    return False
 
 
 def _prune_empty(folder: str) -> None:

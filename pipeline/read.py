@@ -25,8 +25,16 @@ each is read or named, with the reason, in one WARNING line (hidden ``_``/``.`` 
 unknown formats, compressed Parquet, a second spelling of a file already listed); the
 job's own output and any folder below the input holding a ``_manifest/`` (a specbatch
 output) are left out with an INFO line.  A shard is known by its resolved location
-(:func:`resolved_location`: a local file's real path), so ``a//b``, ``a/x/../b``, ``./b``,
-a relative path or a symlink name the same shard, and a rerun spelled another way resumes.
+(:func:`resolved_location`: a local file's real path), so locally ``a//b``, ``a/x/../b``,
+``./b``, a relative path or a symlink name the same shard, and a rerun spelled another way
+resumes.  On an object store a key is a string, read as written: ``s3://b/a//x.jsonl`` and
+``s3://b/a/x.jsonl`` are two objects, two shards.
+
+Reads never end early in silence, nor hang: a compressed stream cut before its
+end-of-stream marker (every codec, zstandard included) refuses the job naming the file
+(:func:`open_stream`); checksums a file carries are verified (Parquet page CRCs, the
+codecs' own checks); a local input that is not a regular file (a named pipe, a device, a
+socket) is refused by name before the job opens it (:func:`refuse_special_file`).
 
 Ids, one rule for both formats: the id column (``input.id_column``) may hold strings or
 integers; an integer becomes its decimal string (so ``7`` and ``"7"`` are the same id).  A
@@ -39,10 +47,13 @@ derived id; a Parquet id column of another type refuses the shard.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
 import posixpath
+import stat
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
@@ -134,18 +145,44 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def resolved_location(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """``path`` normalised: a local file's real path (symlinks, ``..``, ``//``, ``./``
-    resolved, relative paths made absolute); elsewhere ``//``, ``./`` and ``x/..`` collapsed.
-    A glob keeps its pattern; only the folder before its first wildcard is resolved."""
+    """``path`` normalised on local disk: a local file's real path (symlinks, ``..``, ``//``,
+    ``./`` resolved, relative paths made absolute); a glob keeps its pattern, only the folder
+    before its first wildcard is resolved.  Elsewhere (object stores: S3, GCS, ...) a key is
+    a string, not a path: ``a//b``, ``a/./b`` and ``a/x/../b`` are other objects than
+    ``a/b``, so the key is kept as written (trailing ``/`` of a folder aside)."""
+    if not _is_local(fs):
+        return path.rstrip("/") or path
     if any(c in path for c in "*?["):
         cut = min(path.index(c) for c in "*?[" if c in path)
         head, sep, tail = path[:cut].rpartition("/")
         if not sep:
             return path
         return resolved_location(fs, head or "/").rstrip("/") + "/" + tail + path[cut:]
-    if _is_local(fs):
-        return os.path.realpath(path)
-    return posixpath.normpath(path.replace("//", "/")) if path else path
+    return os.path.realpath(path)
+
+
+_SPECIAL = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+            stat.S_IFSOCK: "a socket"}
+
+
+def refuse_special_file(path: str, what: str, key: str) -> None:
+    """Refuse a local ``path`` (following links) that exists but is not a regular file: a
+    read of a named pipe, a device (``/dev/zero``) or a socket may never return, so the job
+    never opens one.  A missing or unreachable path is left to the caller.
+
+    Raises:
+        InputError: ``path`` is a FIFO, a device, a socket or a folder (``what`` and the
+            config ``key`` are named in the message).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # missing, or not reachable: left to the caller's own checks
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = "a folder" if stat.S_ISDIR(mode) else _SPECIAL.get(stat.S_IFMT(mode), "not a regular file")
+    raise InputError(f"{what} is {kind}, not a regular file: a read of it may never return, so the job does not "
+                     f"open it; replace it with a file, or move it out of the input ({key})")
 
 
 def shard_fingerprint(info: dict[str, Any]) -> str:
@@ -180,7 +217,19 @@ def _under(path: str, folder: str) -> bool:
 
 
 def _rel(path: str, base: str) -> str:
-    return path[len(base):].lstrip("/") if base and _under(path, base) else posixpath.basename(path)
+    """``path`` relative to ``base``: one separator dropped, so the object ``base//x`` is
+    named ``/x``, never the same as ``base/x``."""
+    if not base or not _under(path, base):
+        return posixpath.basename(path)
+    rest = path[len(base.rstrip("/")):]
+    return rest[1:] if rest.startswith("/") else rest
+
+
+def _hidden(name: str) -> bool:
+    """Whether a relative name has a part starting with ``_`` or ``.`` (writers' markers,
+    dot files); the parts ``.`` and ``..`` of an object-store key are literal strings, not
+    hidden names."""
+    return any(part.startswith((".", "_")) and part not in (".", "..") for part in name.split("/"))
 
 
 def hive_partitions(name: str) -> dict[str, str | None]:
@@ -277,12 +326,17 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
             raise InputError(f"input {cfg.uri!r} lies inside the output's {sub}/ ({out_root}): the job "
                              "owns and deletes what is there; move the input elsewhere (input.uri)")
 
+    local = _is_local(fs)
+
+    def is_file(p: str) -> bool:  # locally, a FIFO or a device too: refused by name below, never skipped
+        return os.path.lexists(p) and not os.path.isdir(p) if local else fs.isfile(p)
+
     def listing() -> tuple[str, list[str]]:
         if glob:
-            return "glob", sorted(p for p in fs.glob(path) if fs.isfile(p))
+            return "glob", sorted(p for p in fs.glob(path) if is_file(p))
         if fs.isdir(path):
             return "folder", sorted(p for p in fs.find(path) if not p.endswith("/"))
-        if fs.isfile(path):
+        if is_file(path):
             return "file", [path]
         return "none", []
 
@@ -306,6 +360,9 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
     shards = []
     for i, (p, real, fmt, comp) in enumerate(picked):
         url = _unstrip(fs, real)
+        if local:
+            link = f" (a link to {real!r})" if os.path.islink(p) else ""
+            refuse_special_file(real, f"input shard {_unstrip(fs, p)!r}{link}", "input.uri")
         try:
             n, fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp), shard_fingerprint(fs.info(real))),
                        f"read input shard {url!r}")
@@ -355,7 +412,7 @@ def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out_root
         if kind == "file":
             if why:
                 raise InputError(f"input shard {p!r}: {why}")
-        elif any(part.startswith((".", "_")) for part in name.split("/")):
+        elif _hidden(name):
             not_read.add("hidden (a name starting with '_' or '.', as writers' markers such as _SUCCESS)", name)
             continue
         elif why:
@@ -429,7 +486,7 @@ def _read_every_page(fs, path: str, columns: list[str], max_bytes: int) -> None:
         return
     try:
         with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
+            pf = _parquet_file(f)
             for i in range(pf.num_row_groups):
                 pf.read_row_group(i, columns=columns)
     except Exception as e:  # noqa: BLE001 - decoding errors of every kind
@@ -441,6 +498,13 @@ def _read_every_page(fs, path: str, columns: list[str], max_bytes: int) -> None:
                          f"({type(e).__name__}: {cause}); replace the file, or move it out of the input") from None
 
 
+def _parquet_file(f) -> pq.ParquetFile:
+    """An input Parquet file opened with its page checksums verified
+    (``page_checksum_verification``): a page whose CRC-32 does not match, when the writer
+    stored one (``write_page_checksum``), fails to read like a page that does not decode."""
+    return pq.ParquetFile(f, page_checksum_verification=True)
+
+
 _ID_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null)
 
 
@@ -448,7 +512,7 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | N
     """Open one shard, check it is usable, return its row count."""
     if fmt == "parquet":
         with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
+            pf = _parquet_file(f)
             schema = pf.schema_arrow
             n = pf.metadata.num_rows
         if cfg.text_column not in schema.names:
@@ -475,8 +539,8 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | N
     usable = False  # a line that is a JSON object with the text field
     objects = 0
     first_problem = None
-    with fs.open(path, "rb", compression=compression) as f:
-        for lineno, raw in _jsonl_lines(_buffered(f, compression)):
+    with open_stream(fs, path, compression) as f:
+        for lineno, raw in _jsonl_lines(f):
             n += 1
             if usable:
                 continue
@@ -495,11 +559,63 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | N
     return n
 
 
-def _buffered(f, compression: str | None):
-    """``f``, buffered when it cannot read lines itself (zstandard's stream reader)."""
-    import io
+@contextlib.contextmanager
+def open_stream(fs, path: str, compression: str | None):
+    """A binary, line-iterable stream of the (decompressed) file ``path`` that never ends
+    early in silence: a compressed stream that stops before its end-of-stream marker raises
+    :class:`InputError` naming the file (gzip, bzip2 and xz raise ``EOFError`` themselves;
+    zstandard is read frame by frame through :class:`_ZstdFrames`, which checks that the
+    last frame ended).  Checksums the stream carries (gzip's CRC-32, bzip2's CRC, xz's
+    check, a zstd frame's content checksum) are verified by each decoder.
 
-    return io.BufferedReader(f) if compression == "zstd" else f
+    Raises:
+        InputError: the stream was cut short (naming the file and the codec).
+    """
+    try:
+        if compression == "zstd":
+            with fs.open(path, "rb") as raw:
+                yield io.BufferedReader(_ZstdFrames(raw, path), buffer_size=1 << 16)
+        else:
+            with fs.open(path, "rb", compression=compression) as f:
+                yield f
+    except EOFError as e:
+        raise InputError(f"input shard {_unstrip(fs, path)!r} is truncated: its {compression or 'input'} stream ends before "
+                         f"its end-of-stream marker ({e}); the rows after the cut would be lost: replace the "
+                         "file, or move it out of the input") from None
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Zstandard frames of ``raw`` decompressed one after another (``decompressobj`` per
+    frame); at the end of ``raw`` the last frame must be complete, else ``EOFError`` (the
+    stream reader of ``zstandard`` returns what it has and stops in silence)."""
+
+    def __init__(self, raw, path: str):
+        import zstandard
+
+        self.raw, self.path, self._zstd = raw, path, zstandard
+        self._obj = None  # the decompressor of the frame being read; None between frames
+        self._out = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._out:
+            data = self.raw.read(1 << 16)
+            if not data:
+                if self._obj is not None:
+                    raise EOFError("zstd: the last frame is incomplete (premature end)")
+                return 0
+            while data:
+                if self._obj is None:
+                    self._obj = self._zstd.ZstdDecompressor().decompressobj()
+                self._out += self._obj.decompress(data)
+                if not self._obj.eof:
+                    break
+                data, self._obj = self._obj.unused_data, None
+        n = min(len(b), len(self._out))
+        b[:n], self._out = self._out[:n], self._out[n:]
+        return n
 
 
 def _jsonl_lines(f) -> Iterator[tuple[int, bytes]]:
@@ -585,10 +701,24 @@ def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None,
     s = Shard(**shard) if isinstance(shard, dict) else shard
     fs, path = open_fs(s.url, cfg.storage_options, retry)
     table = retrying(retry, endpoint_of(fs))(lambda: _read_shard(s, cfg, fs, path), f"read input shard {s.url!r}")
+    check_row_count(s, table.num_rows)
     parts = s.partitions or {}
     for key in (list(parts) if partition_keys is None else partition_keys):
         table = table.append_column(pa.field(key, pa.string()), pa.array([parts.get(key)] * table.num_rows, pa.string()))
     return table
+
+
+def check_row_count(shard: Shard, rows: int) -> None:
+    """A shard's read gave the rows the preflight counted, or the read is refused: any
+    reader that stops early (or a file cut or grown while the job ran) would otherwise
+    lose rows, or add them, in silence.
+
+    Raises:
+        InputError: ``rows`` is not ``shard.num_rows`` (naming the file and both counts).
+    """
+    if rows != shard.num_rows:
+        raise InputError(f"input shard {shard.url!r} gave {rows} rows, but held {shard.num_rows} when the job "
+                         "started: it changed or was cut while the job ran; rerun (committed shards are kept)")
 
 
 def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:
@@ -600,7 +730,7 @@ def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:
     rows: list[dict[str, Any]] = []
     if shard.format == "parquet":
         with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
+            pf = _parquet_file(f)
             names = pf.schema_arrow.names
             cols = [c for c in dict.fromkeys([cfg.id_column, cfg.text_column]) if c in names]
             table = pf.read(columns=cols)
@@ -611,8 +741,8 @@ def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:
             rows.append(_row(shard, i, f"row {i}", ids[i] if not err else None, texts[i], err))
     else:
         i = 0
-        with fs.open(path, "rb", compression=shard.compression) as f:
-            for lineno, raw in _jsonl_lines(_buffered(f, shard.compression)):
+        with open_stream(fs, path, shard.compression) as f:
+            for lineno, raw in _jsonl_lines(f):
                 obj, problem = _parse_line(raw)
                 if problem is not None:
                     rows.append(_row(shard, i, f"line {lineno}", None, None, problem))

@@ -249,15 +249,10 @@ class OutputWriter:
         return self.finish_shard(shard, totals)[0]
 
     def _write_json(self, path: str, obj: dict[str, Any], what: str, staged_as: str | None = None) -> None:
-        """Write a small JSON file; with ``staged_as``, write it there and publish it to ``path``."""
-        target = staged_as or path
-
-        def write() -> None:
-            self.location.makedirs(posixpath.dirname(target))
-            with self.fs.open(target, "w") as f:
-                json.dump(obj, f, default=str)
-
-        self.io(write, what)
+        """Write a small JSON file whole or not at all (:meth:`OutputLocation.put_atomic`: a
+        full disk leaves no empty or partial record); with ``staged_as``, write it there and
+        publish it to ``path``."""
+        self.location.put_atomic(staged_as or path, json.dumps(obj, default=str).encode(), what)
         if staged_as:
             self.io(lambda: self.location.makedirs(posixpath.dirname(path)), f"create {posixpath.dirname(path)}")
             self._publish(staged_as, path, what.replace("write ", ""))
@@ -288,18 +283,10 @@ class OutputWriter:
             loc.remove(path, f"remove the publish intent {posixpath.basename(path)}")
         loc.remove_owned(posixpath.join(MANIFEST, PENDING))
 
-        def write_summary() -> None:
-            with self.fs.open(loc.path(SUMMARY), "w") as f:
-                json.dump(summary, f, indent=2, default=str)
-
-        self.io(write_summary, f"write {SUMMARY}")
+        loc.put_atomic(loc.path(SUMMARY), json.dumps(summary, indent=2, default=str).encode(), f"write {SUMMARY}")
         loc.remove_owned(STAGING)
-
-        def write_success() -> None:
-            with self.fs.open(loc.path(SUCCESS), "w") as f:
-                f.write(self.run_id + "\n")
-
-        self.io(write_success, f"write {SUCCESS}")
+        # atomic: a _SUCCESS cut short by a full disk must not say the output is complete
+        loc.put_atomic(loc.path(SUCCESS), (self.run_id + "\n").encode(), f"write {SUCCESS}")
 
     def abort(self, cleanup: bool = True) -> None:
         """Drop this run's buffers and (with ``cleanup``, best effort, no retries) its staging

@@ -265,10 +265,14 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
     assert read_shard(shards[1], cfg, partition_keys=["lang"]).column("lang").to_pylist() == ["de"] * 3
     assert any("notes.txt" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     _commit_one(out, shards)
-    # rerun: the output under the input prefix is left out, every spelling resumes
-    for uri in (f"s3://{b}/in/", f"s3://{b}//in/", f"s3://{b}/in/./", f"s3://{b}/in/x/../"):
+    # rerun: the output under the input prefix is left out, the folder with or without its
+    # slash resumes; keys are strings: in/./ and in/x/../ are other (empty) prefixes, not in/
+    for uri in (f"s3://{b}/in/", f"s3://{b}/in"):
         again = resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
         assert [s.url for s in again] == [s.url for s in shards], uri
         assert OutputWriter(out).prepare(again) == {0, 1, 2}, uri
+    for uri in (f"s3://{b}/in/./", f"s3://{b}/in/x/../"):
+        with pytest.raises(InputError, match="input not found"):
+            resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
     with pytest.raises(InputError, match="inside the output's _manifest/"):
         resolve_shards(InputConfig(uri=f"s3://{b}/in/out/_manifest/", storage_options=opts), output=out)
