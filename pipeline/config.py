@@ -179,8 +179,10 @@ class ModelsConfig(_Section):
 
 class MethodConfig(BaseModel):
     """How to speculate: ``name`` (a method of the table :data:`pipeline.engine.METHODS`)
-    plus any :class:`pipeline.engine.SpeculationSettings` field (named as in transformers); a
-    parameter of another method is refused, naming its method."""
+    plus any :class:`pipeline.engine.SpeculationSettings` field (named as in transformers).
+    A config may keep the settings of other methods (``draft_vocab_size`` of ``eagle`` under
+    ``--method plain``): they are checked, but the engine gets only the method's own
+    (:meth:`speculation_settings`), and they are no part of the resume fingerprint."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -202,6 +204,15 @@ class MethodConfig(BaseModel):
                 raise ValueError(f"unknown key method.{key}; method parameters are: {', '.join(sorted(allowed))}")
         try:
             self.speculation_settings()
+            foreign = {k: v for k, v in self.params.items() if k in foreign_method_params(self.name)}
+            for name, spec in METHODS.items():  # another method's settings kept here: their values still checked
+                theirs = {k: v for k, v in foreign.items() if k in spec.params}
+                if theirs:
+                    try:
+                        SpeculationSettings(method=name, **theirs).validate()
+                    except ValueError as e:
+                        if "must be set for method" not in str(e):
+                            raise
         except ValueError as e:
             raise ValueError(f"bad method parameter: {e}") from None
         return self
@@ -211,7 +222,22 @@ class MethodConfig(BaseModel):
         return dict(self.model_extra or {})
 
     def speculation_settings(self) -> SpeculationSettings:
-        return SpeculationSettings(method=self.name, **self.params).validate()
+        """The engine's settings: the method's own parameters (a parameter only other
+        methods take, :attr:`MethodSpec.params <pipeline.engine.methods.MethodSpec>`, is
+        left out); raises ValueError naming a bad value."""
+        return SpeculationSettings(method=self.name, **self.own_params()).validate()
+
+    def own_params(self) -> dict[str, Any]:
+        """:attr:`params` less those that only other methods of the table take."""
+        return {k: v for k, v in self.params.items() if k not in foreign_method_params(self.name)}
+
+
+def foreign_method_params(method: str) -> frozenset[str]:
+    """SpeculationSettings fields that belong to other methods of the table and not to
+    ``method`` (from each :class:`~pipeline.engine.methods.MethodSpec`'s ``params``)."""
+    spec = METHODS.get(method)
+    own = set(spec.params) if spec is not None else set()
+    return frozenset(p for m in METHODS.values() for p in m.params if p not in own)
 
 
 def _dataclass_fields(cls) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     generation = check_generation(cfg)  # models, the template rendered once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry)
-    identity = config_identity(cfg)
+    identity = config_identity(cfg, generation, shards)  # greedy: no sampling settings; format as auto reads it
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
     writer.extra_columns = partition_keys(shards)
     try:
