@@ -68,12 +68,56 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
-    """Ids of the tokenizer's special (control) tokens: its added tokens marked special and
-    its named special tokens (BOS, EOS, ``<|im_start|>``...)."""
+    """Ids of the tokenizer's control tokens, which user text never produces: its named
+    special tokens (BOS, EOS, ``<|im_start|>``...) and every added token, marked special or
+    not (Gemma 3's ``<start_of_image>`` is an added token not marked special), but for added
+    tokens that are only whitespace (Gemma's runs of newlines and tabs: the ordinary
+    tokens of such text)."""
+    return frozenset(_special_ids(tokenizer)) | frozenset(added_text_tokens(tokenizer))
+
+
+def _special_ids(tokenizer) -> set[int]:
     ids = {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
            if getattr(t, "special", False)}
     ids.update(i for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None)
-    return frozenset(ids)
+    return ids
+
+
+def added_text_tokens(tokenizer) -> dict[int, str]:
+    """``id -> string`` of the tokenizer's added tokens that are not marked special (and not
+    whitespace only): control tokens that ``split_special_tokens`` does not split (see
+    :func:`_as_text_ids`)."""
+    special = _special_ids(tokenizer)
+    return {i: t.content for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+            if not getattr(t, "special", False) and i not in special and str(t.content).strip()}
+
+
+def _as_text_ids(tokenizer, text: str, added: dict[int, str]) -> list[int]:
+    """``text`` tokenized with every control-token string in it as ordinary tokens: special
+    ones by ``split_special_tokens``, added ones not marked special (which the tokenizer
+    always matches) as the tokens of their first character, then of the rest.
+
+    Raises:
+        PromptError: such a string cannot be spelled with ordinary tokens (its pieces do not
+            decode back to it).
+    """
+    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    if not any(i in added for i in ids):
+        return ids
+    out: list[int] = []
+    for i in ids:
+        content = added.get(i)
+        if content is None:
+            out.append(i)
+            continue
+        spelled = (list(tokenizer(content[:1], add_special_tokens=False, split_special_tokens=True)["input_ids"])
+                   + _as_text_ids(tokenizer, content[1:], added) if len(content) > 1 else [])
+        if not spelled or any(j in added for j in spelled) \
+                or tokenizer.decode(spelled, skip_special_tokens=False) != content:
+            raise PromptError(f"the text holds the control-token string {content!r}, which this tokenizer cannot "
+                              "spell with ordinary tokens, so it cannot be kept as plain text")
+        out += spelled
+    return out
 
 
 def encode_protected(tokenizer, render: Callable[[Sequence[str]], str], pieces: Sequence[str], *,
@@ -117,9 +161,12 @@ def encode_protected(tokenizer, render: Callable[[Sequence[str]], str], pieces: 
     if not _special_in_spans(tokenizer, prompt, add_special_tokens, special, spans):
         return prompt, ids
     out: list[int] = []
+    added = added_text_tokens(tokenizer) if special & set(ids) - _special_ids(tokenizer) else {}
     for text, user in segments:
-        if text:
-            out += tokenizer(text, add_special_tokens=False, split_special_tokens=user)["input_ids"]
+        if text and user:
+            out += _as_text_ids(tokenizer, text, added)
+        elif text:
+            out += tokenizer(text, add_special_tokens=False)["input_ids"]
     if add_special_tokens:
         prefix, suffix = _added_special(tokenizer)
         out = prefix + out + suffix
