@@ -22,7 +22,8 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
     ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
     serve:      host, port, num_replicas, gpus_per_replica, cpus_per_replica, max_batch_size,
                 max_ongoing_requests, model_name, chat_template, max_request_bytes, max_tokens_cap,
-                max_rows_per_request, api_key (the online server, jobs/serve.py)
+                max_rows_per_request, max_stop_strings, max_stop_string_chars, max_bad_words,
+                max_bad_word_tokens, api_key (the online server, jobs/serve.py)
 
 Every section refuses unknown keys and bad values; :class:`ConfigError` names the
 offending key as a dotted path (``generation.temperature``).  Method parameters are a
@@ -458,6 +459,15 @@ class ServeConfig(_Section):
     max_tokens_cap: int | None = Field(None, ge=1)
     #: the most rows (prompts x ``n``) one request may ask for
     max_rows_per_request: int = Field(64, ge=1)
+    #: the most stop strings (``stop``) one request may send (each is searched for after
+    #: every committed token, so one request could slow every row in flight)
+    max_stop_strings: int = Field(16, ge=1)
+    #: the most characters in one stop string
+    max_stop_string_chars: int = Field(256, ge=1)
+    #: the most token sequences in one request's ``bad_words_ids`` (each is matched at every step)
+    max_bad_words: int = Field(256, ge=1)
+    #: the most tokens in one ``bad_words_ids`` sequence
+    max_bad_word_tokens: int = Field(16, ge=1)
     #: when set (or ``SPECBATCH_API_KEY`` in the environment, or ``jobs/serve.py --api-key``),
     #: every ``/v1/`` request must send ``Authorization: Bearer <key>`` (401 in OpenAI's shape
     #: otherwise, as vLLM's ``--api-key``); ``/health`` stays open; printed configs show ``***``
