@@ -123,7 +123,8 @@ def init_ray(cfg: JobConfig) -> bool:
     start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks).
 
     ``ray.init`` replaces the process's SIGTERM handler (with one that exits at once); the
-    handler the caller had installed is put back (see pipeline.cli: interrupts).
+    handler the caller had installed stays in place while Ray starts (:func:`_sigterm_kept`)
+    and is put back after (see pipeline.cli: interrupts).
 
     Returns:
         True when this call started an embedded Ray (its resources are all there will be).
@@ -137,7 +138,8 @@ def init_ray(cfg: JobConfig) -> bool:
     previous = signal.getsignal(signal.SIGTERM) if on_main else None
     try:
         if address:
-            ray.init(address=address, log_to_driver=True)
+            with _sigterm_kept(previous):
+                ray.init(address=address, log_to_driver=True)
             return False
         # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
         root = str(REPO_ROOT)
@@ -149,11 +151,58 @@ def init_ray(cfg: JobConfig) -> bool:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_TokenAuthDefault())
         # Actors' own output (a traceback when one dies loading a model, once per restart)
         # goes to Ray's log files, not the job's console: the job reports failures itself.
-        ray.init(include_dashboard=False, log_to_driver=False)
+        with _sigterm_kept(previous):
+            ray.init(include_dashboard=False, log_to_driver=False)
         return True
     finally:
         if on_main and callable(previous):
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_kept(handler) -> Iterator[None]:
+    """While Ray starts, the caller's SIGTERM handler (``handler``, when it is one: the job's,
+    pipeline.cli) stays the process's, in place of the ones ``ray.init`` installs (Ray's
+    driver handler exits with status 15 and no line; its embedded node's drains for up to
+    30 s first).  A SIGTERM that comes while ``ray.init`` runs is held until it returns (an
+    exception raised inside it, in the middle of an import or of starting the node, would
+    leave half a Ray behind to fail at exit), then given to ``handler``: the job stops as at
+    any other time, one line and exit 143.  A second SIGTERM meanwhile is given at once.
+    With no handler of the caller's (a library user), Ray's are installed as usual."""
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if held:
+            handler(signum, frame)
+        held.append(signum)
+
+    def keep(sigterm_handler) -> None:
+        log.debug("Ray's SIGTERM handler not installed: the job's stays")
+
+    import ray._private.ray_constants as ray_constants
+
+    if original is not None:  # (another Ray version: its handlers are replaced afterwards, by init_ray)
+        ray_utils.set_sigterm_handler = keep
+    # the driver's C++ core worker would install its failure-signal handler for SIGTERM too
+    # (it prints "*** SIGTERM received ***" and aborts, exit -6); Ray's processes keep theirs
+    no_cpp_handler = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    signal.signal(signal.SIGTERM, hold)
+    try:
+        yield
+    finally:
+        if original is not None:
+            ray_utils.set_sigterm_handler = original
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = no_cpp_handler
+        signal.signal(signal.SIGTERM, handler)
+        if held:
+            handler(held[0], None)
 
 
 class _TokenAuthDefault(logging.Filter):
