@@ -286,6 +286,38 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
 
 #: the text :func:`check_prompt` renders the template with
 SAMPLE_TEXT = "A sample sentence to check the prompt template."
+#: the longest :func:`check_prompt` lets one sample prompt render (seconds): a chat template
+#: that loops without bound (Jinja's sandbox bounds one ``range`` but not nested ones) is refused
+RENDER_TIMEOUT_S = 10.0
+#: the longest sample prompt :func:`check_prompt` accepts (characters)
+MAX_SAMPLE_PROMPT_CHARS = 1_000_000
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+def _bounded(fn, timeout_s: float):
+    """``fn()``, interrupted after ``timeout_s`` seconds (SIGALRM; in the main thread only,
+    elsewhere unbounded) with :class:`_RenderTimeout`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return fn()
+
+    def on_alarm(signum, frame):
+        raise _RenderTimeout(f"rendering took more than {timeout_s:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if old_timer[0]:
+            signal.setitimer(signal.ITIMER_REAL, *old_timer)
 
 
 def check_prompt(tokenizer, task: TaskConfig) -> str:
@@ -293,20 +325,36 @@ def check_prompt(tokenizer, task: TaskConfig) -> str:
     chat template, system prompt), so a template that fails fails the job before any model
     loads, instead of every row after.  Returns the rendered sample prompt.
 
+    The rendering is bounded: :data:`RENDER_TIMEOUT_S` seconds (in the main thread) and
+    :data:`MAX_SAMPLE_PROMPT_CHARS` characters.
+
     Raises:
         ConfigError: naming the task keys involved (``task.chat_template``,
-            ``task.system_prompt``, ``task.prompt_template``) and the template's error.
+            ``task.system_prompt``, ``task.prompt_template``) and the template's error, or
+            the bound it ran past.
     """
     builder = PromptBuilder(tokenizer, task)
+    keys = ["task.prompt_template"]
+    if builder.use_chat:
+        keys = ["task.chat_template (the target tokenizer's chat template)"]
+        if task.system_prompt:
+            keys.append("task.system_prompt")
     try:
+        rendered = _bounded(lambda: builder.render(SAMPLE_TEXT), RENDER_TIMEOUT_S)
+        if len(rendered) > MAX_SAMPLE_PROMPT_CHARS:
+            raise ConfigError(f"{' and '.join(keys)} render one sample prompt as {len(rendered)} characters (more "
+                              f"than {MAX_SAMPLE_PROMPT_CHARS}): a template that repeats without bound?")
         prompt, ids = builder.build(SAMPLE_TEXT)
+    except ConfigError:
+        raise
+    except _RenderTimeout:
+        raise ConfigError(f"{' and '.join(keys)} did not render one sample prompt in {RENDER_TIMEOUT_S:g} s: a "
+                          "template that loops without bound?") from None
     except Exception as e:  # noqa: BLE001 - jinja errors, a template raising on a role, ...
-        keys = ["task.prompt_template"]
-        if builder.use_chat:
-            keys = ["task.chat_template (the target tokenizer's chat template)"]
-            if task.system_prompt:
-                keys.append("task.system_prompt")
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "_RenderTimeout" in detail:  # wrapped by render_chat
+            raise ConfigError(f"{' and '.join(keys)} did not render one sample prompt in {RENDER_TIMEOUT_S:g} s: "
+                              "a template that loops without bound?") from None
         raise ConfigError(f"the prompt cannot be rendered with {' and '.join(keys)}: {type(e).__name__}: {detail}") from None
     if not ids:
         raise ConfigError("the prompt template renders to no tokens (task.prompt_template)")

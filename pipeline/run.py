@@ -274,6 +274,26 @@ def _quiet_ray_data_console() -> None:
             handler.addFilter(_QuietRayData())
 
 
+_EXPLAINED: set[str] = set()
+
+
+def explain_actor_args_error(cfg: JobConfig) -> None:
+    """Say once, in one INFO line, what Ray's ``ERROR ... has constructor arguments in the
+    object store and max_restarts > 0`` means (ray-project/ray#53727, #57733).  Ray's driver
+    logs it (from C++, to stderr: no logging filter reaches it) for every actor pool with
+    restarts: Ray Data always hands each actor its code and constructor arguments by object
+    reference (``ray.put`` of the map transformer), whatever their size, so it cannot be
+    avoided by passing less (the job passes the config as plain data, a few KB).  The
+    reference is held by the dataset for the whole run, so a restart finds it."""
+    if cfg.compute.max_actor_restarts <= 0 or "actor-args" in _EXPLAINED:
+        return
+    _EXPLAINED.add("actor-args")
+    log.info("Ray logs an ERROR that the actor pool 'has constructor arguments in the object store and "
+             "max_restarts > 0': Ray Data passes every actor its code by object reference, which this run holds "
+             "until it ends, so restarts (compute.max_actor_restarts=%d) find it; nothing to do (Ray issue 53727)",
+             cfg.compute.max_actor_restarts)
+
+
 def build_dataset(cfg: JobConfig, shards: list[Shard], generation: GenerationSettings | None = None,
                   embedded: bool = False):
     """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA, then the input's Hive
@@ -282,6 +302,7 @@ def build_dataset(cfg: JobConfig, shards: list[Shard], generation: GenerationSet
     from ray.data import TaskPoolStrategy
 
     _quiet_ray_data_console()
+    explain_actor_args_error(cfg)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
     ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
@@ -521,8 +542,12 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
     try:
         from ray.exceptions import RayActorError
 
-        if not isinstance(e, RayActorError) or "creation task" in str(e):
+        died = _raised_from(e, RayActorError)  # Ray Data may raise it from another error
+        # an exception in the constructor (a model that does not load) carries its cause; a
+        # process killed while it restarts (in its constructor again) is a death like another
+        if died is None or getattr(died, "actor_init_failed", False):
             return None
+        e = died
         from ray._private import state
 
         since_ms = started.timestamp() * 1000 - 1000
@@ -533,7 +558,8 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
     c = cfg.compute
     restarts = sum(a.get("NumRestarts") or 0 for a in pool)
     if any(a.get("State") == "DEAD" and (a.get("NumRestarts") or 0) >= c.max_actor_restarts for a in pool):
-        return (f"the actor pool ran out of restarts: an actor died {c.max_actor_restarts + 1} times, and "
+        times = c.max_actor_restarts + 1
+        return (f"the actor pool ran out of restarts: an actor died {times} time{'s' if times > 1 else ''}, and "
                 f"compute.max_actor_restarts={c.max_actor_restarts} allows {c.max_actor_restarts} restarts "
                 f"({type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a "
                 "failing node: find it in Ray's logs, then rerun to resume")
@@ -542,6 +568,17 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
                 f"kept dying ({restarts} actor restarts so far, compute.max_actor_restarts={c.max_actor_restarts}; "
                 f"{type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a failing "
                 "node: find it in Ray's logs, then rerun to resume")
+    return None
+
+
+def _raised_from(e: BaseException | None, kind: type) -> BaseException | None:
+    """``e`` or the first exception of kind ``kind`` it was raised from (its cause or context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        e = e.__cause__ or e.__context__
     return None
 
 
