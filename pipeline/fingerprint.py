@@ -16,7 +16,8 @@ committed shard and compared when a run resumes (see pipeline.output).
   (:func:`method_fields`, from the method table); under greedy decoding, no sampling
   setting (:data:`SAMPLING_ONLY`: a new seed does not refuse a resume); stop strings,
   suppressed tokens, bad words and EOS ids as sets (a reordered stop list is the same);
-  an ``input.format`` that names what ``auto`` takes for every file counts as ``auto``;
+  an ``input.format`` that names what ``auto`` takes for every file counts as ``auto``
+  (``format_is_auto``, which :func:`pipeline.run.run_identity` works out from the shards);
 - the identity of each model's files (:func:`model_files`): the SHA-256 of each file's
   whole content (config, generation config, tokenizer and chat-template files, remote
   code, weights), so a checkpoint edited in place (a tensor changed, same size and
@@ -63,7 +64,7 @@ _IGNORED_PREFIXES = (".", "LICENSE", "NOTICE", "README", "USE_POLICY")
 _CHUNK = 8 * 2**20  # bytes read at a time when hashing
 
 
-def config_identity(cfg: Any, generation: Any = None, shards: Any = None) -> dict[str, Any]:
+def config_identity(cfg: Any, generation: Any = None, format_is_auto: bool = False) -> dict[str, Any]:
     """What the outputs of a run with this :class:`pipeline.config.JobConfig` depend on (plain data).
 
     Args:
@@ -71,8 +72,8 @@ def config_identity(cfg: Any, generation: Any = None, shards: Any = None) -> dic
             checkpoint's defaults filled in): when they decode greedily, the sampling
             settings (:data:`SAMPLING_ONLY`) are left out; ``None``: only when the config
             itself sets ``do_sample: false``.
-        shards: the run's :class:`pipeline.read.Shard` list: an ``input.format`` that names
-            the format ``auto`` would take for every one of them counts as ``auto``.
+        format_is_auto: ``input.format`` names the format ``auto`` takes for every file of
+            the run (:func:`pipeline.run.run_identity` tells): it counts as ``auto``.
     """
     resolved = cfg.resolved()
     ident: dict[str, Any] = {sec: _drop_none(resolved[sec]) for sec in OUTPUT_SECTIONS}
@@ -81,7 +82,7 @@ def config_identity(cfg: Any, generation: Any = None, shards: Any = None) -> dic
     ident["method"] = _method_identity(ident["method"])
     greedy = (generation.do_sample is False) if generation is not None else cfg.generation.do_sample is False
     ident["generation"] = _generation_identity(ident["generation"], greedy)
-    if ident["input"]["format"] != "auto" and shards and _auto_reads_the_same(cfg, shards):
+    if format_is_auto:
         ident["input"]["format"] = "auto"
     if not cfg.uses_drafter:
         ident["models"].pop("drafter", None)
@@ -137,14 +138,6 @@ def _generation_identity(section: dict[str, Any], greedy: bool) -> dict[str, Any
             out[k] = sorted({json.dumps(x, sort_keys=True): x for x in v}.items())
             out[k] = [x for _, x in out[k]]
     return out
-
-
-def _auto_reads_the_same(cfg: Any, shards: Any) -> bool:
-    """Whether ``input.format: auto`` would read every shard in the format it is read in."""
-    from pipeline.read import file_kind
-
-    auto = cfg.input.model_copy(update={"format": "auto"})
-    return all(file_kind(s.url, auto)[0] == s.format for s in shards)
 
 
 def config_fingerprint(identity: dict[str, Any]) -> str:

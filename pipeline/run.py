@@ -107,7 +107,7 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     generation = check_generation(cfg)  # models, the template rendered once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry)
-    identity = config_identity(cfg, generation, shards)  # greedy: no sampling settings; format as auto reads it
+    identity = run_identity(cfg, generation, shards)
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
     writer.extra_columns = partition_keys(shards)
     try:
@@ -116,6 +116,18 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
         writer.abandon_lease() if isinstance(e, StorageError) else writer.release_lease()
         raise
     return shards, writer, generation
+
+
+def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Shard]) -> dict[str, Any]:
+    """:func:`pipeline.fingerprint.config_identity` of a run: with its resolved generation
+    settings (greedy: no sampling settings), and ``input.format`` counted as ``auto`` when
+    ``auto`` reads every shard in that format."""
+    from pipeline.read import file_kind
+
+    auto = cfg.input.model_copy(update={"format": "auto"})
+    as_auto = cfg.input.format != "auto" and bool(shards) and all(
+        file_kind(s.url, auto)[0] == s.format for s in shards)
+    return config_identity(cfg, generation, format_is_auto=as_auto)
 
 
 def init_ray(cfg: JobConfig) -> bool:

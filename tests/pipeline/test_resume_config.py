@@ -287,8 +287,9 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
 def _run_identity(cfg):
     """The identity the job's preflight records: with the resolved generation settings and the shards."""
     from pipeline.processor import check_generation
+    from pipeline.run import run_identity
 
-    return config_identity(cfg, check_generation(cfg), resolve_shards(cfg.input))
+    return run_identity(cfg, check_generation(cfg), resolve_shards(cfg.input))
 
 
 def _commit_as_run(cfg):
