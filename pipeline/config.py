@@ -22,7 +22,8 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
     ray:        address (optional; default: the cluster of RAY_ADDRESS, else an embedded one)
     serve:      host, port, num_replicas, gpus_per_replica, cpus_per_replica, max_batch_size,
                 max_ongoing_requests, model_name, chat_template, max_request_bytes, max_tokens_cap,
-                max_rows_per_request, api_key (the online server, jobs/serve.py)
+                max_rows_per_request, max_stop_strings, max_stop_string_chars, max_bad_words,
+                max_bad_word_tokens, api_key (the online server, jobs/serve.py)
 
 Every section refuses unknown keys and bad values; :class:`ConfigError` names the
 offending key as a dotted path (``generation.temperature``).  Method parameters are a
@@ -184,8 +185,10 @@ class ModelsConfig(_Section):
 
 class MethodConfig(BaseModel):
     """How to speculate: ``name`` (a method of the table :data:`pipeline.engine.METHODS`)
-    plus any :class:`pipeline.engine.SpeculationSettings` field (named as in transformers); a
-    parameter of another method is refused, naming its method."""
+    plus any :class:`pipeline.engine.SpeculationSettings` field (named as in transformers).
+    A config may keep the settings of other methods (``draft_vocab_size`` of ``eagle`` under
+    ``--method plain``): they are checked, but the engine gets only the method's own
+    (:meth:`speculation_settings`), and they are no part of the resume fingerprint."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -207,6 +210,15 @@ class MethodConfig(BaseModel):
                 raise ValueError(f"unknown key method.{key}; method parameters are: {', '.join(sorted(allowed))}")
         try:
             self.speculation_settings()
+            foreign = {k: v for k, v in self.params.items() if k in foreign_method_params(self.name)}
+            for name, spec in METHODS.items():  # another method's settings kept here: their values still checked
+                theirs = {k: v for k, v in foreign.items() if k in spec.params}
+                if theirs:
+                    try:
+                        SpeculationSettings(method=name, **theirs).validate()
+                    except ValueError as e:
+                        if "must be set for method" not in str(e):
+                            raise
         except ValueError as e:
             raise ValueError(f"bad method parameter: {e}") from None
         return self
@@ -216,7 +228,22 @@ class MethodConfig(BaseModel):
         return dict(self.model_extra or {})
 
     def speculation_settings(self) -> SpeculationSettings:
-        return SpeculationSettings(method=self.name, **self.params).validate()
+        """The engine's settings: the method's own parameters (a parameter only other
+        methods take, :attr:`MethodSpec.params <pipeline.engine.methods.MethodSpec>`, is
+        left out); raises ValueError naming a bad value."""
+        return SpeculationSettings(method=self.name, **self.own_params()).validate()
+
+    def own_params(self) -> dict[str, Any]:
+        """:attr:`params` less those that only other methods of the table take."""
+        return {k: v for k, v in self.params.items() if k not in foreign_method_params(self.name)}
+
+
+def foreign_method_params(method: str) -> frozenset[str]:
+    """SpeculationSettings fields that belong to other methods of the table and not to
+    ``method`` (from each :class:`~pipeline.engine.methods.MethodSpec`'s ``params``)."""
+    spec = METHODS.get(method)
+    own = set(spec.params) if spec is not None else set()
+    return frozenset(p for m in METHODS.values() for p in m.params if p not in own)
 
 
 def _dataclass_fields(cls) -> dict[str, Any]:
@@ -438,6 +465,15 @@ class ServeConfig(_Section):
     max_tokens_cap: int | None = Field(None, ge=1)
     #: the most rows (prompts x ``n``) one request may ask for
     max_rows_per_request: int = Field(64, ge=1)
+    #: the most stop strings (``stop``) one request may send (each is searched for after
+    #: every committed token, so one request could slow every row in flight)
+    max_stop_strings: int = Field(16, ge=1)
+    #: the most characters in one stop string
+    max_stop_string_chars: int = Field(256, ge=1)
+    #: the most token sequences in one request's ``bad_words_ids`` (each is matched at every step)
+    max_bad_words: int = Field(256, ge=1)
+    #: the most tokens in one ``bad_words_ids`` sequence
+    max_bad_word_tokens: int = Field(16, ge=1)
     #: when set (or ``SPECBATCH_API_KEY`` in the environment, or ``jobs/serve.py --api-key``),
     #: every ``/v1/`` request must send ``Authorization: Bearer <key>`` (401 in OpenAI's shape
     #: otherwise, as vLLM's ``--api-key``); ``/health`` stays open; printed configs show ``***``

@@ -11,7 +11,13 @@ committed shard and compared when a run resumes (see pipeline.output).
   value is None (unset) are left out, so a field added later with a None default does
   not change the fingerprint of older outputs; the drafter is left out when the method
   does not use it, and so is a local model's path (its files identify it: the same
-  checkpoint moved, or named by another relative path, is the same model);
+  checkpoint moved, or named by another relative path, is the same model).  No more than
+  decides the output: of ``method:``, only the settings the method reads
+  (:func:`method_fields`, from the method table); under greedy decoding, no sampling
+  setting (:data:`SAMPLING_ONLY`: a new seed does not refuse a resume); stop strings,
+  suppressed tokens, bad words and EOS ids as sets (a reordered stop list is the same);
+  an ``input.format`` that names what ``auto`` takes for every file counts as ``auto``
+  (``format_is_auto``, which :func:`pipeline.run.run_identity` works out from the shards);
 - the identity of each model's files (:func:`model_files`): the SHA-256 of each file's
   whole content (config, generation config, tokenizer and chat-template files, remote
   code, weights), so a checkpoint edited in place (a tensor changed, same size and
@@ -47,8 +53,10 @@ log = logging.getLogger("specbatch")
 OUTPUT_SECTIONS = ("models", "method", "generation", "task")
 #: ``input:`` settings that change a row's prompt or id
 INPUT_KEYS = ("format", "id_column", "text_column")
-#: the version of the identity's rules (2: input settings and whole-file model hashes)
-SCHEME = 2
+#: the version of the identity's rules (2: input settings and whole-file model hashes; 3: only
+#: the settings the method and the decoding mode read, sets in canonical order, the format
+#: ``auto`` takes counted as ``auto``)
+SCHEME = 3
 
 #: files of a model directory that do not change outputs
 _IGNORED_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".txt.bak")
@@ -56,12 +64,26 @@ _IGNORED_PREFIXES = (".", "LICENSE", "NOTICE", "README", "USE_POLICY")
 _CHUNK = 8 * 2**20  # bytes read at a time when hashing
 
 
-def config_identity(cfg: Any) -> dict[str, Any]:
-    """What the outputs of a run with this :class:`pipeline.config.JobConfig` depend on (plain data)."""
+def config_identity(cfg: Any, generation: Any = None, format_is_auto: bool = False) -> dict[str, Any]:
+    """What the outputs of a run with this :class:`pipeline.config.JobConfig` depend on (plain data).
+
+    Args:
+        generation: the resolved :class:`pipeline.engine.GenerationSettings` of the run (the
+            checkpoint's defaults filled in): when they decode greedily, the sampling
+            settings (:data:`SAMPLING_ONLY`) are left out; ``None``: only when the config
+            itself sets ``do_sample: false``.
+        format_is_auto: ``input.format`` names the format ``auto`` takes for every file of
+            the run (:func:`pipeline.run.run_identity` tells): it counts as ``auto``.
+    """
     resolved = cfg.resolved()
     ident: dict[str, Any] = {sec: _drop_none(resolved[sec]) for sec in OUTPUT_SECTIONS}
     ident["input"] = {k: resolved["input"][k] for k in INPUT_KEYS}
     ident["scheme"] = SCHEME
+    ident["method"] = _method_identity(ident["method"])
+    greedy = (generation.do_sample is False) if generation is not None else cfg.generation.do_sample is False
+    ident["generation"] = _generation_identity(ident["generation"], greedy)
+    if format_is_auto:
+        ident["input"]["format"] = "auto"
     if not cfg.uses_drafter:
         ident["models"].pop("drafter", None)
     ident["model_files"] = {"target": model_files(cfg.models.target)}
@@ -71,6 +93,51 @@ def config_identity(cfg: Any) -> dict[str, Any]:
         if "hub_id" not in files:  # a local model is its files, wherever they lie
             ident["models"].pop(key, None)
     return ident
+
+
+#: generation settings that only sampling reads (greedy decoding is the argmax whatever they are)
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "seed")
+#: generation settings that are sets: their order (and repeats) change nothing
+_SETS = ("stop_strings", "suppress_tokens", "bad_words_ids", "eos_token_id")
+
+
+def method_fields(name: str) -> frozenset[str]:
+    """The SpeculationSettings fields method ``name`` reads, from its
+    :class:`~pipeline.engine.methods.MethodSpec`: its draft length, its ``params``, the
+    schedule of an adaptive method, the ensemble weight of one with draft logits."""
+    from pipeline.engine import METHODS
+    from pipeline.engine.methods import SCHEDULE_FIELD
+
+    spec = METHODS.get(name)
+    if spec is None:
+        return frozenset()
+    used = set(spec.params)
+    if spec.draft_length:
+        used.add(spec.draft_length)
+    if spec.adaptive:
+        used.add(SCHEDULE_FIELD)
+    if spec.draft_logits:
+        used.add("assistant_ensemble_weight")
+    return frozenset(used)
+
+
+def _method_identity(section: dict[str, Any]) -> dict[str, Any]:
+    """The method section less the settings the method does not read (another method's,
+    kept in the config)."""
+    used = method_fields(section.get("name"))
+    return {k: v for k, v in section.items() if k == "name" or k in used}
+
+
+def _generation_identity(section: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    """The generation section with its set-valued settings in a canonical order, less the
+    sampling settings when decoding is greedy."""
+    out = {k: v for k, v in section.items() if not (greedy and k in SAMPLING_ONLY)}
+    for k in _SETS:
+        v = out.get(k)
+        if isinstance(v, list):
+            out[k] = sorted({json.dumps(x, sort_keys=True): x for x in v}.items())
+            out[k] = [x for _, x in out[k]]
+    return out
 
 
 def config_fingerprint(identity: dict[str, Any]) -> str:

@@ -21,6 +21,8 @@ class ModelError(JobRefused):
 
 
 GGUF_MAGIC = b"GGUF"
+#: weight files that are pickles (``pytorch_model.bin``, ``*.pt``...): loading one can run code, so they are refused
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def model_ref(path: str, gguf_file: str | None = None) -> str:
@@ -124,10 +126,13 @@ def check_causal_lm(config, path: str, key: str, trust_remote_code: bool = False
 
 def check_weight_files(path: str, key: str) -> None:
     """Open the header of every safetensors file of a local model (no weights are read) and
-    check that a sharded checkpoint's index names files that exist.
+    check that a sharded checkpoint's index names files that exist.  A local model whose
+    weights are only pickles (``pytorch_model.bin``, :data:`PICKLE_WEIGHT_SUFFIXES`) is refused
+    here, in the driver, before Ray starts (transformers would refuse it only in the actor).
 
     Raises:
-        ModelError: naming ``key`` and the file: a truncated or corrupt header, a missing shard.
+        ModelError: naming ``key`` and the file: a truncated or corrupt header, a missing
+            shard, or weights only as pickles.
     """
     import glob
     import json
@@ -146,7 +151,16 @@ def check_weight_files(path: str, key: str) -> None:
         missing = sorted(s for s in shards if not os.path.isfile(os.path.join(d, s)))
         if missing:
             raise ModelError(f"{key}: {path!r} lacks weight files its index names: {', '.join(missing[:5])}")
-    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+    weights = sorted(glob.glob(os.path.join(d, "*.safetensors")))
+    if not weights:
+        pickles = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "*"))
+                         if p.endswith(PICKLE_WEIGHT_SUFFIXES) and os.path.isfile(p))
+        if pickles:
+            raise ModelError(f"{key}: {path!r} holds its weights only as {', '.join(pickles[:3])}"
+                             f"{' ...' if len(pickles) > 3 else ''}, a pickle (loading one can run code), which "
+                             "the job does not load: use a checkpoint with safetensors weights (model.safetensors), "
+                             "or convert it with transformers (from_pretrained(...).save_pretrained(folder))")
+    for f in weights:
         try:
             with safe_open(f, framework="pt") as h:
                 h.keys()

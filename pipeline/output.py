@@ -75,15 +75,15 @@ STAGING = "_staging"
 MANIFEST = "_manifest"
 PENDING = "pending"  # under _manifest/
 #: names of data files the job writes; a foreign file with such a name is always refused
-DATA_FILE = re.compile(r"^part-\d{5,}(-\d{5,})?\.parquet$")
+DATA_FILE = re.compile(r"^part-\d{5,}(-\d{5,})?\.parquet$", re.ASCII)  # ASCII digits only, here and below
 #: a manifest entry, ``_manifest/<name>``, and a publish intent, ``_manifest/pending/<name>``
-ENTRY_FILE = re.compile(r"part-(\d{5,})\.json")
-INTENT_FILE = re.compile(r"part-(\d{5,})\.([A-Za-z0-9_-]+)\.json")
+ENTRY_FILE = re.compile(r"part-(\d{5,})\.json", re.ASCII)
+INTENT_FILE = re.compile(r"part-(\d{5,})\.([A-Za-z0-9_-]+)\.json", re.ASCII)
 #: what a run stages, ``_staging/<this>``: its shards' files, manifest entries, write probe
-STAGED_FILE = re.compile(r"[A-Za-z0-9_-]+/(part-\d{5,}/\d{5,}\.parquet|part-\d{5,}\.parquet\.json|\.probe)")
+STAGED_FILE = re.compile(r"[A-Za-z0-9_-]+/(part-\d{5,}/\d{5,}\.parquet|part-\d{5,}\.parquet\.json|\.probe)", re.ASCII)
 #: the temporary name a small file of the job is written under before its rename
 #: (:meth:`OutputLocation.put_atomic`): ``.<name>.<32 hex digits>.tmp`` beside it
-TEMP_FILE = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp")
+TEMP_FILE = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp", re.ASCII)
 
 
 def temp_name(path: str) -> str:

@@ -68,12 +68,56 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
-    """Ids of the tokenizer's special (control) tokens: its added tokens marked special and
-    its named special tokens (BOS, EOS, ``<|im_start|>``...)."""
+    """Ids of the tokenizer's control tokens, which user text never produces: its named
+    special tokens (BOS, EOS, ``<|im_start|>``...) and every added token, marked special or
+    not (Gemma 3's ``<start_of_image>`` is an added token not marked special), but for added
+    tokens that are only whitespace (Gemma's runs of newlines and tabs: the ordinary
+    tokens of such text)."""
+    return frozenset(_special_ids(tokenizer)) | frozenset(added_text_tokens(tokenizer))
+
+
+def _special_ids(tokenizer) -> set[int]:
     ids = {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
            if getattr(t, "special", False)}
     ids.update(i for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None)
-    return frozenset(ids)
+    return ids
+
+
+def added_text_tokens(tokenizer) -> dict[int, str]:
+    """``id -> string`` of the tokenizer's added tokens that are not marked special (and not
+    whitespace only): control tokens that ``split_special_tokens`` does not split (see
+    :func:`_as_text_ids`)."""
+    special = _special_ids(tokenizer)
+    return {i: t.content for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+            if not getattr(t, "special", False) and i not in special and str(t.content).strip()}
+
+
+def _as_text_ids(tokenizer, text: str, added: dict[int, str]) -> list[int]:
+    """``text`` tokenized with every control-token string in it as ordinary tokens: special
+    ones by ``split_special_tokens``, added ones not marked special (which the tokenizer
+    always matches) as the tokens of their first character, then of the rest.
+
+    Raises:
+        PromptError: such a string cannot be spelled with ordinary tokens (its pieces do not
+            decode back to it).
+    """
+    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    if not any(i in added for i in ids):
+        return ids
+    out: list[int] = []
+    for i in ids:
+        content = added.get(i)
+        if content is None:
+            out.append(i)
+            continue
+        spelled = (list(tokenizer(content[:1], add_special_tokens=False, split_special_tokens=True)["input_ids"])
+                   + _as_text_ids(tokenizer, content[1:], added) if len(content) > 1 else [])
+        if not spelled or any(j in added for j in spelled) \
+                or tokenizer.decode(spelled, skip_special_tokens=False) != content:
+            raise PromptError(f"the text holds the control-token string {content!r}, which this tokenizer cannot "
+                              "spell with ordinary tokens, so it cannot be kept as plain text")
+        out += spelled
+    return out
 
 
 def encode_protected(tokenizer, render: Callable[[Sequence[str]], str], pieces: Sequence[str], *,
@@ -117,9 +161,12 @@ def encode_protected(tokenizer, render: Callable[[Sequence[str]], str], pieces: 
     if not _special_in_spans(tokenizer, prompt, add_special_tokens, special, spans):
         return prompt, ids
     out: list[int] = []
+    added = added_text_tokens(tokenizer) if special & set(ids) - _special_ids(tokenizer) else {}
     for text, user in segments:
-        if text:
-            out += tokenizer(text, add_special_tokens=False, split_special_tokens=user)["input_ids"]
+        if text and user:
+            out += _as_text_ids(tokenizer, text, added)
+        elif text:
+            out += tokenizer(text, add_special_tokens=False)["input_ids"]
     if add_special_tokens:
         prefix, suffix = _added_special(tokenizer)
         out = prefix + out + suffix
@@ -239,6 +286,38 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
 
 #: the text :func:`check_prompt` renders the template with
 SAMPLE_TEXT = "A sample sentence to check the prompt template."
+#: the longest :func:`check_prompt` lets one sample prompt render (seconds): a chat template
+#: that loops without bound (Jinja's sandbox bounds one ``range`` but not nested ones) is refused
+RENDER_TIMEOUT_S = 10.0
+#: the longest sample prompt :func:`check_prompt` accepts (characters)
+MAX_SAMPLE_PROMPT_CHARS = 1_000_000
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+def _bounded(fn, timeout_s: float):
+    """``fn()``, interrupted after ``timeout_s`` seconds (SIGALRM; in the main thread only,
+    elsewhere unbounded) with :class:`_RenderTimeout`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return fn()
+
+    def on_alarm(signum, frame):
+        raise _RenderTimeout(f"rendering took more than {timeout_s:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if old_timer[0]:
+            signal.setitimer(signal.ITIMER_REAL, *old_timer)
 
 
 def check_prompt(tokenizer, task: TaskConfig) -> str:
@@ -246,20 +325,36 @@ def check_prompt(tokenizer, task: TaskConfig) -> str:
     chat template, system prompt), so a template that fails fails the job before any model
     loads, instead of every row after.  Returns the rendered sample prompt.
 
+    The rendering is bounded: :data:`RENDER_TIMEOUT_S` seconds (in the main thread) and
+    :data:`MAX_SAMPLE_PROMPT_CHARS` characters.
+
     Raises:
         ConfigError: naming the task keys involved (``task.chat_template``,
-            ``task.system_prompt``, ``task.prompt_template``) and the template's error.
+            ``task.system_prompt``, ``task.prompt_template``) and the template's error, or
+            the bound it ran past.
     """
     builder = PromptBuilder(tokenizer, task)
+    keys = ["task.prompt_template"]
+    if builder.use_chat:
+        keys = ["task.chat_template (the target tokenizer's chat template)"]
+        if task.system_prompt:
+            keys.append("task.system_prompt")
     try:
+        rendered = _bounded(lambda: builder.render(SAMPLE_TEXT), RENDER_TIMEOUT_S)
+        if len(rendered) > MAX_SAMPLE_PROMPT_CHARS:
+            raise ConfigError(f"{' and '.join(keys)} render one sample prompt as {len(rendered)} characters (more "
+                              f"than {MAX_SAMPLE_PROMPT_CHARS}): a template that repeats without bound?")
         prompt, ids = builder.build(SAMPLE_TEXT)
+    except ConfigError:
+        raise
+    except _RenderTimeout:
+        raise ConfigError(f"{' and '.join(keys)} did not render one sample prompt in {RENDER_TIMEOUT_S:g} s: a "
+                          "template that loops without bound?") from None
     except Exception as e:  # noqa: BLE001 - jinja errors, a template raising on a role, ...
-        keys = ["task.prompt_template"]
-        if builder.use_chat:
-            keys = ["task.chat_template (the target tokenizer's chat template)"]
-            if task.system_prompt:
-                keys.append("task.system_prompt")
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "_RenderTimeout" in detail:  # wrapped by render_chat
+            raise ConfigError(f"{' and '.join(keys)} did not render one sample prompt in {RENDER_TIMEOUT_S:g} s: "
+                              "a template that loops without bound?") from None
         raise ConfigError(f"the prompt cannot be rendered with {' and '.join(keys)}: {type(e).__name__}: {detail}") from None
     if not ids:
         raise ConfigError("the prompt template renders to no tokens (task.prompt_template)")

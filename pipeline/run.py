@@ -107,7 +107,7 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     generation = check_generation(cfg)  # models, the template rendered once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry)
-    identity = config_identity(cfg)
+    identity = run_identity(cfg, generation, shards)
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
     writer.extra_columns = partition_keys(shards)
     try:
@@ -118,12 +118,25 @@ def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSett
     return shards, writer, generation
 
 
+def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Shard]) -> dict[str, Any]:
+    """:func:`pipeline.fingerprint.config_identity` of a run: with its resolved generation
+    settings (greedy: no sampling settings), and ``input.format`` counted as ``auto`` when
+    ``auto`` reads every shard in that format."""
+    from pipeline.read import file_kind
+
+    auto = cfg.input.model_copy(update={"format": "auto"})
+    as_auto = cfg.input.format != "auto" and bool(shards) and all(
+        file_kind(s.url, auto)[0] == s.format for s in shards)
+    return config_identity(cfg, generation, format_is_auto=as_auto)
+
+
 def init_ray(cfg: JobConfig) -> bool:
     """Join a cluster (``ray.address`` or ``RAY_ADDRESS``, as under ``ray job submit``) or
     start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks).
 
     ``ray.init`` replaces the process's SIGTERM handler (with one that exits at once); the
-    handler the caller had installed is put back (see pipeline.cli: interrupts).
+    handler the caller had installed stays in place while Ray starts (:func:`_sigterm_kept`)
+    and is put back after (see pipeline.cli: interrupts).
 
     Returns:
         True when this call started an embedded Ray (its resources are all there will be).
@@ -137,7 +150,8 @@ def init_ray(cfg: JobConfig) -> bool:
     previous = signal.getsignal(signal.SIGTERM) if on_main else None
     try:
         if address:
-            ray.init(address=address, log_to_driver=True)
+            with _sigterm_kept(previous):
+                ray.init(address=address, log_to_driver=True)
             return False
         # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
         root = str(REPO_ROOT)
@@ -149,11 +163,58 @@ def init_ray(cfg: JobConfig) -> bool:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_TokenAuthDefault())
         # Actors' own output (a traceback when one dies loading a model, once per restart)
         # goes to Ray's log files, not the job's console: the job reports failures itself.
-        ray.init(include_dashboard=False, log_to_driver=False)
+        with _sigterm_kept(previous):
+            ray.init(include_dashboard=False, log_to_driver=False)
         return True
     finally:
         if on_main and callable(previous):
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_kept(handler) -> Iterator[None]:
+    """While Ray starts, the caller's SIGTERM handler (``handler``, when it is one: the job's,
+    pipeline.cli) stays the process's, in place of the ones ``ray.init`` installs (Ray's
+    driver handler exits with status 15 and no line; its embedded node's drains for up to
+    30 s first).  A SIGTERM that comes while ``ray.init`` runs is held until it returns (an
+    exception raised inside it, in the middle of an import or of starting the node, would
+    leave half a Ray behind to fail at exit), then given to ``handler``: the job stops as at
+    any other time, one line and exit 143.  A second SIGTERM meanwhile is given at once.
+    With no handler of the caller's (a library user), Ray's are installed as usual."""
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if held:
+            handler(signum, frame)
+        held.append(signum)
+
+    def keep(sigterm_handler) -> None:
+        log.debug("Ray's SIGTERM handler not installed: the job's stays")
+
+    import ray._private.ray_constants as ray_constants
+
+    if original is not None:  # (another Ray version: its handlers are replaced afterwards, by init_ray)
+        ray_utils.set_sigterm_handler = keep
+    # the driver's C++ core worker would install its failure-signal handler for SIGTERM too
+    # (it prints "*** SIGTERM received ***" and aborts, exit -6); Ray's processes keep theirs
+    no_cpp_handler = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    signal.signal(signal.SIGTERM, hold)
+    try:
+        yield
+    finally:
+        if original is not None:
+            ray_utils.set_sigterm_handler = original
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = no_cpp_handler
+        signal.signal(signal.SIGTERM, handler)
+        if held:
+            handler(held[0], None)
 
 
 class _TokenAuthDefault(logging.Filter):
@@ -225,6 +286,26 @@ def _quiet_ray_data_console() -> None:
             handler.addFilter(_QuietRayData())
 
 
+_EXPLAINED: set[str] = set()
+
+
+def explain_actor_args_error(cfg: JobConfig) -> None:
+    """Say once, in one INFO line, what Ray's ``ERROR ... has constructor arguments in the
+    object store and max_restarts > 0`` means (ray-project/ray#53727, #57733).  Ray's driver
+    logs it (from C++, to stderr: no logging filter reaches it) for every actor pool with
+    restarts: Ray Data always hands each actor its code and constructor arguments by object
+    reference (``ray.put`` of the map transformer), whatever their size, so it cannot be
+    avoided by passing less (the job passes the config as plain data, a few KB).  The
+    reference is held by the dataset for the whole run, so a restart finds it."""
+    if cfg.compute.max_actor_restarts <= 0 or "actor-args" in _EXPLAINED:
+        return
+    _EXPLAINED.add("actor-args")
+    log.info("Ray logs an ERROR that the actor pool 'has constructor arguments in the object store and "
+             "max_restarts > 0': Ray Data passes every actor its code by object reference, which this run holds "
+             "until it ends, so restarts (compute.max_actor_restarts=%d) find it; nothing to do (Ray issue 53727)",
+             cfg.compute.max_actor_restarts)
+
+
 def build_dataset(cfg: JobConfig, shards: list[Shard], generation: GenerationSettings | None = None,
                   embedded: bool = False):
     """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA, then the input's Hive
@@ -233,6 +314,7 @@ def build_dataset(cfg: JobConfig, shards: list[Shard], generation: GenerationSet
     from ray.data import TaskPoolStrategy
 
     _quiet_ray_data_console()
+    explain_actor_args_error(cfg)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
     ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
@@ -472,8 +554,12 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
     try:
         from ray.exceptions import RayActorError
 
-        if not isinstance(e, RayActorError) or "creation task" in str(e):
+        died = _raised_from(e, RayActorError)  # Ray Data may raise it from another error
+        # an exception in the constructor (a model that does not load) carries its cause; a
+        # process killed while it restarts (in its constructor again) is a death like another
+        if died is None or getattr(died, "actor_init_failed", False):
             return None
+        e = died
         from ray._private import state
 
         since_ms = started.timestamp() * 1000 - 1000
@@ -484,7 +570,8 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
     c = cfg.compute
     restarts = sum(a.get("NumRestarts") or 0 for a in pool)
     if any(a.get("State") == "DEAD" and (a.get("NumRestarts") or 0) >= c.max_actor_restarts for a in pool):
-        return (f"the actor pool ran out of restarts: an actor died {c.max_actor_restarts + 1} times, and "
+        times = c.max_actor_restarts + 1
+        return (f"the actor pool ran out of restarts: an actor died {times} time{'s' if times > 1 else ''}, and "
                 f"compute.max_actor_restarts={c.max_actor_restarts} allows {c.max_actor_restarts} restarts "
                 f"({type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a "
                 "failing node: find it in Ray's logs, then rerun to resume")
@@ -493,6 +580,17 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
                 f"kept dying ({restarts} actor restarts so far, compute.max_actor_restarts={c.max_actor_restarts}; "
                 f"{type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a failing "
                 "node: find it in Ray's logs, then rerun to resume")
+    return None
+
+
+def _raised_from(e: BaseException | None, kind: type) -> BaseException | None:
+    """``e`` or the first exception of kind ``kind`` it was raised from (its cause or context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        e = e.__cause__ or e.__context__
     return None
 
 

@@ -21,6 +21,8 @@ import threading
 from collections import deque
 from typing import Callable
 
+import torch
+
 from .batch import PER_ROW_FIELDS, RowState
 from .settings import GenerationSettings, resolve_generation_settings
 from .stats import GenerationResult, RowStats
@@ -55,8 +57,12 @@ class Scheduler:
         max_batch_size: slots (default: the engine's ``max_batch_size``).
 
     :meth:`submit` is thread-safe; :meth:`step` must be called from one thread at a time.
+    The constructor and :meth:`step` run under ``torch.inference_mode()`` themselves, so a
+    scheduler works whether or not its caller is in inference mode (the engine's caches
+    may be inference tensors made by an earlier :meth:`SpeculativeEngine.generate_batch`).
     """
 
+    @torch.inference_mode()
     def __init__(self, engine, max_batch_size: int | None = None):
         self.engine = engine
         size = max_batch_size or engine.max_batch_size
@@ -117,6 +123,7 @@ class Scheduler:
     def in_flight(self) -> int:
         return len(self._active)
 
+    @torch.inference_mode()
     def step(self) -> list[tuple[int, GenerationResult]]:
         """Admit waiting rows into free slots, run one step for every row in flight, and
         return the ``(ticket, result)`` of the rows that finished (or could not run)."""

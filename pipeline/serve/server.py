@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, AsyncIterator
 
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, ServeConfig
 from pipeline.engine import METHODS, GenerationResult, GenerationSettings, RowStats
 from pipeline.engine.settings import resolve_generation_settings
 from pipeline.loading import limit_cpu_threads, load_engine, process_cpus, row_settings
@@ -34,6 +34,10 @@ from pipeline.serve.protocol import (
     usage,
 )
 from pipeline.serve.streaming import TextStream
+
+
+#: the ``serve:`` caps of one request's lists (see :class:`pipeline.config.ServeConfig`)
+REQUEST_LIMITS = ("max_stop_strings", "max_stop_string_chars", "max_bad_words", "max_bad_word_tokens")
 
 
 def _row_error(result: GenerationResult, param: str) -> APIError:
@@ -58,6 +62,8 @@ class OpenAIServer:
         info: extra fields for ``/v1/models`` (paths of the models, ...).
         max_tokens_cap: the most new tokens one choice may ask for (None: the context bounds it).
         max_rows_per_request: the most rows (prompts x ``n``) one request may ask for.
+        limits: the caps of ``stop`` and ``bad_words_ids`` (:data:`REQUEST_LIMITS`, the
+            ``serve:`` keys of the same names; default: their config defaults).
 
     Every value a request sends that reaches the engine is checked at the request
     (:mod:`pipeline.serve.protocol`, :meth:`_settings`, :meth:`_check_prompt`), and text is
@@ -67,7 +73,7 @@ class OpenAIServer:
     def __init__(self, engine, model_name: str, defaults: GenerationSettings | None = None,
                  chat_template: str | None = None, max_batch_size: int | None = None,
                  info: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
-                 max_rows_per_request: int = 64):
+                 max_rows_per_request: int = 64, limits: dict[str, int] | None = None):
         if engine.tokenizer is None:
             raise ValueError("the server needs the engine's tokenizer")
         self.engine = engine
@@ -80,6 +86,10 @@ class OpenAIServer:
         self.loop = EngineLoop(engine, max_batch_size)
         self.max_tokens_cap = max_tokens_cap
         self.max_rows_per_request = max_rows_per_request
+        unknown = set(limits or {}) - set(REQUEST_LIMITS)
+        if unknown:
+            raise ValueError(f"unknown request limits {sorted(unknown)}; known: {', '.join(REQUEST_LIMITS)}")
+        self.limits = {k: ServeConfig.model_fields[k].default for k in REQUEST_LIMITS} | dict(limits or {})
         self.special_ids = special_token_ids(self.tokenizer)
         self.info = dict(info or {})
         self.started = now()
@@ -97,7 +107,8 @@ class OpenAIServer:
                 "device": loaded.models.device, "load_time_s": round(loaded.load_time_s, 3)}
         return cls(loaded.engine, served_model_name(cfg), loaded.settings,
                    cfg.serve.chat_template_text(), max_batch, info, max_tokens_cap=cfg.serve.max_tokens_cap,
-                   max_rows_per_request=cfg.serve.max_rows_per_request)
+                   max_rows_per_request=cfg.serve.max_rows_per_request,
+                   limits={k: getattr(cfg.serve, k) for k in REQUEST_LIMITS})
 
     def close(self) -> None:
         self.loop.close()
@@ -153,14 +164,62 @@ class OpenAIServer:
             param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
             raise APIError(f"{param} is {asked}, more than this server allows per choice (serve.max_tokens_cap={cap})",
                            param=param)
+        self._check_lists(req)
         try:
             settings = resolve_generation_settings(req.generation_settings(self.defaults),
                                                    self.engine.target.generation_config, self.engine.target_vocab)
         except ValueError as e:
             raise settings_error(e) from None
+        self._check_vocabulary_left(req, settings)
         if cap is not None and settings.max_new_tokens > cap:  # the server's own default, above its cap
             settings = dataclasses.replace(settings, max_new_tokens=cap)
         return settings
+
+    def _check_lists(self, req) -> None:
+        """``stop`` and ``bad_words_ids`` within the server's caps (each is matched at every
+        step of the row, so one request could slow every row in flight)."""
+        lim = self.limits
+        stops = req.stop_list()
+        if len(stops) > lim["max_stop_strings"]:
+            raise APIError(f"stop has {len(stops)} strings, more than this server accepts "
+                           f"(serve.max_stop_strings={lim['max_stop_strings']})", param="stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > lim["max_stop_string_chars"]:
+            raise APIError(f"stop has a string of {longest} characters, more than this server accepts "
+                           f"(serve.max_stop_string_chars={lim['max_stop_string_chars']})", param="stop")
+        bad = req.bad_words_ids or []
+        if len(bad) > lim["max_bad_words"]:
+            raise APIError(f"bad_words_ids has {len(bad)} sequences, more than this server accepts "
+                           f"(serve.max_bad_words={lim['max_bad_words']})", param="bad_words_ids")
+        longest = max((len(b) for b in bad if isinstance(b, list)), default=0)
+        if longest > lim["max_bad_word_tokens"]:
+            raise APIError(f"bad_words_ids has a sequence of {longest} tokens, more than this server accepts "
+                           f"(serve.max_bad_word_tokens={lim['max_bad_word_tokens']})", param="bad_words_ids")
+
+    def _check_vocabulary_left(self, req, settings: GenerationSettings) -> None:
+        """Refuse settings that ban every token of the vocabulary at a step (400 naming the
+        field): ``suppress_tokens`` and one-token ``bad_words_ids`` together, and EOS while
+        ``min_new_tokens`` bans it.  (Nothing could be sampled, and greedy decoding would
+        pick a banned token.)"""
+        vocab = self.engine.target_vocab
+        eos = settings.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        suppressed = set(settings.suppress_tokens or [])
+        banned = suppressed | {b[0] for b in settings.bad_words_ids or [] if len(b) == 1 and b[0] not in eos}
+        if settings.min_new_tokens:
+            banned_first = banned | eos
+        else:
+            banned_first = banned
+        if len(banned_first) < vocab:
+            return
+        if len(banned) >= vocab:
+            fields = [f for f in ("suppress_tokens", "bad_words_ids") if getattr(req, f, None)]
+            param = fields[0] if fields else "suppress_tokens"
+            what = " and ".join(fields) or "the server's suppress_tokens / bad_words_ids"
+        else:
+            param, what = "min_new_tokens", "min_new_tokens (which bans EOS) with suppress_tokens / bad_words_ids"
+        raise APIError(f"{what} ban every one of the vocabulary's {vocab} tokens: nothing is left to generate",
+                       param=param)
 
     def _check_rows(self, prompts: int, n: int) -> None:
         if prompts * n > self.max_rows_per_request:

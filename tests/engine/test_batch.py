@@ -367,3 +367,22 @@ def test_scheduler_row_draft_length_and_cancel():
     for bad in (0, 5, True, 2.0):
         with pytest.raises(ValueError, match="draft_length"):
             scheduler.submit(prompts[0], settings, draft_length=bad)
+
+
+def test_a_scheduler_works_outside_inference_mode_after_generate_batch():
+    """The engine's caches, made inside ``generate_batch`` (inference mode), are reused by a
+    Scheduler of the same size that its caller drives outside inference mode: the same
+    tokens, no "Inplace update to inference tensor outside InferenceMode"."""
+    from pipeline.engine.scheduler import Scheduler
+
+    target = build("llama", seed=0)
+    engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=3),
+                               drafter=perturbed_copy(target, 0.3), max_batch_size=2, adaptive_draft_length=False)
+    settings = GenerationSettings(max_new_tokens=10)
+    prompts = [prompt_of(n, seed=n) for n in (6, 9)]
+    expected = [r.token_ids for r in engine.generate_batch(prompts, settings)]
+    assert not torch.is_inference_mode_enabled()
+    scheduler = Scheduler(engine)
+    tickets = [scheduler.submit(p, settings) for p in prompts]
+    results = scheduler.run()
+    assert [results[t].token_ids for t in tickets] == expected

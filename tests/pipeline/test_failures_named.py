@@ -173,3 +173,56 @@ def test_actors_that_keep_dying_are_one_line_saying_the_restarts_ran_out(tiny_mo
     assert "Traceback" not in r.stderr and "An exception was raised from a task" not in r.stderr
     log = said[0].split("(traceback in ", 1)[1].split(")", 1)[0]
     assert log.startswith(str(tmp_path / "state" / "specbatch" / "logs")) and "ActorDiedError" in open(log).read()
+
+
+def _job_args(tmp_path, target):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "text": TEXTS[0]}])
+    return ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--target", str(target),
+            "--method", "plain", "--max-new-tokens", "2", "--no-progress"]
+
+
+@pytest.mark.parametrize("files", [["pytorch_model.bin"], ["pytorch_model-00001-of-00002.bin",
+                                                           "pytorch_model-00002-of-00002.bin"], ["model.pt"]])
+def test_weights_only_as_pickles_are_refused_in_the_preflight_in_one_line(tiny_models, tmp_path, capsys, files):
+    """Before Ray starts (exit 2, one line naming the key and the file), not inside the actor."""
+    import shutil
+
+    import torch
+
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_models["target"], model)
+    (model / "model.safetensors").unlink()
+    for name in files:
+        torch.save({"w": torch.zeros(1)}, model / name)
+    assert main("summarize", _job_args(tmp_path, model)) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " specbatch INFO " not in ln]
+    assert len(err) == 1 and err[0].startswith("error: models.target: ") and files[0] in err[0] \
+        and "a pickle" in err[0] and "safetensors" in err[0], err
+    import ray
+
+    assert not ray.is_initialized()
+    # the same folder with safetensors weights beside the pickle is fine (they are what loads)
+    shutil.copy(os.path.join(tiny_models["target"], "model.safetensors"), model)
+    from pipeline.models import check_weight_files
+
+    check_weight_files(str(model), "models.target")
+
+
+@pytest.mark.parametrize("template, bound", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "did not render"),
+    ("{% for i in range(100000) %}{{ 'xxxxxxxxxxxxxxxxxxxx' }}{% endfor %}", "characters"),
+])
+def test_a_chat_template_that_loops_without_bound_is_refused_in_the_preflight(tiny_models, tmp_path, capsys,
+                                                                            monkeypatch, template, bound):
+    import shutil
+
+    import pipeline.prompts as prompts
+    from tiny import make_tokenizer
+
+    monkeypatch.setattr(prompts, "RENDER_TIMEOUT_S", 1.0)
+    model = tmp_path / "looping"
+    shutil.copytree(tiny_models["target"], model)
+    make_tokenizer(chat_template=template).save_pretrained(model)
+    assert main("summarize", _job_args(tmp_path, model)) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " specbatch INFO " not in ln]
+    assert len(err) == 1 and "task.chat_template" in err[0] and bound in err[0], err

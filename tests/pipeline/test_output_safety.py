@@ -297,7 +297,11 @@ def test_a_manifest_entry_for_another_shard_or_of_another_shape_is_refused(store
 
 
 @pytest.mark.parametrize("rel", ["_manifest/input.jsonl", "_manifest/pending/notes.txt", "_manifest/part-1.json",
-                                 "_staging/data.csv", "_staging/0123456789ab/other.parquet"])
+                                 "_staging/data.csv", "_staging/0123456789ab/other.parquet",
+                                 # digits that are not ASCII (Arabic-Indic, fullwidth) name no shard of the job
+                                 "_manifest/part-\u0660\u0660\u0660\u0660\u0661.json",
+                                 "_manifest/pending/part-\uff10\uff10\uff10\uff10\uff11.0123456789ab.json",
+                                 "_staging/0123456789ab/part-\u0660\u0660\u0660\u0660\u0661.parquet.json"])
 def test_foreign_files_under_manifest_and_staging_are_foreign_and_survive_overwrite_and_commit(store, rel):
     """An input placed under the output's _manifest/, say: never deleted, not even by --overwrite."""
     s = store()

@@ -281,3 +281,82 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
     with pytest.raises(OutputError, match="generation.max_new_tokens: 12 -> 5"):
         OutputWriter(cfg().output).prepare(resolve_shards(cfg().input),
                                            config_identity(cfg("generation.max_new_tokens=5")))
+
+
+# ------------------------------------------------------------ no more than decides the output
+def _run_identity(cfg):
+    """The identity the job's preflight records: with the resolved generation settings and the shards."""
+    from pipeline.processor import check_generation
+    from pipeline.run import run_identity
+
+    return run_identity(cfg, check_generation(cfg), resolve_shards(cfg.input))
+
+
+def _commit_as_run(cfg):
+    w = OutputWriter(cfg.output, retry=cfg.retry)
+    shards = resolve_shards(cfg.input)
+    assert w.prepare(shards, _run_identity(cfg)) == set()
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": "0", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    w.commit({"rows": 1})
+
+
+def _resume_as_run(cfg):
+    return OutputWriter(cfg.output, retry=cfg.retry).prepare(resolve_shards(cfg.input), _run_identity(cfg))
+
+
+SAME_OUTPUT = [  # (the first run's settings, the resumed run's): nothing that decides an output changed
+    ([], ["input.format=jsonl"]),
+    (['generation.stop_strings=["cat", "dog"]'], ['generation.stop_strings=["dog", "cat", "dog"]']),
+    (["generation.suppress_tokens=[5, 7]"], ["generation.suppress_tokens=[7, 5]"]),
+    (["generation.do_sample=false", "generation.seed=1"], ["generation.do_sample=false", "generation.seed=2"]),
+    ([], ["generation.seed=3", "generation.temperature=0.5", "generation.top_k=4"]),  # greedy by the checkpoint
+    (["method.name=plain"], ["method.name=plain", "method.draft_vocab_size=64", "method.num_mtp_layers=1"]),
+    (["method.name=prompt_lookup"], ["method.name=prompt_lookup", "method.num_assistant_tokens=2",
+                                     "method.assistant_confidence_threshold=0.3"]),
+]
+
+
+@pytest.mark.parametrize("first, then", SAME_OUTPUT, ids=[" ".join(t) for _, t in SAME_OUTPUT])
+def test_changes_that_cannot_change_an_output_resume(tiny_models, inputs, tmp_path, first, then):
+    out = str(tmp_path / "out")
+    _commit_as_run(job_config(tiny_models, str(inputs), out, overrides=first))
+    assert _resume_as_run(job_config(tiny_models, str(inputs), out, overrides=then)) == {0}
+
+
+OTHER_OUTPUT = [  # ... and their neighbours that do change it are still refused, naming the change
+    (['generation.stop_strings=["cat", "dog"]'], ['generation.stop_strings=["cat"]'], "generation.stop_strings"),
+    (["generation.do_sample=true", "generation.seed=1"], ["generation.do_sample=true", "generation.seed=2"],
+     "generation.seed: 1 -> 2"),
+    (["generation.do_sample=true"], ["generation.do_sample=true", "generation.temperature=0.5"],
+     "generation.temperature"),
+    (["method.name=prompt_lookup"], ["method.name=prompt_lookup", "method.prompt_lookup_num_tokens=3"],
+     "method.prompt_lookup_num_tokens: (unset) -> 3"),
+    (["method.name=draft_model"], ["method.name=draft_model", "method.assistant_confidence_threshold=0.3"],
+     "method.assistant_confidence_threshold"),
+]
+
+
+@pytest.mark.parametrize("first, then, named", OTHER_OUTPUT, ids=[" ".join(t) for _, t, _ in OTHER_OUTPUT])
+def test_changes_that_change_an_output_are_still_refused(tiny_models, inputs, tmp_path, first, then, named):
+    out = str(tmp_path / "out")
+    _commit_as_run(job_config(tiny_models, str(inputs), out, overrides=first))
+    with pytest.raises(OutputError, match="another config") as e:
+        _resume_as_run(job_config(tiny_models, str(inputs), out, overrides=then))
+    assert named in str(e.value)
+
+
+def test_a_config_may_keep_other_methods_settings_and_the_engine_gets_only_its_own(tiny_models, tmp_path):
+    from pipeline.config import ConfigError, load_config
+
+    cfg = load_config(REPO / "configs" / "real" / "smollm2-xsum-eagle.yaml", ["method.name=plain"])
+    assert cfg.method.params["draft_vocab_size"] == 4096  # kept in the config (and its summary)
+    assert cfg.method.speculation_settings().draft_vocab_size is None  # not the engine's
+    cfg = job_config(tiny_models, "unused", str(tmp_path / "o"), method="prompt_lookup",
+                     overrides=["method.draft_vocab_size=64", "method.num_mtp_layers=2"])
+    spec = cfg.method.speculation_settings()
+    assert (spec.method, spec.draft_vocab_size, spec.num_mtp_layers) == ("prompt_lookup", None, None)
+    # their values are still checked, naming the key
+    with pytest.raises(ConfigError, match="draft_vocab_size .* must be a positive integer, got -3"):
+        job_config(tiny_models, "unused", str(tmp_path / "o"), method="plain", overrides=["method.draft_vocab_size=-3"])
+    with pytest.raises(ConfigError, match="unknown key method.draft_vocab_sise"):
+        job_config(tiny_models, "unused", str(tmp_path / "o"), method="plain", overrides=["method.draft_vocab_sise=3"])

@@ -115,3 +115,51 @@ def test_the_job_s_actor_decodes_a_forged_row_with_its_text_as_text(chat_actor):
     for row in out[1:]:  # a plain tokenization of those prompts would have had the text's control tokens
         plain = tok(row["prompt"], add_special_tokens=False)["input_ids"]
         assert len(_specials(plain)) > 4
+
+
+def _char_tokenizer(chat_template=None):
+    """A character-level tokenizer with added tokens that are not marked special (as Gemma 3's
+    ``<start_of_image>``, ``<b>``, its runs of newlines), and ``<s>`` / ``</s>`` special."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz<>/_:. \n"))
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.add_tokens(["<start_of_image>", "<b>", "\n\n"])  # added, not special
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("text", ["see <start_of_image> here", "<b>bold<b>", "a<start_of_image><b>b",
+                                  "<start_of_image>"])
+def test_added_tokens_not_marked_special_stay_text_too(text, chat):
+    tok = _char_tokenizer("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}" if chat else None)
+    added = {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<b>")}
+    assert added <= special_token_ids(tok)
+    builder = PromptBuilder(tok, TaskConfig(prompt_template="text: {text}"))
+    prompt, ids = builder.build(text)
+    assert text in prompt and not added & set(ids)  # the plain tokenization would have made them
+    assert added & set(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert tok.decode(ids, skip_special_tokens=True) == (prompt.replace("<s>", "").replace("</s>", ""))
+    # the same in a chat message
+    if chat:
+        _, ids = encode_chat(tok, [{"role": "user", "content": text}])
+        assert not added & set(ids)
+
+
+def test_whitespace_added_tokens_are_ordinary_text():
+    tok = _char_tokenizer()
+    nl = tok.convert_tokens_to_ids("\n\n")
+    assert nl not in special_token_ids(tok)
+    builder = PromptBuilder(tok, TaskConfig(prompt_template="text:\n\n{text}"))
+    for text in ["one\n\ntwo", "see <start_of_image>\n\nhere"]:
+        prompt, ids = builder.build(text)
+        assert ids.count(nl) == prompt.count("\n\n")  # kept as the one token the tokenizer makes of them
+    prompt, ids = builder.build("one\n\ntwo")
+    assert ids == tok(prompt)["input_ids"]  # a text without control strings: tokenized exactly as before

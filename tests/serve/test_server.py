@@ -225,11 +225,13 @@ def test_replicas_scale_with_the_config_as_the_batch_actors_do():
     path = REPO / "configs" / "demo-summarize.yaml"
     cfg = load_config(path, ["compute.gpus_per_actor=1", "compute.cpus_per_actor=4"])
     assert deployment_options(cfg) == {"num_replicas": 1, "max_ongoing_requests": 64,
-                                       "ray_actor_options": {"num_cpus": 4, "num_gpus": 1}}
+                                       "ray_actor_options": {"num_cpus": 4, "num_gpus": 1},
+                                       "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": 5.0}
     cfg = load_config(path, ["serve.num_replicas=3", "serve.gpus_per_replica=0.5", "serve.cpus_per_replica=2",
                              "serve.max_ongoing_requests=16"])
     assert deployment_options(cfg) == {"num_replicas": 3, "max_ongoing_requests": 16,
-                                       "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}}
+                                       "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5},
+                                       "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": 5.0}
     # replicas may start in another directory: local paths made absolute, the name kept as written
     resolved = absolute_paths(load_config(path), base=REPO)
     assert Path(resolved.models.target).is_absolute() and Path(resolved.models.target).is_dir()

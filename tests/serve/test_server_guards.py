@@ -351,3 +351,54 @@ def test_special_token_strings_in_chat_messages_stay_text():
         assert r.json()["choices"][0]["token_ids"] == expected
     finally:
         srv.close()
+
+
+def test_settings_that_ban_the_whole_vocabulary_are_a_400_naming_the_field(server, alone, models):
+    srv, url = server
+    vocab = srv.engine.target_vocab
+    post = lambda **kw: httpx.post(f"{url}/v1/completions", json={"prompt": _prompt(5, 1), "max_tokens": 4, **kw})
+    for sampled in ({"temperature": 0.8, "seed": 3}, {"temperature": 0}):
+        r = post(suppress_tokens=list(range(vocab)), **sampled)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "suppress_tokens", r.text
+        assert f"every one of the vocabulary's {vocab} tokens" in r.json()["error"]["message"]
+    # half suppressed, the other half banned as one-token bad words (the server fixture's caps allow 256)
+    half = vocab // 2
+    r = post(suppress_tokens=list(range(half)), bad_words_ids=[[i] for i in range(half, vocab)], temperature=0.8)
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("suppress_tokens", "bad_words_ids"), r.text
+    # everything but EOS: fine (the row ends at once) unless min_new_tokens bans EOS too
+    with_eos = OpenAIServer(_engine(models), "tiny", GenerationSettings(max_new_tokens=4, eos_token_id=7))
+    with serving(build_app(with_eos)) as url2:
+        rest = [i for i in range(vocab) if i != 7]
+        body = {"prompt": _prompt(5, 1), "suppress_tokens": rest, "temperature": 0.8, "seed": 1}
+        r = httpx.post(f"{url2}/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+        r = httpx.post(f"{url2}/v1/completions", json=dict(body, min_new_tokens=2))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens", r.text
+    with_eos.close()
+    # a request alongside is answered as alone
+    body = _good(1)
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.json()["choices"][0]["token_ids"] == _expected(alone, body)
+
+
+def test_stop_strings_and_bad_words_are_capped_in_number_and_size(server):
+    srv, url = server
+    lim = srv.limits
+    assert lim == {"max_stop_strings": 16, "max_stop_string_chars": 256, "max_bad_words": 256, "max_bad_word_tokens": 16}
+    post = lambda **kw: httpx.post(f"{url}/v1/completions", json={"prompt": _prompt(5, 1), "max_tokens": 2, **kw})
+    cases = [
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop", "serve.max_stop_strings=16"),
+        ({"stop": "x" * 257}, "stop", "serve.max_stop_string_chars=256"),
+        ({"bad_words_ids": [[5]] * 257}, "bad_words_ids", "serve.max_bad_words=256"),
+        ({"bad_words_ids": [[5] * 17]}, "bad_words_ids", "serve.max_bad_word_tokens=16"),
+    ]
+    for extra, param, named in cases:
+        r = post(**extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and named in r.text, (extra, r.text)
+    # at the caps: served
+    r = post(stop=[f"s{i}" for i in range(15)] + ["y" * 256], bad_words_ids=[[5]] * 255 + [[6] * 16], temperature=0)
+    assert r.status_code == 200, r.text
+    from pipeline.config import load_config
+
+    cfg = load_config(None, ["serve.max_stop_strings=2", "serve.max_bad_word_tokens=3"])
+    assert (cfg.serve.max_stop_strings, cfg.serve.max_bad_word_tokens) == (2, 3)
