@@ -601,7 +601,7 @@ def _partial_record(raw: bytes, index: int) -> bool:
     if not raw:
         return True
     head = ('{"part": "%s"' % part_name(index)).encode()
-    if not raw.startswith(head):
+    if not (raw.startswith(head) or head.startswith(raw)):  # cut inside its first key, too
         return False
     try:
         json.loads(raw)
