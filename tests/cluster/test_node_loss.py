@@ -157,11 +157,13 @@ class LocalCluster:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
-        for q in _session(proc):  # leftovers of the node's session, if any
+        left = _session(proc)  # leftovers of the node's session, if any
+        for q in left:
             try:
                 q.kill()
             except psutil.Error:
                 pass
+        psutil.wait_procs(left, timeout=30)
 
     def close(self) -> None:
         for p in self.nodes:
