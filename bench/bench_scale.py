@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"rows_per_batch={args.rows_per_batch}", "stub": STUB_LABEL, "clock": "wall",
             "split_rows": args.split_rows}
     runs = []
+    if "stub" in engines:
+        print(f"stub = {STUB_LABEL}", flush=True)
     try:
         for engine in engines:
             for rows in sizes:
@@ -485,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
 def write_report(runs: list[dict], meta: dict, output: str | None) -> None:
     """Print the table, the growth and the goals; write report.json and report.md to ``output``."""
     print("\n" + table(runs))
+    if any(r["engine"] == "stub" for r in runs):
+        print(f"stub = {STUB_LABEL}")
     print("\n".join(growth_lines(runs) + goals(runs)))
     if not output:
         return
