@@ -220,10 +220,10 @@ def test_a_job_that_loses_a_worker_node_ends_with_every_row_exactly_once(cluster
         while victim is None:
             assert job.poll() is None and time.time() < deadline, \
                 "the job ended before a node was lost:\n" + errfile.read_text()[-3000:]
-            if (out / "_manifest" / "part-00000.json").exists():
+            if any((out / "_manifest").glob("*.json")):  # a unit committed (whatever the entries' names)
                 victim = next((p for p in cluster.nodes[1:] if _hosts_actor(p)), None)
             time.sleep(0.2)
-        committed_before = len(list((out / "_manifest").glob("part-*.json")))
+        committed_before = len(list((out / "_manifest").glob("*.json")))
         assert committed_before < SHARDS, "the job was nearly done before the node was lost: give it more rows"
         t_kill = time.time()
         killed = _kill_node(victim)
@@ -245,7 +245,8 @@ def test_a_job_that_loses_a_worker_node_ends_with_every_row_exactly_once(cluster
         t_rerun = time.time()
         rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert rerun.returncode == 0, rerun.stderr[-4000:]
-        assert json.loads(rerun.stdout[rerun.stdout.index("{"):])["this_run"]["shards_skipped"] >= committed_before
+        this_run = json.loads(rerun.stdout[rerun.stdout.index("{"):])["this_run"]
+        assert next(v for k, v in this_run.items() if k.endswith("_skipped")) >= committed_before  # resumed
         print(f"rerun: {time.time() - t_rerun:.0f} s\n{rerun.stderr[-2000:]}")
     assert (out / "_SUCCESS").exists()
     got = pq.read_table(out).column("id").to_pylist()
