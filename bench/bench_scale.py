@@ -135,11 +135,24 @@ def job_flags(corpus: Path, out: Path, args) -> list[str]:
     return flags
 
 
+#: Ray's own start-up failure on an overloaded machine (it gives a new node 30 s to register)
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
 def run_job(engine: str, flags: list[str], *, progress: bool = False, sigterm_at: float | None = None,
             timeout: float = 7200) -> dict:
     """Run the job in a child process: ``{"rc", "wall_s", "peak_rss_mb", "headline", "stderr",
     "done_at_signal"}``.  ``sigterm_at``: send SIGTERM once the progress bar shows this
-    fraction of the rows done."""
+    fraction of the rows done.  A run whose embedded Ray failed to start (:data:`RAY_START_TIMEOUT`)
+    is run again, once, and says so."""
+    got = _run_job(engine, flags, progress=progress, sigterm_at=sigterm_at, timeout=timeout)
+    if got["rc"] == 1 and RAY_START_TIMEOUT in got["stderr"]:
+        print("(the embedded Ray did not start in time on this loaded machine: the run is repeated)", flush=True)
+        got = _run_job(engine, flags, progress=progress, sigterm_at=sigterm_at, timeout=timeout)
+    return got
+
+
+def _run_job(engine: str, flags: list[str], *, progress: bool, sigterm_at: float | None, timeout: float) -> dict:
     stats = Path(tempfile.mkstemp(prefix="bench-scale-", suffix=".json")[1])
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
