@@ -13,7 +13,8 @@ Exit status (every failure is reported in one line on stderr):
 - 0: the run succeeded (or everything was already committed: nothing to do);
 - 1: the run failed: a storage error that outlasted its retries and deadline, a stalled
   run (``compute.stall_timeout_s``), actors that kept dying (the line says whether the
-  restarts or the batch retries ran out), a lost output lease, an input shard that broke
+  restarts or the batch retries ran out), an actor lost with a batch in flight (its node
+  died), a lost output lease, an input shard that broke
   while the run read it, or every row failed (the output is committed with each row's
   error); an unexpected error also prints the path of a log file with its traceback (in
   :func:`log_dir`).  Committed shards are kept: rerunning resumes;

@@ -45,6 +45,7 @@ import datetime as _dt
 import logging
 import os
 import platform
+import re
 import signal
 import socket
 import sys
@@ -84,8 +85,10 @@ class StallError(RuntimeError):
 
 class ActorPoolError(RuntimeError):
     """The actor pool gave up: an actor died more often than ``compute.max_actor_restarts``
-    allows, or a batch whose actor kept dying was resubmitted ``compute.max_batch_retries``
-    times (raised from Ray's own error)."""
+    allows, a batch whose actor kept dying was resubmitted ``compute.max_batch_retries``
+    times, or an actor was lost with a batch in flight (its node died, or it could not be
+    reached: Ray's ``ActorUnavailableError``, which it does not resubmit); raised from
+    Ray's own error."""
 
 
 def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSettings]:
@@ -552,7 +555,7 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
     cannot be read).  An actor that died in its constructor (a model that does not load) is
     left to Ray's own message, which carries the cause."""
     try:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         died = _raised_from(e, RayActorError)  # Ray Data may raise it from another error
         # an exception in the constructor (a model that does not load) carries its cause; a
@@ -560,6 +563,8 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
         if died is None or getattr(died, "actor_init_failed", False):
             return None
         e = died
+        if isinstance(e, ActorUnavailableError) or _NODE_DIED.search(str(e)):
+            return _lost_actor(e)
         from ray._private import state
 
         since_ms = started.timestamp() * 1000 - 1000
@@ -592,6 +597,32 @@ def _raised_from(e: BaseException | None, kind: type) -> BaseException | None:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+#: Ray's words for an actor whose node died (``ActorDiedError``: "... because its node has died")
+_NODE_DIED = re.compile(r"\bnode\b[^\n]*\b(died|dead|lost)\b", re.I)
+
+
+def _lost_actor(e: BaseException) -> str:
+    """The line for an actor that went away with a batch in flight: its node was lost (the
+    raylet and its processes killed, the machine gone) or it could not be reached.  Ray
+    does not resubmit a batch that may have run on an actor it could not reach, so the
+    run stops; the rerun does only the shards not committed."""
+    try:
+        import ray
+
+        dead = sum(not n.get("Alive") for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - the node table is an aid to the message only
+        dead = 0
+    where = "its node or process went away" + (f"; the cluster lists {dead} dead node(s)" if dead else "")
+    text = _first_line(e).replace("The task may or may not have been executed on the actor.", "").strip()
+    return (f"the actor pool lost an actor with a batch in flight ({where}) and Ray gave up on that batch, so "
+            f"the pool cannot recover in this run ({type(e).__name__}: {_shorten(text, 160)}); rerun the same "
+            "command to do only the shards not committed")
+
+
+def _shorten(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _first_line(e: BaseException) -> str:
