@@ -24,7 +24,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                draft_length="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
                tune_candidate=always_tried, tune_k_max=10),
     MethodSpec("suffix", suffix.build, suffix.SuffixProposer, params=suffix.PARAMS, tune_candidate=always_tried,
-               tune_k_max=16),
+               tune_k_max=10),
     MethodSpec("early_exit", early_exit.build, early_exit.EarlyExitProposer,
                params=("assistant_early_exit", CONFIDENCE_FIELD), required=("assistant_early_exit",),
                draft_logits=True, tune_candidate=early_exit.tune_candidate),
