@@ -92,6 +92,20 @@ def test_draft_follows_the_most_frequent_continuation_and_grows_with_the_match()
     assert tree.speculate([8, 8], k=5, max_spec_factor=1.0, min_token_prob=0.0) == ([], 0.0, 0)
 
 
+def test_branches_are_the_most_frequent_continuations_of_both_trees():
+    """What a token tree would verify: the few most frequent first tokens after the text's
+    longest continued suffix, each followed greedily, from the row's tree and the job's."""
+    proposer = SuffixProposer(max_tree_depth=6)
+    proposer.admit([0], [torch.tensor([[5, 6, 7, 9, 9]])])
+    proposer.finish(0, [1, 2, 4, 4])  # the job-wide tree: 1 2 -> 4 (always)
+    row = [7, 1, 2, 8, 8, 1, 2, 8, 8, 1, 2, 3, 3, 1, 2]  # its own tree: 1 2 -> 8 (twice), 3 (once)
+    proposer.admit([1], [torch.tensor([row])])
+    branches = proposer.branches(row, 1, width=3, depth=3)
+    assert [path[0] for path, _ in branches] == [4, 8, 3]
+    assert branches[0] == ([4, 4], 1.0) and branches[1] == ([8, 8, 1], pytest.approx(2 / 3))
+    assert all(len(path) <= 3 for path, _ in branches)
+
+
 def test_job_wide_tree_stays_within_its_bound_and_equals_a_tree_of_what_it_keeps():
     proposer = SuffixProposer(max_tree_depth=5, max_cached_requests=3)
     rng = random.Random(1)
