@@ -37,8 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.engine.cost_model import leviathan_expected_tokens, leviathan_speedup  # noqa: E402
+
 DEFAULT_DRAFTERS = {"draft_model": "models/smollm2-135m-drafter", "eagle": "models/smollm2-135m-eagle"}
-XSUM = ROOT.parent / "shared" / "data" / "xsum_helm_1000" / "xsum_0shot.jsonl"
+#: ../shared of the checkout (or of the folder above it: a git worktree one level deeper)
+XSUM = next((p for p in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if p.is_dir()), ROOT.parent / "shared") \
+    / "data" / "xsum_helm_1000" / "xsum_0shot.jsonl"
+
 
 
 class Clocks:
@@ -70,15 +75,14 @@ def solve_alpha(mean_accepted_length: float, k: float) -> float:
     lo, hi = 0.0, 1.0 - 1e-12
     for _ in range(200):
         mid = (lo + hi) / 2
-        e = (1 - mid ** (k + 1)) / (1 - mid)
+        e = leviathan_expected_tokens(mid, k)
         lo, hi = (mid, hi) if e < mean_accepted_length else (lo, mid)
     return (lo + hi) / 2
 
 
 def leviathan_bound(alpha: float, k: float, c: float) -> float:
     """``S = (1 - α^(k+1)) / ((1 - α)(1 + k c))`` (Leviathan et al. 2023, §3)."""
-    e = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return e / (1 + k * c)
+    return leviathan_speedup(alpha, k, c)
 
 
 def prompts_of(cfg, tokenizer, rows: range) -> list[list[int]]:
@@ -144,7 +148,9 @@ def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
-    ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,eagle")
+    ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,suffix,eagle",
+                    help="methods, comma-separated; a variant name@section.key=value[@...] runs method name with those "
+                    "overrides, reported under the whole string (e.g. prompt_lookup@compute.adaptive_draft_length=true)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--rows", default="200:264", help="XSum rows a:b (held out from the drafters' training)")
     ap.add_argument("--min-rows", type=int, default=None,
@@ -172,9 +178,10 @@ def main(argv=None) -> int:
     clock_name = "CPU" if cpu_clock else "wall"
 
     def config(method):
-        sets = [f"method.name={method}"] + ([f"models.dtype={args.dtype}"] if args.dtype else [])
-        if method in DEFAULT_DRAFTERS:
-            sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[method]}")
+        name, *variant = method.split("@")
+        sets = [f"method.name={name}"] + ([f"models.dtype={args.dtype}"] if args.dtype else []) + variant
+        if name in DEFAULT_DRAFTERS:
+            sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[name]}")
         for s in args.set:
             scope, sep, rest = s.partition(":")
             if not sep or "=" in scope:  # section.key=value: every method

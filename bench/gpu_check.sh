@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (issue 20): SmolLM2-135M-Instruct, the default job's prompt and chat template, XSum articles
 # 200-263, 64 new tokens, greedy; bfloat16 and float32; 1 to 64 rows in flight; plain against every method
-# (bench/bench_real.py, wall clock on a GPU). Prints each table and whether every row is identical to plain or
+# (bench/bench_real.py's default methods: draft_model, prompt_lookup, suffix, eagle; wall clock on a GPU). Prints each table and whether every row is identical to plain or
 # differs first at a measured near-tie; exits 1 if a row differs elsewhere. Budget: under 8 minutes on one
 # H100/H200-class device (each batch size runs on max(16, 2B) of the 64 rows).
 #

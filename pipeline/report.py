@@ -62,6 +62,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
+from pipeline.engine.cost_model import leviathan_speedup
 from pipeline.engine.stats import COLUMNS as STAT_COLUMNS
 from pipeline.engine.stats import RATE_COLUMNS, RowStats
 
@@ -184,8 +185,7 @@ def speedup_bound(alpha: float | None, k: int, c: float) -> float | None:
     or α unknown); α = 1 takes the limit ``(k + 1) / (k·c + 1)``."""
     if alpha is None or k <= 0:
         return None
-    tokens_per_pass = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return tokens_per_pass / (k * c + 1.0)
+    return leviathan_speedup(alpha, k, c)
 
 
 def _bound(s: Stats, base: Stats | None) -> tuple[float | None, float | None, int]:

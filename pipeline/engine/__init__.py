@@ -13,7 +13,8 @@ Typical use::
     results = engine.generate_batch([ids_a, ids_b, ...], GenerationSettings(max_new_tokens=64))
 """
 
-from .settings import GenerationSettings, SpeculationSettings
+from .settings import GenerationSettings
+from .speculation import SpeculationSettings
 from .stats import GenerationResult, RowStats
 from .api import SpeculativeEngine
 from .proposers import METHODS

@@ -46,6 +46,22 @@ def expected_tokens(reach: Sequence[float], k: int) -> float:
     return 1.0 + sum(reach[:k])
 
 
+def leviathan_expected_tokens(alpha: float, k: float) -> float:
+    """:func:`expected_tokens` with one per-token acceptance ``α`` (``A_i = α^i``): Leviathan's
+    ``(1 − α^(k+1)) / (1 − α)``, and ``k + 1`` at ``α = 1``.  ``k`` may be fractional (a mean
+    draft length); ``α`` in [0, 1]."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def leviathan_speedup(alpha: float, k: float, c: float) -> float:
+    """Leviathan et al.'s expected speedup ``S = (1 − α^(k+1)) / ((1 − α)(1 + k·c))``: a
+    verification pass costs one target step whatever it verifies and a drafting position
+    ``c`` of one (see the module docstring)."""
+    return leviathan_expected_tokens(alpha, k) / (1.0 + k * c)
+
+
 def step_time(verify_s: float, k: int, draft_token_s: float = 0.0, draft_step_s: float = 0.0,
               overhead_s: float = 0.0) -> float:
     """``T(k)`` in seconds: one verification pass (``verify_s``, over ``k + 1`` tokens per

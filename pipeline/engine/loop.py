@@ -34,7 +34,8 @@ from .proposers import ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
 from .runner import ModelRunner, model_layout, prefill, text_config
 from .sampling import LogitsShaper
-from .settings import GenerationSettings, SpeculationSettings
+from .settings import GenerationSettings
+from .speculation import SpeculationSettings
 from .stats import GenerationResult, RowStats
 from .stopping import StopChecker
 from .verify import greedy_accept, verify_greedy, verify_sampling
@@ -381,6 +382,8 @@ class StepEngine:
                 row.k = row.k + 2 if accepted == row.k else max(1, row.k - 1)
 
     def finish(self, row: RowState) -> GenerationResult:
+        if hasattr(self.proposer, "finish"):  # a proposer that learns from finished outputs (suffix)
+            self.proposer.finish(row.slot, row.generated)
         stats = row.stats
         stats.new_tokens = len(row.generated)
         stats.finish_reason = row.finish

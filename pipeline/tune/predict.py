@@ -165,10 +165,12 @@ class Candidate:
     same_output: int | None = None
     compared_rows: int | None = None
     params: dict = field(default_factory=dict)
+    #: the engine's draft length by expected gain (each row drafts 0 .. ``k`` per step), not a fixed ``k``
+    adaptive_draft_length: bool = False
 
     @property
     def label(self) -> str:
-        k = f" k={self.k}" if self.method != PLAIN else ""
+        k = (f" k<={self.k} by expected gain" if self.adaptive_draft_length else f" k={self.k}") if self.method != PLAIN else ""
         extra = ""
         if self.params.get("num_assistant_tokens_schedule", "constant") != "constant":
             extra += f" schedule={self.params['num_assistant_tokens_schedule']}"

@@ -130,7 +130,7 @@ def _candidate_row(rank: int | str, c: Candidate, result: TuneResult) -> str:
              if c.measured_tokens_per_s and c.confirm_predicted_tokens_per_s else None)
     same = f"{c.same_output}/{c.compared_rows}" if c.same_output is not None else "–"
     chosen = " **chosen**" if c is result.chosen else ""
-    adaptive = c.params.get("num_assistant_tokens_schedule", "constant") != "constant" or \
+    adaptive = c.adaptive_draft_length or c.params.get("num_assistant_tokens_schedule", "constant") != "constant" or \
         c.params.get("assistant_confidence_threshold")
     e = "–" if adaptive else f"{model.expected_tokens(c.k):.2f}"
     return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {e} | "
@@ -324,4 +324,4 @@ def _cand(c: Candidate) -> dict[str, Any]:
             "predicted_tokens_per_s": c.predicted_tokens_per_s, "model_tokens_per_s": c.model_tokens_per_s,
             "confirm_predicted_tokens_per_s": c.confirm_predicted_tokens_per_s, "measured_s": c.measured_s,
             "measured_tokens_per_s": c.measured_tokens_per_s, "same_output": c.same_output,
-            "compared_rows": c.compared_rows, "params": c.params}
+            "compared_rows": c.compared_rows, "params": c.params, "adaptive_draft_length": c.adaptive_draft_length}

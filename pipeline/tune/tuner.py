@@ -10,6 +10,9 @@ pilot sample of its own input, on the configured hardware, and predict its speed
     -> predict every (method, k, B) (:mod:`pipeline.tune.predict`), rank them
     -> confirm the top candidates (and the best plain one) on the pilot rows, as the actor
        runs them; the fastest measured wins
+    -> confirm the adaptive draft lengths of the winner against its fixed k: the engine's
+       draft length by expected gain up to K (greedy jobs), and a method's per-row schedule;
+       one replaces the fixed k only when measured ADAPTIVE_MARGIN faster
     -> the tuned config (the input config with ``method`` and ``compute`` filled in) and
        ``tune_report.md`` (:mod:`pipeline.tune.report`)
 
@@ -113,9 +116,10 @@ class TuneOptions:
         repeats: timings per profiled figure (median kept).
         confirm: top candidates confirmed on the pilot rows (the best plain one is added).
         confirm_rows: the first pilot rows a confirmation run decodes (short runs).
-        adaptive: also measure the chosen drafter with per-row adaptive draft lengths
-            (transformers' heuristic schedule; a confidence threshold of 0.4 at ``K``) and
-            keep one only when it is measured 5 % faster.
+        adaptive: also measure the chosen method with adaptive draft lengths: the engine's
+            draft length by expected gain up to ``K`` (greedy jobs), and for a method with a
+            per-row schedule transformers' heuristic schedule and a confidence threshold of
+            0.4 at ``K``; keep one only when it is measured 5 % faster than the fixed ``k``.
         clock: ``wall`` or ``cpu`` (module docstring).
     """
 
@@ -210,10 +214,11 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
     return out, notes
 
 
-def _engine(choice: MethodChoice, k: int, batch_size: int, loaded, clock) -> SpeculativeEngine:
+def _engine(choice: MethodChoice, k: int, batch_size: int, loaded, clock, adaptive: bool = False) -> SpeculativeEngine:
     """The engine of a candidate, built as the job builds its own (:func:`pipeline.loading.build_engine`),
-    with a fixed draft length (the load policy off: every step drafts ``k``)."""
-    return build_engine(loaded, choice.speculation(k), batch_size, adaptive_draft_length=False, clock=clock)
+    with a fixed draft length (every step drafts ``k``), or with ``adaptive`` the engine's draft
+    length by expected gain up to ``k``."""
+    return build_engine(loaded, choice.speculation(k), batch_size, adaptive_draft_length=adaptive, clock=clock)
 
 
 def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineProfile,
@@ -366,8 +371,8 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
             factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
         bench.run(cand)
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
-    if options.adaptive and METHODS[chosen.method].adaptive and chosen.measured_tokens_per_s:
-        variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max)
+    if options.adaptive and chosen.method != PLAIN and chosen.measured_tokens_per_s:
+        variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max, generation.do_sample)
         for v in variants:
             bench.run(v)
         confirmed += variants
@@ -437,7 +442,7 @@ class _Confirmation:
     def run(self, cand: Candidate) -> None:
         """Fill ``cand``'s measured figures (and its same-output count when greedy)."""
         choice = dataclasses.replace(self.choices[cand.method], params=dict(cand.params))
-        engine = _engine(choice, cand.k, cand.batch_size, self.loaded, self.clock)
+        engine = _engine(choice, cand.k, cand.batch_size, self.loaded, self.clock, cand.adaptive_draft_length)
         seconds, results = measure_candidate(engine, self.prompts, self.settings, cand.batch_size,
                                              cand.rows_per_batch, self.clock)
         cand.measured_s = seconds + self.build_s
@@ -450,16 +455,22 @@ class _Confirmation:
                  f"measured {cand.measured_tokens_per_s:.1f} tokens/s")
 
 
-def _adaptive_variants(chosen: Candidate, k_max: int) -> list[Candidate]:
-    """Per-row adaptive draft lengths of the chosen method: transformers' heuristic schedule
-    from its k, and (for a method that takes it) a confidence threshold at ``K``.  Not
-    modelled: their prediction is the chosen one's scaled by the measured ratio (filled in
-    by :func:`_keep_adaptive`)."""
-    knobs = [(chosen.k, {SCHEDULE_FIELD: "heuristic"})]
+def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -> list[Candidate]:
+    """Adaptive draft lengths of the chosen method, to confirm against its fixed ``k``: the
+    engine's draft length by expected gain up to ``K`` (greedy jobs: the job applies it to
+    greedy rows only); for a method with a per-row schedule, transformers' heuristic
+    schedule from its k, and (for a method that takes it) a confidence threshold at ``K``.
+    Not modelled: their prediction is the chosen one's scaled by the measured ratio (filled
+    in by :func:`_keep_adaptive`)."""
+    out = []
+    if not do_sample:
+        out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch, params=dict(chosen.params),
+                             adaptive_draft_length=True))
+    knobs = [(chosen.k, {SCHEDULE_FIELD: "heuristic"})] if METHODS[chosen.method].adaptive else []
     if CONFIDENCE_FIELD in METHODS[chosen.method].params:
         knobs.append((k_max, {CONFIDENCE_FIELD: CONFIDENCE_THRESHOLD}))
-    return [Candidate(chosen.method, k, chosen.batch_size, chosen.rows_per_batch, params={**chosen.params, **extra})
-            for k, extra in knobs]
+    return out + [Candidate(chosen.method, k, chosen.batch_size, chosen.rows_per_batch, params={**chosen.params, **extra})
+                  for k, extra in knobs]
 
 
 def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str]) -> Candidate:
@@ -475,14 +486,16 @@ def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str
         notes.append(f"{best.label} measured {best.measured_tokens_per_s / chosen.measured_tokens_per_s:.2f}x "
                      f"{chosen.label}: chosen (its prediction is {chosen.label}'s scaled by that ratio)")
         return best
-    notes.append(f"per-row adaptive draft lengths (heuristic schedule; confidence threshold {CONFIDENCE_THRESHOLD}) "
-                 f"measured no gain of {100 * ADAPTIVE_MARGIN:.0f} % over {chosen.label}: left out")
+    tried = "; ".join(v.label for v in variants)
+    notes.append(f"adaptive draft lengths ({tried}) measured no gain of {100 * ADAPTIVE_MARGIN:.0f} % over "
+                 f"{chosen.label} (best {best.measured_tokens_per_s / chosen.measured_tokens_per_s:.2f}x): left out")
     return chosen
 
 
 def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -> dict[str, Any]:
     """The input config (as written) with ``method`` replaced by the chosen one and
-    ``compute`` given its batch size, rows per batch and a fixed draft length.
+    ``compute`` given its batch size, rows per batch and its draft length: fixed, or by
+    expected gain up to ``k`` when the confirmation chose that.
 
     Raises:
         ConfigError: the result does not validate (a bug: it is checked before it is written).
@@ -491,7 +504,7 @@ def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -
     out["method"] = choice.method_section(chosen.k)
     compute = dict(out.get("compute") or {})
     compute.update(max_batch_size=chosen.batch_size, rows_per_batch=chosen.rows_per_batch,
-                   adaptive_draft_length=False)
+                   adaptive_draft_length=chosen.adaptive_draft_length)
     out["compute"] = compute
     from pydantic import ValidationError
 

@@ -97,16 +97,22 @@ def test_engine_policy_predicts_with_the_shared_formula():
 def test_engine_policy_picks_the_known_optimum():
     """A flat verification cost (a memory-bound GPU) drafts the full K; a cost that grows
     with every token as fast as a plain step (a CPU at large batch) drafts nothing; in
-    between, the optimum of B·E(k) / (t(B, k + 1) + k·t_d) computed by hand."""
+    between, the optimum of B·E(k) / (t(B, k + 1) + k·t_d) computed by hand.  The proposer
+    is free (t_d = 0), so every row asks for K and trim() decides on the drafts."""
     reach = lambda p: [p.pooled_reach()] * 8
     p = _policy(6, 0.8, lambda b, w: 0.01, 0.0)
-    assert p.plan(reach(p), [6] * 8) == [6] * 8
+    assert p.plan(reach(p), [6] * 8) == [6] * 8 and p.trim(reach(p), [6] * 8) == 6
     p = _policy(6, 0.8, lambda b, w: 0.01 * b * w, 0.0)
-    assert p.plan(reach(p), [6] * 8) == [0] * 8
+    assert p.plan(reach(p), [6] * 8) == [6] * 8 and p.trim(reach(p), [6] * 8) == 0
     # t = 10 ms + 1 ms per token, 8 rows: 8·E(k) / (0.01 + 0.008 (k + 1)); α = 0.8:
     # k = 1: 14.4/0.026 = 554, k = 2: 19.5/0.034 = 574, k = 3: 23.6/0.042 = 562 -> k = 2
     p = _policy(6, 0.8, lambda b, w: 0.01 + 0.001 * b * w, 0.0)
-    assert p.plan(reach(p), [6] * 8) == [2] * 8
+    assert p.trim(reach(p), [6] * 8) == 2
+    # the same costs with a proposer of 3 ms per draft position: the plan itself weighs it and
+    # asks for less (k = 1: 14.4/0.029 = 497, k = 2: 19.5/0.040 = 488, plain 8/0.018 = 444)
+    p = _policy(6, 0.8, lambda b, w: 0.01 + 0.001 * b * w, 0.003)
+    ks = p.plan(reach(p), [6] * 8)
+    assert max(ks) <= 2 and p.rate(reach(p), ks) >= max(p.rate(reach(p), [k] * 8) for k in range(7)) - 1e-9
 
 
 # ---------------------------------------------------------------------------- profile

@@ -146,8 +146,35 @@ def test_a_draft_that_would_gain_less_than_the_margin_is_not_made():
     # one token drafted with acceptance A: (1 + A) / 0.012 against 1 / 0.010, a gain of (1 + A) / 1.2
     below, above = 1.2 * (1 + MIN_GAIN) - 1 - 0.01, 1.2 * (1 + MIN_GAIN) - 1 + 0.01
     assert 1.0 < (1 + below) / 1.2 < 1 + MIN_GAIN  # drafting would pay, but by less than the margin
-    assert p.plan([[below]], [1]) == [0] and p.trim([[below]], [1]) == 0
-    assert p.plan([[above]], [1]) == [1] and p.trim([[above]], [1]) == 1
+    assert p.trim([[below]], [1]) == 0 and p.trim([[above]], [1]) == 1
+    # a proposer that costs 1 ms a position: the plan weighs it too, (1 + A) / 0.013 against 1 / 0.010
+    p = _policy(1, lambda b, w: 0.010 + 0.002 * (w - 1) * b, draft_s=0.001)
+    below, above = 1.3 * (1 + MIN_GAIN) - 1 - 0.01, 1.3 * (1 + MIN_GAIN) - 1 + 0.01
+    assert p.plan([[below]], [1]) == [0] and p.plan([[above]], [1]) == [1]
+
+
+def test_a_free_proposer_asks_for_its_longest_drafts_and_trim_decides():
+    """Prompt lookup costs a search: asking it for fewer tokens saves nothing, so every row asks
+    for its cap whatever its acceptance, and the drafts as they came are cut by trim (here to
+    nothing, as no position pays)."""
+    from pipeline.engine.draft_length import FREE_PROPOSER
+
+    verify = lambda b, w: 0.010 + 0.002 * (w - 1) * b
+    free = _policy(4, verify, draft_s=0.5 * FREE_PROPOSER * 0.010 / 4)
+    costly = _policy(4, verify, draft_s=2 * FREE_PROPOSER * 0.010)
+    hopeless, good = [[0.01] * 4, [0.01] * 4], [[0.9, 0.8, 0.7, 0.6]] * 2
+    assert free.plan(hopeless, [4, 2]) == [4, 2] and costly.plan(hopeless, [4, 2]) == [0, 0]
+    assert free.trim(hopeless, [4, 2]) == 0 and free.trim(good, [4, 2]) > 0
+
+
+def test_a_wider_pass_is_never_predicted_cheaper_than_a_narrower_one():
+    p = _policy(4, lambda b, w: 0.010 + 0.001 * b * w)
+    for _ in range(20):
+        p.observe_verify(1, 3, 0.016)
+        p.observe_verify(1, 4, 0.012)  # noise: below the width-3 passes' cost
+    assert p._verify_time(1, 4) < p._verify_time(1, 3)  # what was measured
+    assert p.verify_time(1, 4) == p.verify_time(1, 3) == pytest.approx(0.016, rel=0.05)  # what the policy uses
+    assert all(p.verify_time(1, w + 1) >= p.verify_time(1, w) for w in range(1, 5))
 
 
 def test_measured_passes_of_a_shape_replace_the_fit():
@@ -157,7 +184,8 @@ def test_measured_passes_of_a_shape_replace_the_fit():
     for _ in range(40):
         p.observe_verify(8, 2, 0.050)  # far above the line's 0.026
     assert p.verify_time(8, 2) == pytest.approx(0.050, rel=0.05)
-    assert p.verify_time(8, 3) == pytest.approx(p.verify.predict((1.0, 8, 24)))  # not measured: the fit
+    assert p._verify_time(8, 3) == pytest.approx(p.verify.predict((1.0, 8, 24)))  # not measured: the fit
+    assert p.verify_time(8, 3) == p.verify_time(8, 2)  # ... but never below a narrower pass's
 
 
 def test_a_probe_asks_one_row_at_a_time_in_turn():

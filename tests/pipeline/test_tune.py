@@ -154,20 +154,22 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     headline = json.loads(capsys.readouterr().out)
     data = json.loads((out / "tune_report.json").read_text())
 
-    # the pilot: the first 11 rows, the null text left out; both drafting methods ran
-    assert set(data["pilot"]) == {"draft_model", "prompt_lookup"}
+    # the pilot: the first 11 rows, the null text left out; every drafting method ran
+    assert set(data["pilot"]) == {"draft_model", "prompt_lookup", "suffix"}
     for run in data["pilot"].values():
         assert run["k"] == 2 and run["verify_steps"] > 0 and len(run["drafted_per_position"]) <= 2
-    assert data["mismatches"] == {"draft_model": 0, "prompt_lookup": 0}
-    # every (method, k, B) predicted: plain at 2 batch sizes, 2 drafting methods x k 1..2 x 2
-    assert len(data["candidates"]) == 2 + 2 * 2 * 2
-    assert {c["method"] for c in data["candidates"]} == {"plain", "draft_model", "prompt_lookup"}
+    assert data["mismatches"] == {"draft_model": 0, "prompt_lookup": 0, "suffix": 0}
+    # every (method, k, B) predicted: plain at 2 batch sizes, 3 drafting methods x k 1..2 x 2
+    assert len(data["candidates"]) == 2 + 3 * 2 * 2
+    assert {c["method"] for c in data["candidates"]} == {"plain", "draft_model", "prompt_lookup", "suffix"}
     confirmed = data["confirmed"]
     fixed = [c for c in confirmed if not c["params"].get("assistant_confidence_threshold")
-             and c["params"].get("num_assistant_tokens_schedule", "constant") == "constant"]
+             and c["params"].get("num_assistant_tokens_schedule", "constant") == "constant"
+             and not c["adaptive_draft_length"]]
     assert 2 <= len(fixed) <= 3 and any(c["method"] == "plain" for c in fixed)
-    # per-row adaptive variants are measured only for a chosen model drafter
-    assert len(confirmed) - len(fixed) in (0, 2)
+    # adaptive variants of a chosen drafting method: the draft length by expected gain (every
+    # method), the heuristic schedule and the confidence threshold (a model drafter)
+    assert len(confirmed) - len(fixed) in (0, 1, 3)
     for c in confirmed:  # confirmation runs are lossless and measured
         assert c["same_output"] == c["compared_rows"] == 10 and c["measured_tokens_per_s"] > 0
     chosen = next(c for c in confirmed if c["label"] == headline["chosen"])
@@ -185,7 +187,8 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
         {k: v for k, v in original.items() if k not in ("method", "compute")}
     assert tuned["method"]["name"] == chosen["method"]
     assert tuned["compute"] == {"rows_per_batch": chosen["rows_per_batch"], "num_actors": 1,
-                                "max_batch_size": chosen["batch_size"], "adaptive_draft_length": False}
+                                "max_batch_size": chosen["batch_size"],
+                                "adaptive_draft_length": chosen["adaptive_draft_length"]}
     if chosen["method"] != "plain":
         key = "prompt_lookup_num_tokens" if chosen["method"] == "prompt_lookup" else "num_assistant_tokens"
         assert tuned["method"][key] == chosen["k"]
@@ -221,8 +224,9 @@ def test_tune_job_refuses_bad_input_before_measuring(tmp_path, tiny_models, caps
 
 
 def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_path, tiny_models):
-    """With only the drafter to choose from, its heuristic schedule and confidence threshold
-    are measured on the confirmation rows and kept only if 5 % faster than the fixed k."""
+    """With only the drafter to choose from, the engine's draft length by expected gain up to K,
+    its heuristic schedule and its confidence threshold are measured on the confirmation rows
+    and kept only if 5 % faster than the fixed k."""
     from pipeline.config import load_config
     from pipeline.tune.tuner import CONFIDENCE_THRESHOLD, TuneOptions, read_raw_config, tune
 
@@ -230,18 +234,20 @@ def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_p
     result = tune(load_config(path), TuneOptions(rows=6, batch_sizes=(1, 2), methods=("draft_model",), max_draft=3,
                                                  repeats=1, confirm=1), raw_config=read_raw_config(str(path), None),
                   log=lambda line: None)
-    fixed, heuristic, threshold = result.confirmed
-    assert (fixed.method, heuristic.method, threshold.method) == ("draft_model",) * 3
+    fixed, gain, heuristic, threshold = result.confirmed
+    assert (fixed.method, gain.method, heuristic.method, threshold.method) == ("draft_model",) * 4
+    assert gain.adaptive_draft_length and gain.k == 3 and not fixed.adaptive_draft_length
     assert heuristic.params["num_assistant_tokens_schedule"] == "heuristic" and heuristic.k == fixed.k
     assert threshold.params["assistant_confidence_threshold"] == CONFIDENCE_THRESHOLD and threshold.k == 3
     for c in result.confirmed:  # lossless, measured on the same rows
         assert c.same_output == c.compared_rows == 6 and c.measured_tokens_per_s > 0
-    best = max((heuristic, threshold), key=lambda c: c.measured_tokens_per_s)
+    best = max((gain, heuristic, threshold), key=lambda c: c.measured_tokens_per_s)
     if best.measured_tokens_per_s > 1.05 * fixed.measured_tokens_per_s:
         assert result.chosen is best
     else:
         assert result.chosen is fixed and any("left out" in n for n in result.notes)
     method = result.tuned_config["method"]
     assert method["num_assistant_tokens"] == result.chosen.k
+    assert result.tuned_config["compute"]["adaptive_draft_length"] is result.chosen.adaptive_draft_length
     assert method["num_assistant_tokens_schedule"] == result.chosen.params["num_assistant_tokens_schedule"]
     assert method["assistant_confidence_threshold"] == result.chosen.params["assistant_confidence_threshold"]

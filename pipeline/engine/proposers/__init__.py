@@ -9,7 +9,7 @@ pair check and tuner candidacy where it needs them) and one line in :data:`METHO
 from __future__ import annotations
 
 from ..methods import CONFIDENCE_FIELD, PLAIN, MethodSpec, always_tried
-from . import draft_model, eagle, early_exit, mtp, mtp_assistant, prompt_lookup, universal
+from . import draft_model, eagle, early_exit, mtp, mtp_assistant, prompt_lookup, suffix, universal
 from .base import Draft, DraftRequest, Proposer, ProposerInputs, empty_draft
 from .draft_model import DraftModelProposer
 from .prompt_lookup import PromptLookupProposer
@@ -23,6 +23,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("prompt_lookup", prompt_lookup.build, prompt_lookup.PromptLookupProposer,
                draft_length="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
                tune_candidate=always_tried, tune_k_max=10),
+    MethodSpec("suffix", suffix.build, suffix.SuffixProposer, params=suffix.PARAMS, tune_candidate=always_tried,
+               tune_k_max=10),
     MethodSpec("early_exit", early_exit.build, early_exit.EarlyExitProposer,
                params=("assistant_early_exit", CONFIDENCE_FIELD), required=("assistant_early_exit",),
                draft_logits=True, tune_candidate=early_exit.tune_candidate),

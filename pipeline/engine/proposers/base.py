@@ -115,6 +115,15 @@ class Proposer(Protocol):
         (committed sequence + its draft) are still valid."""
 
 
+class Finish(Protocol):
+    """Optional hook of a proposer that learns from finished rows (``suffix``'s job-wide
+    tree).  When a proposer has ``finish``, the engine calls it once per row that leaves its
+    slot (any finish reason), before the slot takes another row."""
+
+    def finish(self, slot: int, generated: list[int]) -> None:
+        """The row in ``slot`` finished; ``generated`` are its output token ids."""
+
+
 class TargetForward(Protocol):
     """Optional hook of a proposer that needs more from the target than its logits
     (hidden states for MTP layers, the shared cache for early exit).  When a proposer has

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .draft_model import text_config
+from ..runner import text_config
 
 
 def check_shared_vocabulary(target, drafter, tokenizer=None, drafter_tokenizer=None) -> None:
