@@ -264,6 +264,13 @@ class SpeculationSettings:
             vocabulary, so greedy output is unchanged and sampling stays exact.
         draft_vocab_size: methods ``draft_model`` (with ``draft_vocab``) and ``eagle``: use
             only the first ``N`` ids of the draft vocabulary (``None``: all of them).
+        num_candidates: tree verification (SpecInfer, Miao et al. 2023): the most candidate
+            continuations a row's draft may branch into, verified in one target pass with a
+            tree attention mask (1, the default: one linear draft).  Methods whose proposer
+            offers trees (``prompt_lookup``: several n-gram matches; ``draft_model``: the
+            drafter's top candidates at each draft position); greedy rows without logits
+            processors only (sampled rows verify one linear draft; ``RowStats.tree_off_steps``
+            counts those steps).
     """
 
     method: str = "plain"
@@ -277,6 +284,7 @@ class SpeculationSettings:
     assistant_early_exit: int | None = None
     draft_vocab: str | None = None
     draft_vocab_size: int | None = None
+    num_candidates: int = 1
 
     def validate(self) -> "SpeculationSettings":
         """Check every value and the method's own rules (its
@@ -310,6 +318,10 @@ class SpeculationSettings:
             raise ValueError(
                 f"max_matching_ngram_size must be a positive integer, got {self.max_matching_ngram_size!r}"
             )
+        n = self.num_candidates
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_candidates (branches of a token tree; 1: linear drafts) must be a positive "
+                             f"integer, got {n!r}")
         w = self.assistant_ensemble_weight
         if w is not None:
             if not isinstance(w, (int, float)) or math.isnan(w) or not (0 < w < 1):
