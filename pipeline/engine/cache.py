@@ -21,7 +21,7 @@ Consequences:
 
 Memory: ``rows x heads x capacity x head_dim`` per layer for keys and for values, where
 ``capacity`` grows (doubling, capped by the model's context) to the longest row seen, so
-it is bounded by ``max_batch_size x (longest prompt + max_new_tokens + k)`` and stays flat
+it is bounded by ``max_batch_size x (longest prompt + max_new_tokens + k)`` (``k x num_candidates`` tree nodes instead of ``k`` with token trees) and stays flat
 once reached.
 
 transformers' model code calls :meth:`SlotCache.update` from every attention layer; the
