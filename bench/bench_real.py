@@ -23,6 +23,11 @@ one per method and batch size, warmed up on one short row first.  Usage::
 
     python bench/bench_real.py                       # the full run (~20-40 min on one core)
     python bench/bench_real.py --rows 200:204 --batch-sizes 1,2 --new-tokens 8   # a quick look
+    python bench/bench_real.py --methods prompt_lookup,prompt_lookup@method.num_candidates=4   # tree variant
+
+A method variant ``name@section.key=value[@...]`` runs method ``name`` with those overrides,
+reported under the whole string (trees: ``@method.num_candidates=C``; their statistics add
+the share of steps that verified a tree and its mean size in nodes).
 """
 
 from __future__ import annotations
@@ -85,12 +90,12 @@ def leviathan_bound(alpha: float, k: float, c: float) -> float:
     return leviathan_speedup(alpha, k, c)
 
 
-def prompts_of(cfg, tokenizer, rows: range) -> list[list[int]]:
+def prompts_of(cfg, tokenizer, rows: range, xsum: Path = XSUM) -> list[list[int]]:
     """The job's prompts (template, chat template) for XSum articles ``rows``, as token ids."""
     from pipeline.prompts import PromptBuilder
 
     builder = PromptBuilder(tokenizer, cfg.task)
-    lines = XSUM.read_text().splitlines()
+    lines = Path(xsum).read_text().splitlines()
     return [builder.build(json.loads(lines[i])["article"])[1] for i in rows]
 
 
@@ -128,7 +133,10 @@ def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) 
     new = sum(s.new_tokens for s in stats)
     drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
     draft_steps, verify_steps = sum(s.draft_steps for s in stats), sum(s.verify_steps for s in stats)
+    tree_steps, tree_nodes = sum(s.tree_steps for s in stats), sum(s.tree_nodes for s in stats)
     return {
+        "tree_step_share": tree_steps / verify_steps if verify_steps else 0.0,
+        "mean_tree_nodes": tree_nodes / tree_steps if tree_steps else None,
         "rows": len(prompts), "batch": batch, "new_tokens": new,
         "cpu_s": cpu, "wall_s": wall, "decode_cpu_s": step.cpu, "decode_wall_s": step.wall,
         "tokens_per_s_cpu": new / cpu, "tokens_per_s_wall": new / wall,
@@ -156,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-rows", type=int, default=None,
                     help="run B rows in flight on max(min_rows, 2B) of the rows only (the GPU check's budget)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--xsum", default=str(XSUM), help="the XSum JSONL (default: ../shared/data/xsum_helm_1000/xsum_0shot.jsonl)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the models' device)")
     ap.add_argument("--dtype", default=None, help="models.dtype (default: the config's; float32 on the CPU)")
@@ -177,18 +186,18 @@ def main(argv=None) -> int:
     cpu_clock = args.device == "cpu"
     clock_name = "CPU" if cpu_clock else "wall"
 
-    def config(method):
-        name, *variant = method.split("@")
-        sets = [f"method.name={name}"] + ([f"models.dtype={args.dtype}"] if args.dtype else []) + variant
-        if name in DEFAULT_DRAFTERS:
-            sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[name]}")
+    def config(label):
+        method, *variant = label.split("@")
+        sets = [f"method.name={method}"] + ([f"models.dtype={args.dtype}"] if args.dtype else [])
+        if method in DEFAULT_DRAFTERS:
+            sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[method]}")
         for s in args.set:
             scope, sep, rest = s.partition(":")
             if not sep or "=" in scope:  # section.key=value: every method
                 sets.append(s)
-            elif scope == method:
+            elif scope in (method, label):
                 sets.append(rest)
-        return load_config(args.config, sets)
+        return load_config(args.config, sets + variant)
 
     def rows_for(batch: int, n: int) -> int:
         return n if args.min_rows is None else min(n, max(args.min_rows, 2 * batch))
@@ -203,7 +212,7 @@ def main(argv=None) -> int:
             continue
         models = load_job_models(cfg, args.device)
         if prompts is None:
-            prompts, target = prompts_of(cfg, models.tokenizer, range(a, b)), models.target
+            prompts, target = prompts_of(cfg, models.tokenizer, range(a, b), args.xsum), models.target
             print(f"{len(prompts)} XSum articles ({a}-{b - 1}), prompt tokens {min(map(len, prompts))}-"
                   f"{max(map(len, prompts))}, {args.new_tokens} new tokens, greedy, {args.device} "
                   f"{cfg.models.dtype}, {args.threads} thread(s), {clock_name} clock", flush=True)
@@ -218,7 +227,7 @@ def main(argv=None) -> int:
     dsec = "decode_cpu_s" if cpu_clock else "decode_wall_s"
     head = (f"| method | rows in flight | tokens/s CPU | decode CPU | tokens/s wall | decode wall | speedup {clock_name} "
             f"| decode speedup {clock_name} | acceptance | mean accepted length | tokens/step | drafting steps | α | k | c "
-            "| S | efficiency | identical | at a near-tie |")
+            "| S | efficiency | tree steps | tree nodes | identical | at a near-tie |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ratios: dict[str, dict[int, float]] = {}
     f = lambda v, spec=".2f": "–" if v is None else format(v, spec)
@@ -247,7 +256,8 @@ def main(argv=None) -> int:
                          f"{r['tokens_per_s_wall']:.1f} | {r['decode_tokens_per_s_wall']:.1f} | {speed:.2f}× | "
                          f"{dspeed:.2f}× | {f(r['acceptance_rate'], '.3f')} | {f(r['mean_accepted_length'])} | "
                          f"{f(r['tokens_per_step'])} | {r['draft_step_share']:.2f} | {f(alpha)} | {f(k)} | {f(c, '.3f')} | "
-                         f"{f(s_bound)}{'×' if s_bound else ''} | {f(eff)} | {same}/{n} | {ties} |")
+                         f"{f(s_bound)}{'×' if s_bound else ''} | {f(eff)} | {r['tree_step_share']:.2f} | "
+                         f"{f(r['mean_tree_nodes'], '.1f')} | {same}/{n} | {ties} |")
     table = "\n".join(lines)
     print(table)
     bad = [(m, bb) for m, by_b in runs.items() for bb, r in by_b.items() if r["identical"] + r["near_ties"] < len(r["token_ids"])]

@@ -35,7 +35,7 @@ is replaced): ``prompt`` (as the model saw it), ``output_text``, ``finish_reason
 statistics record (``prompt_tokens``, ``new_tokens``, ``verify_steps``, ``draft_tokens``,
 ``accepted_tokens``, ``acceptance_rate``, ``mean_accepted_length``, ``drafted_per_position``,
 ``accepted_per_position``, ``draft_time_s``, ``prefill_time_s``, ``verify_time_s``,
-``wall_time_s``, ``draft_steps``, ``tokens_per_step``), ``method``, ``target_model``,
+``wall_time_s``, ``draft_steps``, ``tokens_per_step``, ``tree_steps``, ``tree_nodes``, ``tree_off_steps``), ``method``, ``target_model``,
 ``draft_model``, ``error`` and ``audit`` (see pipeline.write's OUTPUT_SCHEMA for types).
 A bad row (no usable prompt, a prompt longer than the context, a bad per-row setting, a
 ``preprocess`` that raised on it) is not dropped: its ``error`` says why and its statistics

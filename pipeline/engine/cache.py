@@ -14,10 +14,14 @@ Consequences:
   new row writes before it reads them.
 - Padding never pollutes a row: padded tokens of a ragged batch write to one scratch slot
   past the end of the buffer, which no mask ever reaches.
+- A token tree (:mod:`pipeline.engine.verify`) writes its nodes in the slots after the
+  row's last token, in node order, at positions given by their depth; after verification
+  the accepted path's entries are copied to the slots of their positions
+  (:meth:`SlotCache.move`) and the rest are left to be overwritten, as after a rejection.
 
 Memory: ``rows x heads x capacity x head_dim`` per layer for keys and for values, where
 ``capacity`` grows (doubling, capped by the model's context) to the longest row seen, so
-it is bounded by ``max_batch_size x (longest prompt + max_new_tokens + k)`` and stays flat
+it is bounded by ``max_batch_size x (longest prompt + max_new_tokens + k)`` (``k x num_candidates`` tree nodes instead of ``k`` with token trees) and stays flat
 once reached.
 
 transformers' model code calls :meth:`SlotCache.update` from every attention layer; the
@@ -169,6 +173,23 @@ class SlotCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         pass
+
+    def move(self, slot: int, sources: list[int], targets: list[int]) -> None:
+        """Copy the keys and values of positions ``sources`` of row ``slot`` to positions
+        ``targets`` (every layer; all sources are read before any target is written).  After
+        a token tree's verification the accepted path's nodes, written in the slots of their
+        index in the tree, move to the slots of their positions, so that position ``p`` sits
+        in slot ``p`` again."""
+        if not sources:
+            return
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            device = layer.keys.device
+            src = torch.tensor(sources, dtype=torch.long, device=device)
+            dst = torch.tensor(targets, dtype=torch.long, device=device)
+            layer.keys[slot, :, dst] = layer.keys[slot, :, src]
+            layer.values[slot, :, dst] = layer.values[slot, :, src]
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (keys and values of every layer)."""

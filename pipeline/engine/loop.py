@@ -29,7 +29,6 @@ import torch
 
 from .batch import RowState
 from .draft_length import DraftLengthPolicy
-from .lazy_head import LazyHead, best_chunk, head_costs
 from .proposers import ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
 from .runner import ModelRunner, model_layout, prefill, text_config
@@ -38,7 +37,8 @@ from .settings import GenerationSettings
 from .speculation import SpeculationSettings
 from .stats import GenerationResult, RowStats
 from .stopping import StopChecker
-from .verify import greedy_accept, verify_greedy, verify_sampling
+from .tree_size import TreeSizer
+from .verify import ArgmaxVerification, ShapedVerification, Verdict, Verification, VerifyPass
 
 #: rows in flight when neither the engine nor the call says
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -78,19 +78,6 @@ class StepEngine:
             unless ``True``: their law never depends on it, but the draws a seed gives do, and
             the choice follows measured times, so a seed would not reproduce its output.  Off
             with static ensemble verification, whose (lossy) output depends on it.
-        lazy_output_layer: greedy verification evaluates the target's output layer only at
-            the positions it reads, stage by stage, stopping at each row's first rejected
-            draft token (:mod:`pipeline.engine.lazy_head`): ``True`` with the stage size the
-            measured head costs and acceptance favour, an integer ``c`` with stages of ``c``
-            positions (1: position by position), ``False`` (default) never.  Only for greedy
-            rows without logits processors, with proposers that do not run the target's
-            passes themselves; outputs never depend on it.  Off by default because it did not
-            pay where it was measured: on the 2-core CPU a head call over 16 positions costs
-            about what one costs (the weights are read once), so stopping early saves little
-            and extra calls cost a weight read each (Gemma 3 270M, prompt lookup, 8 XSum
-            articles: 1.02x the full head at one row, 0.90x at 8; position by position 0.81x
-            and 0.95x).  It is meant for heads whose cost grows with the positions evaluated
-            (large batches on an accelerator).
         clock: the clock of every time in the rows' statistics and of the load policy
             (seconds): ``time.perf_counter`` (default, wall time) or e.g.
             ``time.process_time`` (CPU time of the process: steadier on a shared CPU
@@ -112,7 +99,6 @@ class StepEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         adaptive_draft_length: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        lazy_output_layer: bool | int = False,
     ):
         self.spec = (speculation or SpeculationSettings()).validate()
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
@@ -131,6 +117,18 @@ class StepEngine:
                 f"method {self.spec.method!r} reuses the target's own passes, which a LongRoPE target recomputes when "
                 "a row crosses original_max_position_embeddings; use draft_model or prompt_lookup with this target"
             )
+        if self.spec.num_candidates > 1:
+            why = None
+            if not getattr(self.proposer, "proposes_trees", False):
+                why = "its proposer drafts no token trees (prompt_lookup and draft_model do)"
+            elif self._hook is not None:
+                why = "it runs the target's passes itself, without a tree attention mask"
+            elif self.layout.longrope_switch is not None:
+                why = "a LongRoPE target's factors follow the pass's slots, not the nodes' positions"
+            if why:
+                raise ValueError(f"num_candidates={self.spec.num_candidates} (token trees) cannot be used with method "
+                                 f"{self.spec.method!r}: {why}; set num_candidates to 1")
+        self.tree_sizer = TreeSizer()
         limit = getattr(self.proposer, "max_rows", None)
         self.max_batch_size = max_batch_size if limit is None else min(max_batch_size, limit)
         if self.spec.assistant_ensemble_weight is not None:
@@ -142,11 +140,6 @@ class StepEngine:
         self.clock = clock
         self.policy = DraftLengthPolicy(self.spec.draft_length) if adaptive_draft_length is not False and self.proposer else None
         self._runner: ModelRunner | None = None
-        if not isinstance(lazy_output_layer, int) or (not isinstance(lazy_output_layer, bool) and lazy_output_layer < 1):
-            raise ValueError(f"lazy_output_layer must be a bool or a stage size >= 1, got {lazy_output_layer!r}")
-        self.lazy_output_layer = lazy_output_layer
-        self.lazy: LazyHead | None = None  # set by bind() where the lazy head applies
-        self._head_cost: dict[int, float] = {}
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -164,41 +157,19 @@ class StepEngine:
         """The target's runner (and the proposer's state) for ``rows`` slots, built once."""
         if self._runner is None or self._runner.cache.max_rows < rows:
             self._runner = ModelRunner(self.target, rows, self.layout)
-            self._bind_lazy_head(rows)  # before any row occupies a slot: its probe writes slot 0
             if self.proposer is not None:
                 self.proposer.bind(rows, self._runner)
         return self._runner
 
-    def _bind_lazy_head(self, rows: int) -> None:
-        option = self.lazy_output_layer
-        self.lazy = None
-        if option is False or self.proposer is None or self._hook is not None or self.layout.longrope_switch is not None:
-            return
-        lazy = LazyHead(self._runner)
-        if not lazy.probe():
-            return
-        self.lazy = lazy
-        if option is True:
-            self._head_cost = head_costs(lazy, min(256, rows * (self.spec.draft_length + 1)), self.clock)
-
-    def _lazy_chunk(self, rows: int, keep: int) -> int | None:
-        """The stage size of this pass's lazy head, or ``None`` for the full head."""
-        option = self.lazy_output_layer
-        if self.lazy is None or keep < 2:
-            return None
-        if not isinstance(option, bool) and isinstance(option, int):
-            return option
-        reach = self.policy.pooled_reach() if self.policy is not None else []
-        chunk = best_chunk(reach, self._head_cost, rows, keep)
-        return chunk if chunk < keep else None
-
-    def target_pass(self, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
+    def target_pass(self, slots, tokens, starts, logits_to_keep: int, trees=None) -> torch.Tensor:
         """One target pass over the rows in ``slots`` (through the proposer's hook when it has
         one): ``tokens[i]`` ``(q_i,)`` int64 from position ``starts[i]``; returns ``(b,
-        logits_to_keep, V)`` logits of the last positions of every row."""
+        logits_to_keep, V)`` logits of the last positions of every row.  ``trees``: per row
+        ``None`` or a token tree's ``parents`` over its tokens (:meth:`ModelRunner.forward`;
+        never through a hook: the engine refuses trees with one)."""
         if self._hook is not None:
             return self._hook(self._runner, slots, tokens, starts, logits_to_keep)
-        return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits
+        return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, trees=trees).logits
 
     # ------------------------------------------------------------------ rows
     def new_row(self, index: int, prompt, settings: GenerationSettings, slot: int, device) -> RowState | str:
@@ -242,7 +213,7 @@ class StepEngine:
         t0 = self.clock()
         slots = [r.slot for r in rows]
         prompts = [r.sequence for r in rows]
-        longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length + 1
+        longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length * self.spec.num_candidates + 1
         self._runner.cache.reserve(longest)  # one allocation, not a doubling per pass
         reserve = getattr(getattr(self.proposer, "runner", None), "cache", None)
         if reserve is not None and reserve is not self._runner.cache:
@@ -276,68 +247,30 @@ class StepEngine:
         t0 = self.clock()
         ks = [self._draft_length(r) for r in rows]
         policy = self.policy if self.policy is not None and (self.adaptive or not rows[0].settings.do_sample) else None
+        reach = None
         if policy is not None:
             pooled = policy.pooled_reach()
             reach = [policy.row_reach(r.stats.drafted_per_position, r.stats.accepted_per_position, pooled) for r in rows]
             ks = policy.plan(reach, ks)
-        want_probs = rows[0].settings.do_sample or self.spec.assistant_ensemble_weight is not None
-        drafts: list[Draft] = [empty_draft(r.sequence.device) for r in rows]
-        asks = [i for i, k in enumerate(ks) if k > 0]
-        if asks:
-            requests = [DraftRequest(rows[i].slot, rows[i].sequence, ks[i], rows[i].shaper, rows[i].generator, want_probs)
-                        for i in asks]
-            for i, d in zip(asks, self.proposer.propose(requests)):
-                drafts[i] = d
+        # the rows of a step share their settings (the scheduler groups them): one way to verify
+        argmax = self.spec.assistant_ensemble_weight is None and not any(r.shaper.active or r.shaper.do_sample
+                                                                        for r in rows)
+        candidates = self.spec.num_candidates if argmax else 1
+        drafts = self._propose(rows, ks, candidates)
         t1 = self.clock()
-        if policy is not None and asks:
+        if policy is not None and any(ks):
             policy.observe_propose(ks, t1 - t0)
             if not rows[0].settings.do_sample:
                 # Greedy only: a draft's length may depend on its tokens (a confidence threshold
                 # stops it), and cutting sampled drafts by it would bias the accepted tokens.
-                keep_n = policy.trim(reach, [len(d) for d in drafts])
-                drafts = [d if len(d) <= keep_n else d.truncated(keep_n) for d in drafts]
-
-        tokens, starts = [], []
-        switch = self.layout.longrope_switch
-        for r, d in zip(rows, drafts):
-            d_tokens = d.tokens.to(r.sequence.device)
-            if switch is not None and r.rope_regime == 0 and r.length > switch:
-                # first pass past LongRoPE's switch: recompute the row under the long
-                # factors, as generate() does
-                tokens.append(torch.cat([r.sequence[0], d_tokens]))
-                starts.append(0)
-                r.rope_regime = 1
-            else:
-                tokens.append(torch.cat([r.sequence[0, -1:], d_tokens]))
-                starts.append(r.length - 1)
-        keep = max(len(d) for d in drafts) + 1
-        ensemble = self.spec.assistant_ensemble_weight
-        fast = ensemble is None and not any(r.shaper.active or r.shaper.do_sample for r in rows)
-        chunk = self._lazy_chunk(len(rows), keep) if fast else None
-        slots = [r.slot for r in rows]
-        if chunk is not None:  # greedy: the output layer only where verification reads it
-            hidden = self.lazy.hidden(slots, tokens, starts, keep)
-            lazy = self.lazy.verify(hidden, [d.tokens.tolist() for d in drafts], chunk)
-        else:
-            logits = self.target_pass(slots, tokens, starts, keep)
-            choices = logits.argmax(-1).tolist() if fast else None
+                drafts = self._trim(policy, reach, drafts)
+        step = self._pass(rows, drafts)
+        verdicts = self._verification(argmax).run(rows, drafts, step)
         if self.policy is not None:
-            self.policy.observe_verify(len(rows), keep, self.clock() - t1)
+            self.policy.observe_verify(len(rows), step.keep, self.clock() - t1)
         t2 = self.clock()
-
-        for b, (r, d) in enumerate(zip(rows, drafts)):
-            n = len(d)
-            if chunk is not None:
-                accepted, token = greedy_accept(d.tokens.tolist(), lazy[b][1])
-            elif fast:
-                accepted, token = greedy_accept(d.tokens.tolist(), choices[b][keep - n - 1:])
-            else:
-                accepted, token = self._verify(r, d, logits[b, keep - n - 1:], ensemble)
-            if self.proposer is not None:
-                self.proposer.rollback(r.slot, r.length + accepted)
-            self._commit(r, d, accepted, token)
-            if self.policy is not None and n:
-                self.policy.observe_draft(n, min(accepted, n))
+        for r, d, v in zip(rows, drafts, verdicts):
+            self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
         t3 = self.clock()
         share = 1.0 / len(rows)
         for r in rows:
@@ -346,22 +279,94 @@ class StepEngine:
             r.stats.verify_time_s += (t2 - t1) * share
             r.stats.wall_time_s += (t3 - t0) * share
 
-    def _verify(self, row: RowState, draft: Draft, logits: torch.Tensor, ensemble) -> tuple[int, int]:
-        d_tokens = draft.tokens.to(logits.device)
-        d_probs = draft.probs.to(logits.device) if draft.probs is not None else None
-        if row.settings.do_sample:
-            p = row.shaper.probs(row.sequence, logits, d_tokens)
-            if d_probs is not None:
-                d_probs = d_probs.to(p.dtype)
-            return verify_sampling(d_tokens, p, d_probs, row.generator, ensemble)
-        scores = row.shaper.shape(row.sequence, logits, d_tokens)
-        return verify_greedy(d_tokens, scores, d_probs, ensemble)
+    def _propose(self, rows: list[RowState], ks: list[int], candidates: int) -> list[Draft]:
+        """Every row's draft of up to ``ks[i]`` tokens (a token tree of up to ``candidates``
+        branches where the proposer offers them)."""
+        drafts: list[Draft] = [empty_draft(r.sequence.device) for r in rows]
+        asks = [i for i, k in enumerate(ks) if k > 0]
+        if asks:
+            want_probs = rows[0].settings.do_sample or self.spec.assistant_ensemble_weight is not None
+            requests = [DraftRequest(rows[i].slot, rows[i].sequence, ks[i], rows[i].shaper, rows[i].generator,
+                                     want_probs, candidates) for i in asks]
+            for i, d in zip(asks, self.proposer.propose(requests)):
+                drafts[i] = d
+        return drafts
 
-    def _commit(self, row: RowState, draft: Draft, accepted: int, token: int) -> None:
-        """Emit the accepted draft tokens and the target's token one by one, stopping at
-        EOS / a stop string; update the row's sequence, schedule and statistics."""
-        n = len(draft)
-        block = draft.tokens[:accepted].tolist() + [token]
+    def _trim(self, policy: DraftLengthPolicy, reach, drafts: list[Draft]) -> list[Draft]:
+        """The drafts cut to what pays, now that they are drafted: the first branch's length by
+        the draft-length policy (:meth:`DraftLengthPolicy.trim`), then a tree's nodes by the
+        tree's expected gain (:class:`~pipeline.engine.tree_size.TreeSizer`)."""
+        first = [len(d.first_branch()) if d.parents is not None else len(d) for d in drafts]
+        keep_n = policy.trim(reach, first)
+        drafts = [d.pruned(keep_n, len(d)) if d.parents is not None else
+                  (d if len(d) <= keep_n else d.truncated(keep_n)) for d in drafts]
+        if not any(d.parents is not None for d in drafts) or not policy.measured:
+            return drafts
+        first = [min(f, keep_n) for f in first]
+        nodes = self.tree_sizer.nodes(policy, reach, first, [len(d) for d in drafts])
+        return [d.truncated(nodes) if len(d) > nodes else d for d in drafts]
+
+    def _pass(self, rows: list[RowState], drafts: list[Draft]) -> VerifyPass:
+        """The step's target pass: each row's ``[last, d_1 .. d_n]`` (its whole sequence on the
+        first pass past a LongRoPE switch, recomputed under the long factors as ``generate()``
+        does), and the token trees over them."""
+        tokens, starts = [], []
+        switch = self.layout.longrope_switch
+        for r, d in zip(rows, drafts):
+            d_tokens = d.tokens.to(r.sequence.device)
+            if switch is not None and r.rope_regime == 0 and r.length > switch:
+                tokens.append(torch.cat([r.sequence[0], d_tokens]))
+                starts.append(0)
+                r.rope_regime = 1
+            else:
+                tokens.append(torch.cat([r.sequence[0, -1:], d_tokens]))
+                starts.append(r.length - 1)
+        trees = [d.parents if d.is_tree else None for d in drafts]
+        return VerifyPass([r.slot for r in rows], tokens, starts, max(len(d) for d in drafts) + 1,
+                          trees if any(t is not None for t in trees) else None)
+
+    def _verification(self, argmax: bool) -> Verification:
+        """How this step verifies: by argmax (greedy rows without logits processors; linear
+        drafts and token trees), or with each row's logits shaped (processors, sampling,
+        static ensemble)."""
+        if not argmax:
+            return ShapedVerification(self.target_pass, self.spec.assistant_ensemble_weight)
+        return ArgmaxVerification(self.target_pass)
+
+    def _settle(self, row: RowState, draft: Draft, verdict: Verdict, tree_off: bool) -> None:
+        """After verification: the accepted path's cache entries moved to their slots (a tree),
+        the proposer rolled back to the accepted part of its first branch, the block committed
+        and the measurements recorded."""
+        n, path = len(draft), verdict.path
+        on_first = len(path)
+        if draft.parents is not None:
+            first = draft.first_branch()
+            on_first = next((i for i, (a, b) in enumerate(zip(path, first)) if a != b), min(len(path), len(first)))
+            moves = [(row.length + j, row.length + i) for i, j in enumerate(path) if j != i]
+            if moves:
+                self._runner.cache.move(row.slot, [a for a, _ in moves], [b for _, b in moves])
+            if draft.is_tree:
+                row.stats.tree_steps += 1
+                row.stats.tree_nodes += n
+                self.tree_sizer.observe(n - len(first), len(path) - on_first)
+            depth = max(draft.depths(), default=0)
+            fb = len(first)
+        else:
+            depth = fb = n
+            if tree_off and n:
+                row.stats.tree_off_steps += 1
+        if self.proposer is not None:
+            self.proposer.rollback(row.slot, row.length + on_first)
+        tokens = draft.tokens[path].tolist() if path else []
+        self._commit(row, tokens, verdict.token, depth)
+        if self.policy is not None and fb:
+            self.policy.observe_draft(fb, min(on_first, fb))
+
+    def _commit(self, row: RowState, accepted: list[int], token: int, drafted: int) -> None:
+        """Emit the ``accepted`` draft tokens and the target's token one by one, stopping at
+        EOS / a stop string; update the row's sequence, schedule and statistics (a draft of
+        ``drafted`` positions: a tree counts its depth)."""
+        block = accepted + [token]
         emitted = 0
         for tok in block:
             row.generated.append(tok)
@@ -371,15 +376,15 @@ class StepEngine:
                 break
         if row.on_tokens is not None:
             row.on_tokens(row.generated[-emitted:])
-        if n:
-            row.stats.record_draft(n, min(accepted, emitted))
+        if drafted:
+            row.stats.record_draft(drafted, min(len(accepted), emitted))
         if row.finish is None and row.remaining <= 0:
             row.finish = "context" if row.context_bound else "length"
         if row.finish is None:
             new = torch.tensor([block], dtype=torch.long, device=row.sequence.device)
             row.sequence = torch.cat([row.sequence, new], dim=1)
-            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and n:
-                row.k = row.k + 2 if accepted == row.k else max(1, row.k - 1)
+            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and drafted:
+                row.k = row.k + 2 if len(accepted) == row.k else max(1, row.k - 1)
 
     def finish(self, row: RowState) -> GenerationResult:
         if hasattr(self.proposer, "finish"):  # a proposer that learns from finished outputs (suffix)

@@ -179,7 +179,7 @@ class ModelRunner:
         self.small_query = kernels.uses_small_query_attention(model)
 
     # ------------------------------------------------------------------ inputs
-    def inputs(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int]):
+    def inputs(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int], trees=None):
         """Left-padded inputs, ``position_ids``, write slots and the masks of one pass.
 
         Args:
@@ -187,6 +187,7 @@ class ModelRunner:
             tokens: per row a ``(q_b,)`` int64 tensor (``q_b >= 1``) of the tokens it feeds,
                 or a ``(q_b, H)`` float tensor of input embeddings.
             starts: per row the position of its first token.
+            trees: per row ``None`` or a token tree over its tokens (see :meth:`forward`).
 
         Returns:
             ``(inputs (b, Q) or (b, Q, H), position_ids (b, Q), write (b, Q), kv_len, mask)``.
@@ -209,16 +210,45 @@ class ModelRunner:
         position_ids = start.view(-1, 1) + offset.clamp_min(0)
         write = torch.where(real, position_ids, torch.full_like(position_ids, -1))
         kv_len = int((start + lengths).max())
-        return input_ids, position_ids, write, kv_len, self.masks(position_ids, kv_len)
+        tree_rows = {}
+        for i, parents in enumerate(trees or ()):
+            if parents is None:
+                continue
+            m = int(tokens[i].shape[0])
+            if len(parents) != m - 1:
+                raise ValueError(f"a token tree of {len(parents)} nodes needs {len(parents) + 1} tokens, got {m}")
+            depth, ancestors = tree_layout(parents, device)
+            position_ids[i, q - m:] = starts[i] + depth  # a node's position is its depth; its slot its index
+            tree_rows[i] = (starts[i], depth, ancestors)
+        return input_ids, position_ids, write, kv_len, self.masks(position_ids, kv_len, tree_rows)
 
-    def masks(self, position_ids: torch.Tensor, kv_len: int):
+    def masks(self, position_ids: torch.Tensor, kv_len: int, trees: dict | None = None):
         """Additive 4D masks ``(b, 1, Q, kv_len)`` (0 = read, dtype min = hidden) for the
-        queries at ``position_ids``: one tensor, or a dict per layer kind."""
+        queries at ``position_ids``: one tensor, or a dict per layer kind.
+
+        ``trees``: for a row verifying a token tree, ``{row: (start, depth (m,), ancestors
+        (m, m))}``: its ``m`` tokens (the root, then the nodes) sit in slots ``start ..
+        start + m - 1`` at positions ``start + depth``, and a token reads the row's slots
+        before ``start`` and those of its ancestors and itself (the tree attention mask of
+        SpecInfer); in a sliding-window layer, within the window by position."""
         s = torch.arange(kv_len, device=position_ids.device).view(1, 1, -1)
         p = position_ids.unsqueeze(-1)
-        allowed = {"full_attention": s <= p}
+        kv_pos = s
+        full = s <= p
+        if trees:
+            q = position_ids.shape[1]
+            full = full.expand(position_ids.shape[0], q, kv_len).clone()
+            kv_pos = s.view(1, -1).repeat(position_ids.shape[0], 1)
+            for i, (start, depth, ancestors) in trees.items():
+                m = depth.shape[0]
+                kv_pos[i, start:start + m] = start + depth
+                block = full[i, q - m:]
+                block[:, start:] = False
+                block[:, start:start + m] = ancestors
+            kv_pos = kv_pos.unsqueeze(1)
+        allowed = {"full_attention": full}
         if self.layout.sliding_window is not None:
-            allowed["sliding_attention"] = (s <= p) & (s > p - self.layout.sliding_window)
+            allowed["sliding_attention"] = full & (kv_pos > p - self.layout.sliding_window)
         low = torch.finfo(self.dtype).min
         out = {}
         for kind in set(self.layout.layer_types):
@@ -239,7 +269,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def forward(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int], logits_to_keep: int = 1,
-                model=None, **kwargs):
+                model=None, trees=None, **kwargs):
         """One pass of ``model`` (default: this runner's model) over the rows.
 
         ``tokens``: per row ``(q_b,)`` token ids or ``(q_b, H)`` input embeddings (see
@@ -247,8 +277,16 @@ class ModelRunner:
         V)``: the last ``logits_to_keep`` positions of every row (left padding aligns them).  Rows whose
         LongRoPE regimes differ run as separate passes, merged back in row order (only
         ``logits`` is merged then).
+
+        ``trees``: per row ``None`` or the ``parents`` of a token tree
+        (:class:`~pipeline.engine.proposers.base.Draft`) whose root is the row's first token
+        and whose nodes are the rest: token ``i`` writes slot ``starts[b] + i`` as usual, but
+        takes position ``starts[b] +`` its depth and attends to its ancestors only
+        (:meth:`masks`).  Not with LongRoPE (the regime follows the slots).
         """
         model = model if model is not None else self.model
+        if trees is not None and self.layout.longrope_switch is not None and any(t is not None for t in trees):
+            raise ValueError("token trees are not supported with LongRoPE targets")
         regimes = [self.layout.regime(s + int(t.shape[0])) for s, t in zip(starts, tokens)]
         if len(set(regimes)) > 1:
             groups = {r: [i for i, x in enumerate(regimes) if x == r] for r in sorted(set(regimes))}
@@ -260,8 +298,8 @@ class ModelRunner:
                 m = parts[r].shape[1]  # a group shorter than logits_to_keep returns fewer positions
                 logits[idx, logits_to_keep - m:] = parts[r]
             return _Output(logits)
-        inputs, position_ids, write, kv_len, mask = self.inputs(slots, tokens, starts)
-        if self._plain_causal(tokens, starts):
+        inputs, position_ids, write, kv_len, mask = self.inputs(slots, tokens, starts, trees)
+        if self._plain_causal(tokens, starts) and not any(t is not None for t in trees or ()):
             mask = None  # every row starts at 0 with the same length: SDPA's own causal kernel
         self.cache.step(slots, write, kv_len)
         feed = {"input_ids": inputs} if inputs.dim() == 2 else {"inputs_embeds": inputs}
@@ -271,6 +309,24 @@ class ModelRunner:
                              use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
         finally:
             self.cache.current = None
+
+
+def tree_layout(parents: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depth ``(m,)`` int64 (root 0) and the ancestor-or-self matrix ``(m, m)`` bool of a
+    token tree's ``m = len(parents) + 1`` tokens (the root first, then node ``j`` at ``j + 1``;
+    ``parents[j] < j``, ``-1`` for the root)."""
+    m = len(parents) + 1
+    depth = [0] * m
+    anc = torch.zeros((m, m), dtype=torch.bool)
+    anc[0, 0] = True
+    for j, par in enumerate(parents):
+        i, up = j + 1, par + 1
+        if not -1 <= par < j:
+            raise ValueError(f"a token tree's node {j} has parent {par}: parents must come before their children")
+        depth[i] = depth[up] + 1
+        anc[i] = anc[up]
+        anc[i, i] = True
+    return torch.tensor(depth, dtype=torch.long, device=device), anc.to(device)
 
 
 class _Output:

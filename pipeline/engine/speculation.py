@@ -74,6 +74,13 @@ class SpeculationSettings:
         suffix_decoding_min_token_prob: method ``suffix``: a draft stops before the token
             whose estimated chance of being reached (the product of the observed frequencies
             along the draft) is below this, in [0, 1]; ``None``: 0.1 (vLLM's default).
+        num_candidates: tree verification (SpecInfer, Miao et al. 2023): the most candidate
+            continuations a row's draft may branch into, verified in one target pass with a
+            tree attention mask (1, the default: one linear draft).  Methods whose proposer
+            offers trees (``prompt_lookup``: several n-gram matches; ``draft_model``: the
+            drafter's top candidates at each draft position); greedy rows without logits
+            processors only (sampled rows verify one linear draft; ``RowStats.tree_off_steps``
+            counts those steps).
     """
 
     method: str = "plain"
@@ -91,6 +98,7 @@ class SpeculationSettings:
     suffix_decoding_max_cached_requests: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    num_candidates: int = 1
 
     def validate(self) -> "SpeculationSettings":
         """Check every value and the method's own rules (its
@@ -122,6 +130,10 @@ class SpeculationSettings:
             raise ValueError(
                 f"max_matching_ngram_size must be a positive integer, got {self.max_matching_ngram_size!r}"
             )
+        n = self.num_candidates
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_candidates (branches of a token tree; 1: linear drafts) must be a positive "
+                             f"integer, got {n!r}")
         w = self.assistant_ensemble_weight
         if w is not None:
             if not isinstance(w, (int, float)) or math.isnan(w) or not (0 < w < 1):

@@ -36,6 +36,13 @@ several rows, counts are summed first, then divided (never a mean of per-row rat
   right and accepted as a prefix): ``j = 0``: ``verify_steps - accepted_per_position[0]``
   (steps without a draft included); ``j >= 1``: ``accepted_per_position[j-1] -
   accepted_per_position[j]``.
+- ``tree_steps``: draft steps whose draft was a token tree (``num_candidates > 1``, branched);
+  ``tree_nodes``: the tree nodes they verified.  A tree counts as a draft of its depth in
+  ``draft_tokens`` and the per-position lists (position ``i`` = depth ``i``), and its accepted
+  path as the accepted tokens, so the rates above keep their meaning (accepted tokens per
+  draft position); ``tree_nodes / tree_steps`` is the tree's mean size.
+- ``tree_off_steps``: draft steps of a row with ``num_candidates > 1`` verified as one linear
+  draft because the row samples or has logits processors (trees are greedy only).
 - ``tokens_per_s`` = new_tokens / wall_time_s (the engine's throughput);
   ``decode_tokens_per_s`` = new_tokens / (wall_time_s - prefill_time_s): the target's
   prompt prefill, the same work for every method, left out.
@@ -75,6 +82,9 @@ class RowStats:
     prefill_time_s: float | None = 0.0
     verify_time_s: float = 0.0
     wall_time_s: float = 0.0
+    tree_steps: int = 0
+    tree_nodes: int = 0
+    tree_off_steps: int = 0
     finish_reason: str | None = None
 
     # ------------------------------------------------------------------ rates
@@ -243,6 +253,12 @@ COLUMNS: tuple[StatColumn, ...] = (
     StatColumn("draft_steps", "int", "verify steps that verified a non-empty draft", appended=True,
                older=_first_position),
     StatColumn("tokens_per_step", "float", "new_tokens / verify_steps (1.0 for plain decoding)", appended=True),
+    StatColumn("tree_steps", "int", "verify steps that verified a token tree (several branches)", appended=True,
+               older=lambda row: 0),
+    StatColumn("tree_nodes", "int", "draft tokens (tree nodes) verified in those steps", appended=True,
+               older=lambda row: 0),
+    StatColumn("tree_off_steps", "int", "draft steps verified linearly although num_candidates > 1, because the "
+               "row samples or has logits processors (trees are greedy only)", appended=True, older=lambda row: 0),
 )
 #: the rates written as columns (recomputed from the counts when read)
 RATE_COLUMNS = ("acceptance_rate", "mean_accepted_length", "tokens_per_step")

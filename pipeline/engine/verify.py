@@ -9,15 +9,29 @@ were kept).
 - Greedy: the longest draft prefix equal to the target's argmax, then the argmax
   (:func:`greedy_accept`; the loop computes every row's argmax in one call when no
   logits processor applies).
+- Token trees, greedy (SpecInfer, Miao et al. 2023, arXiv 2305.09781; Medusa, Cai et al.
+  2024): from the root, follow the child whose token is the target's argmax at the node
+  reached, as long as there is one; the longest verified path is accepted, then the
+  argmax after it (:func:`tree_accept`).  Each accepted token is the target's argmax given
+  the committed text and the path before it, so the output is plain greedy's.
 - Sampling: rejection sampling of Leviathan et al. 2023 (arXiv 2211.17192, Alg. 1) and
   Chen et al. 2023 (arXiv 2302.01318): accept draft token ``x`` with probability
   ``min(1, p(x) / q(x))``; on rejection draw from ``norm(max(0, p - q))``; when every
   token is accepted draw the bonus token from ``p``.  A deterministic proposer has a
   one-hot ``q``.  With a static ensemble weight ``w`` (lossy), ``p`` is replaced by the
   mixture ``w*p + (1-w)*q`` at draft positions; the bonus still comes from ``p``.
+
+How a step verifies is one object chosen per step by the loop (:class:`Verification`):
+:class:`ArgmaxVerification` (greedy rows without logits processors: one argmax call for
+the pass, linear drafts and token trees) and :class:`ShapedVerification` (logits processors,
+sampling, static ensemble).  Each runs the
+step's target pass and returns a :class:`Verdict` per row.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -110,3 +124,139 @@ def verify_sampling(
             return i, int(token)
     token = torch.multinomial(target_probs[n], 1, generator=generator)
     return n, int(token)
+
+
+def tree_accept(tokens: Sequence[int], parents: Sequence[int], choice: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy verification of a token tree from the target's choices.
+
+    Args:
+        tokens: the nodes' token ids (``m``).
+        parents: per node its parent's index (``-1``: the root), parents first.
+        choice: ``m + 1`` argmax ids: ``choice[0]`` at the root (the row's last committed
+            token), ``choice[j + 1]`` at node ``j``.
+
+    Returns:
+        ``(path, next_token)``: the accepted nodes, root to leaf (the longest path whose every
+        token is the target's choice at its parent), and the target's token after the path.
+    """
+    children: dict[int, list[int]] = {}
+    for j, par in enumerate(parents):
+        children.setdefault(par, []).append(j)
+    path: list[int] = []
+    cur = -1
+    while True:
+        want = int(choice[cur + 1])
+        nxt = next((j for j in children.get(cur, ()) if tokens[j] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        cur = nxt
+
+
+@dataclass
+class Verdict:
+    """One row's verification.
+
+    Attributes:
+        path: the accepted draft nodes in order (a linear draft's ``0 .. a - 1``; a tree's
+            accepted path); their tokens are accepted.
+        token: the target's token after them (correction or bonus).
+    """
+
+    path: list[int]
+    token: int
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+
+@dataclass
+class VerifyPass:
+    """The step's target pass: per row its slot, its tokens ``[last, d_1 .. d_n]`` from
+    position ``starts[i]``, and the token tree over them (``None``: linear); ``keep`` the
+    positions of logits kept (the widest row)."""
+
+    slots: list[int]
+    tokens: list[torch.Tensor]
+    starts: list[int]
+    keep: int
+    trees: list[list[int] | None] | None = None
+
+
+class Verification(Protocol):
+    """How one step verifies its rows' drafts (chosen per step by the loop)."""
+
+    def run(self, rows: Sequence[Any], drafts: Sequence[Any], step: VerifyPass) -> list[Verdict]:
+        """Run the step's target pass and verify every row's draft (``rows[i]`` a
+        :class:`~pipeline.engine.batch.RowState`, ``drafts[i]`` its
+        :class:`~pipeline.engine.proposers.base.Draft`)."""
+
+
+TargetPass = Callable[..., torch.Tensor]
+
+
+class ArgmaxVerification:
+    """Greedy rows without logits processors: one argmax over the pass's logits, then
+    :func:`greedy_accept` for a linear draft and :func:`tree_accept` for a token tree.
+
+    Args:
+        target_pass: ``(slots, tokens, starts, logits_to_keep, trees=None) -> (b, keep, V)``.
+    """
+
+    def __init__(self, target_pass: TargetPass):
+        self.target_pass = target_pass
+
+    def run(self, rows, drafts, step: VerifyPass) -> list[Verdict]:
+        trees = step.trees if step.trees is not None and any(t is not None for t in step.trees) else None
+        if trees is None:
+            logits = self.target_pass(step.slots, step.tokens, step.starts, step.keep)
+        else:
+            logits = self.target_pass(step.slots, step.tokens, step.starts, step.keep, trees=trees)
+        choices = logits.argmax(-1).tolist()
+        out = []
+        for b, d in enumerate(drafts):
+            n = len(d)
+            choice = choices[b][step.keep - n - 1:]
+            if d.parents is not None:
+                path, token = tree_accept(d.tokens.tolist(), d.parents, choice)
+                out.append(Verdict(path, token))
+            else:
+                accepted, token = greedy_accept(d.tokens.tolist(), choice)
+                out.append(Verdict(list(range(accepted)), token))
+        return out
+
+
+class ShapedVerification:
+    """Rows with logits processors, sampled rows, static ensemble verification: each row's
+    logits are shaped with its own prefix per position, then :func:`verify_greedy` or
+    :func:`verify_sampling` (linear drafts only).
+
+    Args:
+        target_pass: as for :class:`ArgmaxVerification`.
+        ensemble_weight: ``w`` of static ensemble verification, or ``None`` (lossless).
+    """
+
+    def __init__(self, target_pass: TargetPass, ensemble_weight: float | None = None):
+        self.target_pass = target_pass
+        self.ensemble = ensemble_weight
+
+    def run(self, rows, drafts, step: VerifyPass) -> list[Verdict]:
+        logits = self.target_pass(step.slots, step.tokens, step.starts, step.keep)
+        out = []
+        for b, (row, draft) in enumerate(zip(rows, drafts)):
+            n = len(draft)
+            accepted, token = self._one(row, draft, logits[b, step.keep - n - 1:])
+            out.append(Verdict(list(range(accepted)), token))
+        return out
+
+    def _one(self, row, draft, logits: torch.Tensor) -> tuple[int, int]:
+        d_tokens = draft.tokens.to(logits.device)
+        d_probs = draft.probs.to(logits.device) if draft.probs is not None else None
+        if row.settings.do_sample:
+            p = row.shaper.probs(row.sequence, logits, d_tokens)
+            if d_probs is not None:
+                d_probs = d_probs.to(p.dtype)
+            return verify_sampling(d_tokens, p, d_probs, row.generator, self.ensemble)
+        scores = row.shaper.shape(row.sequence, logits, d_tokens)
+        return verify_greedy(d_tokens, scores, d_probs, self.ensemble)

@@ -135,11 +135,11 @@ def test_sampling_is_reproducible_per_seed(tiny_vocab_pair):
 
 def test_wrong_verifier_is_detected(tiny_vocab_pair, monkeypatch):
     """The test has teeth: a verifier that accepts every draft token fails it."""
-    import pipeline.engine.loop as loop
+    import pipeline.engine.verify as verify
 
     target, drafter = tiny_vocab_pair
     exact = exact_two_token_distribution(target)
-    monkeypatch.setattr(loop, "verify_sampling", lambda d, p, q, g, w=None: (len(d), int(torch.multinomial(p[len(d)], 1, generator=g))))
+    monkeypatch.setattr(verify, "verify_sampling", lambda d, p, q, g, w=None: (len(d), int(torch.multinomial(p[len(d)], 1, generator=g))))
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=2), drafter=drafter)
     samples = Counter(
         tuple(engine.generate(PROMPT, GenerationSettings(max_new_tokens=3, seed=s, **SETTINGS)).token_ids[:2])

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipeline.engine.loop
+import pipeline.engine.verify
 from actors.generate import GenerateActor, audit_selected
 from pipeline_testkit import TEXTS, job_config, write_jsonl
 from pipeline.schema import INPUT_SCHEMA
@@ -44,7 +44,7 @@ def test_audit_reports_mismatches_when_verification_is_corrupted(audited_actor, 
         return len(draft), choice[len(draft)]  # plain decoding (no draft) stays right
 
     # greedy decoding without logits processors verifies through greedy_accept
-    monkeypatch.setattr(pipeline.engine.loop, "greedy_accept", accept_everything)
+    monkeypatch.setattr(pipeline.engine.verify, "greedy_accept", accept_everything)
     out = audited_actor(_rows(TEXTS[:6])).to_pylist()
     audits = [r["audit"] for r in out]
     assert None not in audits and audits.count(False) >= 1, audits

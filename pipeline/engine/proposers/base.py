@@ -12,6 +12,17 @@ state it needs (a drafter's KV cache length, hidden states of the target) and is
 
 It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop in
 :mod:`pipeline.engine.loop`.
+
+Token trees (optional; SpecInfer, Miao et al. 2023, arXiv 2305.09781; Medusa; EAGLE-2).  A
+proposer whose class sets ``proposes_trees = True`` may answer a request with
+``DraftRequest.candidates > 1`` by a *tree*: :attr:`Draft.parents` gives each node's parent
+(``-1``: the row's last committed token, the root), nodes in topological order (a parent
+before its children).  Node ``0`` and each first child after it form the draft's *first
+branch*: the linear draft the proposer would have made (a proposer that keeps per-row state,
+such as a drafter's cache, keeps it along the first branch only).  The loop verifies the
+tree in one target pass and accepts its longest verified path; :meth:`Proposer.rollback`
+then counts, of the accepted path, the nodes on the first branch.  Trees are greedy only:
+a request for a sampled row, or one with logits processors, always has ``candidates == 1``.
 """
 
 from __future__ import annotations
@@ -54,17 +65,63 @@ class Draft:
         probs: ``(n, V_target)`` the exact distribution each draft token was drawn from
             (after the same logits processors as the target), or ``None`` for a
             deterministic proposer, whose distribution is one-hot on the token.
+        parents: a token tree's structure (see the module docstring): ``parents[j]`` is
+            the index of node ``j``'s parent (``< j``), ``-1`` for a child of the root;
+            ``None`` for a linear draft (node ``j``'s parent is ``j - 1``).  Sibling tokens
+            differ.  A tree's depth is at most the request's ``k``; its ``probs`` is ``None``.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def is_tree(self) -> bool:
+        """Whether some node is not the child of the node before it (a branched tree)."""
+        return self.parents is not None and any(p != j - 1 for j, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Per node its depth (1: a child of the root): its draft position."""
+        if self.parents is None:
+            return list(range(1, len(self) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def first_branch(self) -> list[int]:
+        """The nodes of the first branch, root to leaf: node 0, then each node's first child."""
+        if self.parents is None:
+            return list(range(len(self)))
+        first_child: dict[int, int] = {}
+        for j, p in enumerate(self.parents):
+            first_child.setdefault(p, j)
+        out, cur = [], -1
+        while cur in first_child:
+            cur = first_child[cur]
+            out.append(cur)
+        return out
+
     def truncated(self, n: int) -> "Draft":
-        """The draft's first ``n`` tokens (and their distributions)."""
-        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
+        """The draft's first ``n`` tokens (and their distributions); of a tree, its first ``n``
+        nodes (a tree again: parents come first)."""
+        parents = None if self.parents is None else self.parents[:n]
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], parents)
+
+    def pruned(self, depth: int, nodes: int) -> "Draft":
+        """A tree cut to its nodes of depth ``<= depth`` and then to its first ``nodes`` of them
+        (the first branch's nodes come first when the proposer orders them so); a linear draft
+        cut to ``min(depth, nodes)`` tokens."""
+        if self.parents is None:
+            return self.truncated(min(depth, nodes))
+        keep = [j for j, d in enumerate(self.depths()) if d <= depth][:nodes]
+        index = {j: i for i, j in enumerate(keep)}
+        parents = [-1 if self.parents[j] < 0 else index[self.parents[j]] for j in keep]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
+        return Draft(self.tokens.index_select(0, idx), None, parents)
 
 
 @dataclass
@@ -80,6 +137,8 @@ class DraftRequest:
         shaper: the row's logits processors (shared with the target).
         generator: the row's seeded ``torch.Generator`` (used only when sampling).
         want_probs: whether the verifier needs ``Draft.probs`` (sampling or ensemble).
+        candidates: the most branches a token tree may have (1: a linear draft; see the
+            module docstring); only a proposer with ``proposes_trees`` is asked for more.
     """
 
     slot: int
@@ -88,6 +147,7 @@ class DraftRequest:
     shaper: LogitsShaper
     generator: torch.Generator | None
     want_probs: bool
+    candidates: int = 1
 
 
 @runtime_checkable
@@ -112,7 +172,30 @@ class Proposer(Protocol):
 
     def rollback(self, slot: int, valid_length: int) -> None:
         """Only the first ``valid_length`` tokens the proposer has seen for this slot
-        (committed sequence + its draft) are still valid."""
+        (committed sequence + its draft) are still valid.  After a tree, the draft counted
+        is its first branch (the accepted path's nodes on it)."""
+
+
+def tree_from_branches(branches: list[list[int]], device) -> Draft:
+    """A token tree (a trie) from candidate continuations, the first branch first: shared
+    prefixes become one node, nodes are numbered branch by branch (so the first branch's
+    nodes are ``0 .. len(branches[0]) - 1`` and :meth:`Draft.truncated` keeps it first).
+    A single branch gives a linear draft (``parents`` ``None``)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for branch in branches:
+        cur = -1
+        for tok in branch:
+            node = children.get((cur, tok))
+            if node is None:
+                node = len(tokens)
+                children[(cur, tok)] = node
+                tokens.append(tok)
+                parents.append(cur)
+            cur = node
+    draft = Draft(torch.tensor(tokens, dtype=torch.long, device=device), None, parents)
+    return draft if draft.is_tree else Draft(draft.tokens)
 
 
 class Finish(Protocol):

@@ -20,6 +20,14 @@ the drafter runs its decoder and only the ``N`` rows of its LM head for those id
 width, so ``q`` is zero outside the set.  In a small drafter with a large vocabulary the
 LM head is most of the cost (SmolLM2's drafter: 49,152 x 192 of its 10.5 M weights).
 Verification stays over the full vocabulary: greedy output is unchanged, sampling exact.
+
+Token trees (``num_candidates = c > 1``, greedy rows; a static top-k expansion in the manner
+of EAGLE-2, Li et al. 2024, and SpecInfer): the drafter drafts its greedy chain as above,
+and at each draft position its next ``c - 1`` likeliest tokens join the tree as leaves,
+siblings of the chain's token there.  They cost no drafter pass (the logits are already
+computed); a leaf is accepted when the target rejects the chain's token at its position
+and picks that one instead, which gains one token.  The chain is the tree's first branch,
+and the drafter's cache follows it.
 """
 
 from __future__ import annotations
@@ -112,6 +120,7 @@ class DraftModelProposer:
 
     adaptive = True
     max_rows = None
+    proposes_trees = True
 
     def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0, method: str = "draft_model",
                  draft_vocab: torch.Tensor | None = None):
@@ -185,6 +194,7 @@ class DraftModelProposer:
             if k > 0 and self.seen[r.slot] < length:
                 active.append((i, k))
         feeds = {i: self._feedable(requests[i].sequence[0, self.seen[requests[i].slot]:]) for i, _ in active}
+        leaves: dict[int, list[tuple[int, int, int]]] = {}  # request -> (rank, position, token)
         while active:
             reqs = [requests[i] for i, _ in active]
             slots = [r.slot for r in reqs]
@@ -198,13 +208,26 @@ class DraftModelProposer:
             still = []
             for j, (i, k) in enumerate(active):
                 tok = chosen[j : j + 1]
+                c = reqs[j].candidates
+                if c > 1:  # greedy, no processors (the loop asks for trees only then): the next likeliest
+                    top = logits[j].topk(min(c, logits.shape[-1])).indices.tolist()
+                    others = [t for t in top if t != int(tok[0])][: c - 1]
+                    leaves.setdefault(i, []).extend((rank, drafting.count(i), t) for rank, t in enumerate(others))
                 drafting.append(i, tok, qs[j])
                 low = self.threshold > 0 and float(qs[j][0, tok[0]]) < self.threshold
                 if drafting.count(i) < k and not low:
                     still.append((i, k))
                     feeds[i] = self._feedable(tok)
             active = still
-        return drafting.drafts()
+        drafts = drafting.drafts()
+        for i, extra in leaves.items():
+            chain = drafts[i]
+            extra.sort()  # the likeliest alternatives first, shallow before deep
+            tokens = torch.cat([chain.tokens, torch.tensor([t for _, _, t in extra], dtype=torch.long,
+                                                           device=chain.tokens.device)])
+            parents = list(range(-1, len(chain) - 1)) + [pos - 1 for _, pos, _ in extra]
+            drafts[i] = Draft(tokens, None, parents)
+        return drafts
 
 
 def build(inputs) -> DraftModelProposer:

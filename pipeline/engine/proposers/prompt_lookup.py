@@ -7,13 +7,21 @@ of the last ``n`` tokens of the sequence (prompt and generated text) that has a
 continuation, and propose up to ``k`` tokens that followed it.  No match: an empty
 draft, so the step is an ordinary target step.  Deterministic: ``q`` is one-hot.
 Each row is searched on its own (no model runs), so a batch costs one search per row.
+
+Token trees (``num_candidates > 1``, greedy rows): the n-gram may occur at several earlier
+sites, followed by different continuations.  :func:`lookup_candidates` gathers up to
+``num_candidates`` distinct continuations: the linear draft first (the first site of the
+longest n-gram, as above), then the other sites of that n-gram, the latest first, then
+those of shorter n-grams; they are merged into one tree (shared prefixes become one node),
+which the target verifies in one pass.  The tree holds the linear draft as its first
+branch, so it never accepts less than the linear draft.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import Draft, DraftRequest, NoState, empty_draft
+from .base import Draft, DraftRequest, NoState, empty_draft, tree_from_branches
 
 
 def lookup(seq: torch.Tensor, k: int, max_ngram: int) -> torch.Tensor:
@@ -33,8 +41,34 @@ def lookup(seq: torch.Tensor, k: int, max_ngram: int) -> torch.Tensor:
     return seq.new_empty(0)
 
 
+def lookup_candidates(seq: torch.Tensor, k: int, max_ngram: int, candidates: int) -> list[list[int]]:
+    """Up to ``candidates`` distinct continuations of up to ``k`` tokens after earlier
+    occurrences of the sequence's suffix n-grams (see the module docstring): the first is
+    :func:`lookup`'s; none is a prefix of one found before it.  ``[]`` when nothing matches."""
+    length = seq.shape[0]
+    found: list[list[int]] = []
+    values = seq.tolist()
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        pattern = seq[length - n :]
+        windows = seq[: length - 1].unfold(0, n, 1)
+        hits = [int(h) for h in (windows == pattern).all(dim=1).nonzero()[:, 0]]
+        if not hits:
+            continue
+        order = hits[:1] + hits[1:][::-1] if not found else hits[::-1]  # the linear draft's site first
+        for h in order:
+            start = h + n
+            cont = values[start : min(start + k, length)]
+            if not cont or any(f[: len(cont)] == cont for f in found):
+                continue
+            found.append(cont)
+            if len(found) >= candidates:
+                return found
+    return found
+
+
 class PromptLookupProposer(NoState):
     adaptive = False
+    proposes_trees = True
 
     def __init__(self, max_matching_ngram_size: int = 2):
         self.max_ngram = max_matching_ngram_size
@@ -42,6 +76,11 @@ class PromptLookupProposer(NoState):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         out = []
         for r in requests:
+            if r.candidates > 1:
+                branches = lookup_candidates(r.sequence[0], r.k, self.max_ngram, r.candidates)
+                out.append(tree_from_branches(branches, r.sequence.device) if branches else
+                           empty_draft(r.sequence.device))
+                continue
             tokens = lookup(r.sequence[0], r.k, self.max_ngram)
             out.append(Draft(tokens=tokens) if tokens.numel() else empty_draft(r.sequence.device))
         return out
