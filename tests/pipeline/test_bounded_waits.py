@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-import pipeline.write
+import pipeline.output.writer
 from pipeline_testkit import REPO, TEXTS, PausableProxy, job_config
 from pipeline.config import InputConfig, OutputConfig, RetryConfig
 from pipeline.read import resolve_shards
 from pipeline.retry import StorageError, open_fs, with_retries
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 
 FAST = RetryConfig(connect_timeout_s=1, read_timeout_s=1, deadline_s=3, initial_backoff_s=0.2)
 BOUND = FAST.deadline_s + FAST.connect_timeout_s + FAST.read_timeout_s
@@ -122,7 +122,7 @@ def test_a_store_that_hangs_mid_run_fails_the_run_within_the_bound_and_a_rerun_r
         f"input.storage_options={opts}", f"output.storage_options={opts}", "compute.rows_per_batch=2",
         "generation.max_new_tokens=3", *retry])
     hung_at = []
-    original = pipeline.write.OutputWriter.finish_shard
+    original = pipeline.output.writer.OutputWriter.finish_shard
 
     def hang_at_shard_1(self, shard, totals=None):
         if shard.index == 1 and not hung_at:
@@ -130,7 +130,7 @@ def test_a_store_that_hangs_mid_run_fails_the_run_within_the_bound_and_a_rerun_r
             hung_at.append(time.monotonic())
         return original(self, shard, totals)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", hang_at_shard_1)
+    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "finish_shard", hang_at_shard_1)
     try:
         from pipeline.run import run_job
 
@@ -143,7 +143,7 @@ def test_a_store_that_hangs_mid_run_fails_the_run_within_the_bound_and_a_rerun_r
         proxy.resume()
         monkeypatch.undo()
     summary = run_job(cfg, progress=False)
-    assert summary["this_run"]["shards_skipped"] == ["part-00000.parquet"] and summary["rows"] == 6
+    assert summary["this_run"]["units_skipped"] == ["part-00000-u00000.parquet"] and summary["rows"] == 6
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="hangs", Prefix="out/")["Contents"]]
     assert "out/_SUCCESS" in keys and not any("_staging" in k for k in keys)
     proxy.close()

@@ -89,7 +89,7 @@ def test_an_interrupted_run_says_so_in_one_line_keeps_its_commits_and_resumes(
                                stderr=errf, text=True, env=env, start_new_session=True)
     try:
         deadline = time.time() + 240
-        while "_manifest/part-00000.json" not in out.files():
+        while "_manifest/part-00000-u00000.json" not in out.files():
             assert job.poll() is None and time.time() < deadline, errfile.read_text()[-3000:]
             time.sleep(0.1)
         sig = getattr(signal, signame)
@@ -114,7 +114,7 @@ def test_an_interrupted_run_says_so_in_one_line_keeps_its_commits_and_resumes(
                   "Exception ignored"):
         assert noise not in err
     files = out.files()
-    assert {"part-00000.parquet", "_manifest/part-00000.json"} <= set(files)
+    assert {"part-00000-u00000.parquet", "_manifest/part-00000-u00000.json"} <= set(files)
     assert "_SUCCESS" not in files and not any(f.startswith("_staging") for f in files)
     assert len([f for f in files if f.startswith("_manifest/part-")]) < 4  # interrupted before the end
 
@@ -123,7 +123,7 @@ def test_an_interrupted_run_says_so_in_one_line_keeps_its_commits_and_resumes(
     capsys.readouterr()
     assert main("summarize", args) == 0  # the same command, in this process (the session's Ray)
     headline = json.loads(capsys.readouterr().out)
-    assert headline["this_run"]["shards_skipped"] >= 1 and headline["rows"] == 4 * ROWS
+    assert headline["this_run"]["units_skipped"] >= 1 and headline["rows"] == 4 * ROWS
     files = out.files()
     assert "_SUCCESS" in files and not any(f.startswith("_staging") for f in files)
     assert out.ids() == sorted(f"{s}-{i}" for s in range(4) for i in range(ROWS))  # every row once
