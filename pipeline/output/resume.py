@@ -106,11 +106,12 @@ def plan_resume(url: str, units: list, entries: dict[str, dict[str, Any]], ident
         unit = by_part.get(part)
         if (unit is None or entry.get("start_row") != unit.split.start or entry.get("rows") != unit.num_rows):
             was = entry.get("split_rows")
+            back = f"set input.split_rows: {was} to resume, or " if was is not None else ""
             raise OutputError(
-                f"output {url!r}: {part} holds rows {entry.get('start_row')}..+{entry.get('rows')} of "
-                f"{shard.url!r}, committed in units of {was if was is not None else 'another size'} rows "
-                f"(input.split_rows), and this run's units of that file differ; set input.split_rows: {was} to "
-                "resume, or output.overwrite: true (--overwrite) to start afresh")
+                f"output {url!r}: {part} holds {entry.get('rows')} rows of {shard.url!r} from row "
+                f"{entry.get('start_row')}, committed in units of {was if was is not None else 'another size'} "
+                f"(input.split_rows), but this run's unit {part} of that file differs; {back}set "
+                "output.overwrite: true (--overwrite) to start afresh")
     both = sorted(set(whole) & set(split_parts))
     if both:
         raise OutputError(f"output {url!r}: input shard {both[0]} is committed both whole ({whole[both[0]]}) and "

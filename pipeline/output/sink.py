@@ -7,8 +7,8 @@ pool decodes each unit's block in one task, in order).  For each unit in the blo
 writes the rows, sorted by ``source_row``, as *fragments* of at most
 ``output.max_rows_per_file`` rows to ``_staging/<run_id>/<part stem>/<first row>-<token>.parquet``
 and returns one small record per fragment (:data:`FRAGMENT_SCHEMA`): the part, the staged
-path, the first and last ``source_row``, its rows, error rows and totals, and the pid
-and host that wrote it.  Output rows never travel to the driver: it commits a unit from
+path, the first and last ``source_row``, its rows, error rows and totals, the pid and
+host that wrote it, and whether its rows are consecutive (each once, no gap).  Output rows never travel to the driver: it commits a unit from
 these records alone (:meth:`pipeline.output.writer.OutputWriter.add_fragments`), which
 moves the fragments to their final names (a rename or an object store's server-side copy).
 
@@ -36,7 +36,7 @@ UNIT_COLUMN = "_unit"
 FRAGMENT_SCHEMA = pa.schema([
     ("part", pa.string()), ("path", pa.string()), ("first_row", pa.int64()), ("last_row", pa.int64()),
     ("rows", pa.int64()), ("errors", pa.int64()), ("totals", pa.string()), ("pid", pa.int64()),
-    ("host", pa.string()),
+    ("host", pa.string()), ("consecutive", pa.bool_()),
 ])
 
 
@@ -82,7 +82,12 @@ def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str,
         rows = rows.sort_by("source_row")
         for start in range(0, rows.num_rows, cfg.max_rows_per_file):
             chunk = rows.slice(start, cfg.max_rows_per_file)
-            first, last = chunk.column("source_row")[0].as_py(), chunk.column("source_row")[-1].as_py()
+            src = chunk.column("source_row")
+            first, last = src[0].as_py(), src[-1].as_py()
+            # each row once, no gap: the driver checks the fragments of a unit tile its rows
+            consecutive = last - first + 1 == chunk.num_rows and (
+                chunk.num_rows < 2 or pc.all(pc.equal(pc.subtract(src.slice(1), src.slice(0, chunk.num_rows - 1)),
+                                                      1)).as_py())
             path = fragment_path(staging, part, first, uuid.uuid4().hex[:12])
             table = conform(chunk, extra_columns)
 
@@ -97,5 +102,5 @@ def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str,
             totals.add(chunk)
             records.append({"part": part, "path": path, "first_row": first, "last_row": last,
                             "rows": chunk.num_rows, "errors": totals.errors, "totals": json.dumps(totals.state()),
-                            "pid": os.getpid(), "host": socket.gethostname()})
+                            "pid": os.getpid(), "host": socket.gethostname(), "consecutive": bool(consecutive)})
     return pa.Table.from_pylist(records, schema=FRAGMENT_SCHEMA)

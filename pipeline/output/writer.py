@@ -197,7 +197,9 @@ class OutputWriter:
                 raise RunError(f"{part} ({unit.shard.url!r} rows {unit.split.start}..): more output rows "
                                f"({self._rows[part]}) than its {unit.num_rows} input rows")
             if self._rows[part] == unit.num_rows:
-                self.commit_unit(unit, self._fragments.pop(part))
+                frags = self._fragments.pop(part)
+                _check_cover(unit, frags)
+                self.commit_unit(unit, frags)
                 self._rows.pop(part)
                 done.append(part)
         return done
@@ -207,23 +209,10 @@ class OutputWriter:
         return {p: (self._rows.get(p, 0), u.num_rows) for p, u in self._units.items() if p not in self.entries}
 
     def commit_unit(self, unit: Any, fragments: list[dict[str, Any]]) -> list[str]:
-        """Commit one unit from the records of its staged fragments: check they hold each
-        of its rows once, in order; record the publish intent, publish the files under their
-        final names, then write the manifest entry (the commit point).  Returns the final paths.
-
-        Raises:
-            RunError: the fragments do not cover the unit's rows exactly once.
-        """
+        """Commit one unit from the records of its staged fragments (in row order once sorted
+        by their first row): record the publish intent, publish the files under their final
+        names, then write the manifest entry (the commit point).  Returns the final paths."""
         frags = sorted(fragments, key=lambda r: r["first_row"])
-        at = unit.split.start
-        for r in frags:
-            if r["first_row"] != at or r["last_row"] - r["first_row"] + 1 != r["rows"]:
-                raise RunError(f"{unit.part} ({unit.shard.url!r}): its output rows do not cover rows "
-                               f"{unit.split.start}..{unit.split.start + unit.num_rows - 1} once each, in order "
-                               f"(a fragment holds rows {r['first_row']}..{r['last_row']}, {r['rows']} rows)")
-            at += r["rows"]
-        if at != unit.split.start + unit.num_rows:
-            raise RunError(f"{unit.part}: {at - unit.split.start} of its {unit.num_rows} rows came back")
         self._check_lease()  # a run that lost its lease publishes nothing
         name = unit.part
         names = data_file_names(name, len(frags))
@@ -283,7 +272,8 @@ class OutputWriter:
 
             self.io(write, f"write {unit.part} to staging")
             rec = {"part": unit.part, "path": path, "first_row": unit.split.start, "last_row": unit.split.start - 1,
-                   "rows": 0, "errors": 0, "totals": json.dumps(RunTotals().state()), "pid": 0, "host": ""}
+                   "rows": 0, "errors": 0, "totals": json.dumps(RunTotals().state()), "pid": 0, "host": "",
+                   "consecutive": True}
             records = pa.Table.from_pylist([rec], schema=FRAGMENT_SCHEMA)
         else:
             records = write_fragments(rows, **self.sink_kwargs())
@@ -354,6 +344,21 @@ class OutputWriter:
             self.location.remove_owned(posixpath.join(STAGING, self.run_id), retry=False)
         except Exception:  # noqa: BLE001 - best effort
             pass
+
+
+def _check_cover(unit: Any, frags: list[dict[str, Any]]) -> None:
+    """Raise :class:`RunError` unless the fragments ``frags`` of ``unit`` hold each of its
+    rows once, in row order (sorted by their first row, each a run of consecutive rows)."""
+    frags = sorted(frags, key=lambda r: r["first_row"])
+    at = unit.split.start
+    for r in frags:
+        if r["first_row"] != at or not r.get("consecutive", False):
+            raise RunError(f"{unit.part} ({unit.shard.url!r}): its output rows do not cover rows "
+                           f"{unit.split.start}..{unit.split.start + unit.num_rows - 1} once each, in order "
+                           f"(a fragment holds rows {r['first_row']}..{r['last_row']}, {r['rows']} rows)")
+        at += r["rows"]
+    if at != unit.split.start + unit.num_rows:
+        raise RunError(f"{unit.part}: {at - unit.split.start} of its {unit.num_rows} rows came back")
 
 
 def _as_unit(unit: Any, rows: int):

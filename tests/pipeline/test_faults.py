@@ -167,24 +167,27 @@ def _ids(client, prefix):
 EXPECTED = sorted(f"s{i}-{j}" for i in range(3) for j in range(2))
 
 
-def _outage_at_shard(monkeypatch, proxy, index, seconds=None):
-    """Take the storage down when the driver starts committing shard ``index``
-    (back after ``seconds``, or never)."""
-    original = pipeline.output.writer.OutputWriter.finish_shard
+def _outage_at_commit(monkeypatch, proxy, index, seconds=None):
+    """Take the storage down when the driver starts its unit commit number ``index``
+    (from 0; units commit in the order they complete), back after ``seconds``, or never."""
+    original = pipeline.output.writer.OutputWriter.commit_unit
+    calls = []
 
-    def hooked(self, shard, totals=None):
-        if getattr(shard, "index", shard) == index and not proxy.paused.is_set():
+    def hooked(self, unit, fragments):
+        calls.append(unit.part)
+        if len(calls) == index + 1 and not proxy.paused.is_set():
             proxy.pause()
             if seconds is not None:
                 threading.Timer(seconds, proxy.resume).start()
-        return original(self, shard, totals)
+        return original(self, unit, fragments)
 
-    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "finish_shard", hooked)
+    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "commit_unit", hooked)
+    return calls
 
 
 def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypatch, caplog):
     client, proxy = s3
-    _outage_at_shard(monkeypatch, proxy, 1, seconds=6.0)
+    _outage_at_commit(monkeypatch, proxy, 1, seconds=6.0)
     cfg = _cfg(tiny_models, proxy, "s3://faults/out/retried", "retry.attempts=10", "retry.initial_backoff_s=0.25",
                "retry.max_backoff_s=2")
     with caplog.at_level("WARNING", logger="specbatch"):
@@ -199,21 +202,23 @@ def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypat
 def test_persistent_outage_fails_clearly_and_a_rerun_completes_only_the_missing_shards(
         ray_local, tiny_models, s3, monkeypatch):
     client, proxy = s3
-    _outage_at_shard(monkeypatch, proxy, 1)  # never comes back during run 1
+    calls = _outage_at_commit(monkeypatch, proxy, 1)  # never comes back during run 1
     cfg = _cfg(tiny_models, proxy, "s3://faults/out/resumed", "retry.attempts=2", "retry.initial_backoff_s=0.2")
     try:
-        with pytest.raises(StorageError, match="part-00001-u00000.parquet.*failed after 2 attempts"):
+        with pytest.raises(StorageError, match=r"part-0000\d-u00000.parquet.*failed after 2 attempts"):
             run_job(cfg, progress=False)
     finally:
         proxy.resume()
     monkeypatch.undo()
+    first, failed = calls[0], calls[1]
     keys = _keys(client, "out/resumed/")
-    assert "out/resumed/_manifest/part-00000-u00000.json" in keys  # committed before the outage: intact
-    assert "out/resumed/_SUCCESS" not in keys and "out/resumed/_manifest/part-00001-u00000.json" not in keys
+    entry = lambda p: "out/resumed/_manifest/" + p.replace(".parquet", ".json")  # noqa: E731
+    assert entry(first) in keys  # committed before the outage: intact
+    assert "out/resumed/_SUCCESS" not in keys and entry(failed) not in keys
 
     summary = run_job(_cfg(tiny_models, proxy, "s3://faults/out/resumed"), progress=False)
-    assert summary["this_run"]["units_skipped"] == ["part-00000-u00000.parquet"]
-    assert summary["this_run"]["units_run"] == ["part-00001-u00000.parquet", "part-00002-u00000.parquet"]
+    assert summary["this_run"]["units_skipped"] == [first]
+    assert summary["this_run"]["units_run"] == sorted({f"part-{i:05d}-u00000.parquet" for i in range(3)} - {first})
     assert summary["rows"] == 6 and len(summary["runs"]) == 2
     assert _ids(client, "out/resumed/") == EXPECTED  # every row exactly once
     assert "out/resumed/_SUCCESS" in _keys(client, "out/resumed/")

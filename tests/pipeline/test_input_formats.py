@@ -178,7 +178,7 @@ def _commit_one(out_cfg: OutputConfig, shards) -> None:
     w = OutputWriter(out_cfg)
     w.prepare(shards)
     for s in shards:
-        w.write_part(s, pa.Table.from_pylist([{"id": "x", "source_row": 0}] * s.num_rows, schema=OUTPUT_SCHEMA))
+        w.write_part(s, pa.Table.from_pylist([{"id": "x", "source_row": i} for i in range(s.num_rows)], schema=OUTPUT_SCHEMA))
     w.commit({"rows": 1})
 
 

@@ -33,7 +33,8 @@ def _commit_shard0(cfg):
     w = OutputWriter(cfg.output, retry=cfg.retry)
     shards = resolve_shards(cfg.input)
     assert w.prepare(shards, config_identity(cfg)).done == []
-    w.write_part(shards[0], pa.Table.from_pylist([{"id": "0", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": f"0{i}", "source_row": i} for i in range(shards[0].num_rows)],
+                                                schema=OUTPUT_SCHEMA))
     w.commit({"rows": 1})
 
 
@@ -274,7 +275,8 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
     w = OutputWriter(cfg().output)
     shards = resolve_shards(cfg().input)
     w.prepare(shards, config_identity(cfg()))
-    w.write_part(shards[0], pa.Table.from_pylist([{"id": "1", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": f"1{i}", "source_row": i} for i in range(shards[0].num_rows)],
+                                                schema=OUTPUT_SCHEMA))
     entry = json.loads(client.get_object(Bucket="fingerprints", Key="out/_manifest/part-00000-u00000.json")["Body"].read())
     assert entry["config_fingerprint"] == config_fingerprint(config_identity(cfg()))
     assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())).done == ["part-00000-u00000.parquet"]
