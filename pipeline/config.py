@@ -2,7 +2,7 @@
 
 A job config has eleven sections (see ``configs/summarize.yaml`` for a commented one)::
 
-    input:      uri, format, id_column, text_column, preflight_read_max_bytes
+    input:      uri, format, id_column, text_column, preflight_read_max_bytes, split_rows
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
                 system_prompt, chat_template (auto | true | false)
     models:     target, drafter, gguf_file, drafter_gguf_file, dtype, device_map, trust_remote_code
@@ -299,9 +299,9 @@ class ComputeConfig(_Section):
     #: fail (instead of waiting forever) when the pool's actors cannot start in this time,
     #: e.g. no node has the GPUs they ask for
     actor_start_timeout_s: int = Field(600, ge=1)
-    #: fail when no output row comes back for this long (seconds), whatever the cause (a
-    #: resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
-    #: longer than model loading plus the slowest batch of ``rows_per_batch`` rows
+    #: fail when no unit's rows come back written for this long (seconds), whatever the cause
+    #: (a resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
+    #: longer than model loading plus the slowest unit (``input.split_rows`` rows on one actor)
     stall_timeout_s: float = Field(1800, gt=0)
 
     @field_validator("num_actors", mode="before")

@@ -54,7 +54,7 @@ CPUs from Ray instead, so one CPU stays free for them, and still runs
 (:class:`pipeline.ray_setup.PlanError`) on a local Ray, logged on a cluster that may grow.
 
 The job (``jobs/summarize.py``) is this processor between its reader and its committer:
-read shards -> :class:`Processor` -> commit shard by shard (pipeline.run).
+read units -> :class:`Processor` (``rebatch=False``) -> write on the workers -> commit unit by unit (pipeline.run).
 """
 
 from __future__ import annotations

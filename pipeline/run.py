@@ -191,7 +191,7 @@ def _stall_report(cfg: JobConfig, done: Callable[[], int], total: int) -> Callab
             res = "unknown"
         c = cfg.compute
         return (f"{done()} of {total} rows done; actor pool {c.num_actors} x ({c.cpus_per_actor:g} CPU, "
-                f"{c.gpus_per_actor:g} GPU); cluster: {res}.  Committed shards are kept: rerun to resume")
+                f"{c.gpus_per_actor:g} GPU); cluster: {res}.  Committed units are kept: rerun to resume")
 
     return describe
 
