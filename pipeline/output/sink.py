@@ -84,8 +84,10 @@ def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str,
             chunk = rows.slice(start, cfg.max_rows_per_file)
             src = chunk.column("source_row")
             first, last = src[0].as_py(), src[-1].as_py()
+            if src.null_count:  # rows without their place (a caller's table): never a covering fragment
+                first, last = first or 0, (first or 0) + chunk.num_rows - 1
             # each row once, no gap: the driver checks the fragments of a unit tile its rows
-            consecutive = last - first + 1 == chunk.num_rows and (
+            consecutive = not src.null_count and last - first + 1 == chunk.num_rows and (
                 chunk.num_rows < 2 or pc.all(pc.equal(pc.subtract(src.slice(1), src.slice(0, chunk.num_rows - 1)),
                                                       1)).as_py())
             path = fragment_path(staging, part, first, uuid.uuid4().hex[:12])
