@@ -74,7 +74,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
         if args.print_config:
             print(json.dumps(cfg.resolved(), indent=2))
             return 0
-        from pipeline.lease import LeaseLost
+        from pipeline.output.lease import LeaseLost
         from pipeline.run import ActorPoolError, StallError, run_job
 
         summary = run_job(cfg, progress=not args.no_progress)
@@ -117,8 +117,8 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
                                             "mean_accepted_length", "tokens_per_step", "tokens_per_s", "elapsed_s",
                                             "audit_rows", "audit_mismatches", "audit_speedup")}
     this = summary.get("this_run") or {}
-    headline["this_run"] = {"shards_run": len(this.get("shards_run", [])),
-                            "shards_skipped": len(this.get("shards_skipped", [])),
+    headline["this_run"] = {"units_run": len(this.get("units_run", [])),
+                            "units_skipped": len(this.get("units_skipped", [])),
                             "nothing_to_do": this.get("nothing_to_do", False)}
     print(json.dumps(headline, indent=2))
     speedup_line(summary)

@@ -2,7 +2,7 @@
 
 A job config has eleven sections (see ``configs/summarize.yaml`` for a commented one)::
 
-    input:      uri, format, id_column, text_column, preflight_read_max_bytes
+    input:      uri, format, id_column, text_column, preflight_read_max_bytes, split_rows
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
                 system_prompt, chat_template (auto | true | false)
     models:     target, drafter, gguf_file, drafter_gguf_file, dtype, device_map, trust_remote_code
@@ -56,7 +56,7 @@ DEFAULT_TEMPLATES = {
 
 
 #: the longest ``output.lease_timeout_s`` (seconds, a day): a killed run locks its output for
-#: at most this long, and a lease file claiming a longer bound counts as this (pipeline.lease)
+#: at most this long, and a lease file claiming a longer bound counts as this (pipeline.output.lease)
 MAX_LEASE_TIMEOUT_S = 86400.0
 
 
@@ -97,6 +97,12 @@ class InputConfig(_Section):
     #: before any work, so a damaged data page refuses the job (exit 2) naming the file; a
     #: larger file is only opened there, and a damaged page fails the run when its shard is read
     preflight_read_max_bytes: int = Field(2**30, ge=0)
+    #: rows per work unit: a file is read, decoded, committed and resumed in units of at
+    #: most this many rows (Parquet: row groups merged up to it, a larger row group is a
+    #: unit of its own; JSONL: line ranges).  5,000 rows is minutes of work per actor
+    #: (the demo pair on one CPU core: about 23 rows/s at one new token, so 3.6 min); an
+    #: interrupt loses at most the units in flight
+    split_rows: int = Field(5_000, ge=1)
     #: passed to fsspec, e.g. ``{client_kwargs: {endpoint_url: http://127.0.0.1:9000}}``;
     #: without them s3fs uses the standard AWS chain (environment, ``~/.aws``, instance role)
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -294,8 +300,11 @@ class ComputeConfig(_Section):
     batch of rows to the batched engine.  A pool larger than an embedded Ray is refused with
     the numbers; one that would hold every CPU leaves one to the stages before it."""
 
-    #: actors in the pool (Ray Data LLM's ``concurrency``)
-    num_actors: int = Field(1, ge=1)
+    #: actors in the pool (Ray Data LLM's ``concurrency``): ``N``, a pool of N, or ``[min, max]``,
+    #: a pool that grows from ``min`` to ``max`` actors as the cluster gives it resources (Ray
+    #: Data's ``ActorPoolStrategy(min_size=, max_size=)``; on an autoscaling cluster, new GPU
+    #: nodes get actors: docs/scheduling.md)
+    num_actors: int | tuple[int, int] = 1
     #: GPUs per actor (0: the CPU); the actor loads the pair on its GPU
     gpus_per_actor: float = Field(0, ge=0)
     #: CPUs per actor, and its torch threads
@@ -322,10 +331,36 @@ class ComputeConfig(_Section):
     #: fail (instead of waiting forever) when the pool's actors cannot start in this time,
     #: e.g. no node has the GPUs they ask for
     actor_start_timeout_s: int = Field(600, ge=1)
-    #: fail when no output row comes back for this long (seconds), whatever the cause (a
-    #: resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
-    #: longer than model loading plus the slowest batch of ``rows_per_batch`` rows
+    #: fail when no unit's rows come back written for this long (seconds), whatever the cause
+    #: (a resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
+    #: longer than model loading plus the slowest unit (``input.split_rows`` rows on one actor)
     stall_timeout_s: float = Field(1800, gt=0, allow_inf_nan=False)
+
+    @field_validator("num_actors", mode="before")
+    @classmethod
+    def _pool_size(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("must be a number of actors or [min, max]")
+        if isinstance(v, (list, tuple)):
+            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ValueError(f"a pool of [min, max] actors takes two integers, got {v!r}")
+            lo, hi = v
+            if lo < 1 or hi < lo:
+                raise ValueError(f"[min, max] needs 1 <= min <= max, got [{lo}, {hi}]")
+            return (lo, hi) if lo != hi else lo
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+    @property
+    def min_actors(self) -> int:
+        """The pool's smallest size (``num_actors`` or its ``min``)."""
+        return self.num_actors[0] if isinstance(self.num_actors, tuple) else self.num_actors
+
+    @property
+    def max_actors(self) -> int:
+        """The pool's largest size (``num_actors`` or its ``max``)."""
+        return self.num_actors[1] if isinstance(self.num_actors, tuple) else self.num_actors
 
 
 class OutputConfig(_Section):
@@ -348,7 +383,7 @@ class OutputConfig(_Section):
     #: a shard's rows are written as Parquet files of at most this many rows, so the driver
     #: holds at most about this many rows per shard, whatever the shard's size
     max_rows_per_file: int = Field(10_000, ge=1)
-    #: a run holds a lease on the folder it writes (``_lease.json``, :mod:`pipeline.lease`),
+    #: a run holds a lease on the folder it writes (``_lease.json``, :mod:`pipeline.output.lease`),
     #: renewed every sixth of this (at most every 30 s); another run is refused while the
     #: lease's last heartbeat is younger than this many seconds, and takes an older lease over
     #: with a warning (its holder presumed dead); finite, at most :data:`MAX_LEASE_TIMEOUT_S`

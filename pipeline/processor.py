@@ -36,7 +36,7 @@ statistics record (``prompt_tokens``, ``new_tokens``, ``verify_steps``, ``draft_
 ``accepted_tokens``, ``acceptance_rate``, ``mean_accepted_length``, ``drafted_per_position``,
 ``accepted_per_position``, ``draft_time_s``, ``prefill_time_s``, ``verify_time_s``,
 ``wall_time_s``, ``draft_steps``, ``tokens_per_step``, ``tree_steps``, ``tree_nodes``, ``tree_off_steps``), ``method``, ``target_model``,
-``draft_model``, ``error`` and ``audit`` (see pipeline.write's OUTPUT_SCHEMA for types).
+``draft_model``, ``error`` and ``audit`` (see pipeline.schema's OUTPUT_SCHEMA for types).
 A bad row (no usable prompt, a prompt longer than the context, a bad per-row setting, a
 ``preprocess`` that raised on it) is not dropped: its ``error`` says why and its statistics
 are null.  ``postprocess`` is then called on every row, error rows included (check
@@ -51,10 +51,10 @@ CPU of the cluster would starve the stages before it (a ``read_parquet`` task ne
 and would never get one): then each actor reserves ``(cluster CPUs - 1) / num_actors``
 CPUs from Ray instead, so one CPU stays free for them, and still runs
 ``compute.cpus_per_actor`` threads.  A pool larger than the cluster is refused
-(:class:`pipeline.run.PlanError`) on a local Ray, logged on a cluster that may grow.
+(:class:`pipeline.ray_setup.PlanError`) on a local Ray, logged on a cluster that may grow.
 
 The job (``jobs/summarize.py``) is this processor between its reader and its committer:
-read shards -> :class:`Processor` -> commit shard by shard (pipeline.run).
+read units -> :class:`Processor` (``rebatch=False``) -> write on the workers -> commit unit by unit (pipeline.run).
 """
 
 from __future__ import annotations
@@ -168,11 +168,15 @@ class Processor:
         embedded: whether Ray's resources are all there will be (a pool larger than the
             cluster is then refused, else only logged); ``None``: a one-node cluster not
             named by ``RAY_ADDRESS``.
+        rebatch: cut the dataset into blocks of ``compute.rows_per_batch`` rows before the
+            pool (balanced work, rows of one block spread over actors); ``False`` keeps the
+            blocks as they come, each decoded by one actor task in order (the job: one
+            block per work unit, so a unit's rows come back together and in order).
     """
 
     def __init__(self, config: JobConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None, *,
                  generation=None, text_column: str | None = None, id_column: str | None = None,
-                 columns: str = "processor", embedded: bool | None = None):
+                 columns: str = "processor", embedded: bool | None = None, rebatch: bool = True):
         self.config = config
         self.preprocess = preprocess
         self.postprocess = postprocess
@@ -181,23 +185,24 @@ class Processor:
         self.id_column = id_column or config.input.id_column
         self.columns = columns
         self.embedded = embedded
+        self.rebatch = rebatch
 
     def __call__(self, ds):
         import ray
-        from ray.data import ActorPoolStrategy
 
         from actors.generate import GenerateActor
-        from pipeline.run import check_resource_plan, zero_cpu
+        from pipeline.ray_setup import actor_cpus, check_resource_plan, is_local_cluster, pool_strategy, zero_cpu
 
         cfg, c = self.config, self.config.compute
         if not ray.is_initialized():
             raise RuntimeError("the processor needs a running Ray: call ray.init() (or build the Dataset) first")
-        check_resource_plan(cfg, embedded=_is_local_cluster() if self.embedded is None else self.embedded)
+        check_resource_plan(cfg, embedded=is_local_cluster() if self.embedded is None else self.embedded)
         ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
         if self.preprocess is not None:
             ds = ds.map_batches(_RowMap(self.preprocess, errors=True), batch_format="pyarrow", batch_size=None,
                                 num_cpus=0)
-        ds = zero_cpu(ds.repartition(target_num_rows_per_block=c.rows_per_batch))
+        if self.rebatch:
+            ds = zero_cpu(ds.repartition(target_num_rows_per_block=c.rows_per_batch))
         with warnings.catch_warnings():
             # max_restarts / max_task_retries have no named parameter in map_batches (Ray 2.60)
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
@@ -207,7 +212,7 @@ class Processor:
                                        "text_column": self.text_column, "id_column": self.id_column},
                 batch_size=c.rows_per_batch,
                 batch_format="pyarrow",
-                compute=ActorPoolStrategy(size=c.num_actors),
+                compute=pool_strategy(cfg),
                 num_gpus=c.gpus_per_actor or None,
                 num_cpus=actor_cpus(cfg),
                 # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
@@ -219,35 +224,6 @@ class Processor:
             ds = ds.map_batches(_RowMap(self.postprocess, errors=False), batch_format="pyarrow", batch_size=None,
                                 num_cpus=0)
         return ds
-
-
-def actor_cpus(cfg: JobConfig, cluster_cpus: float | None = None) -> float:
-    """The CPUs each actor reserves from Ray: ``compute.cpus_per_actor``, or less when the
-    pool would hold every CPU of the cluster, so that one stays free for the stages before
-    the pool (see the module docstring, Scheduling)."""
-    c = cfg.compute
-    if cluster_cpus is None:
-        import ray
-
-        cluster_cpus = ray.cluster_resources().get("CPU", 0)
-    if c.num_actors * c.cpus_per_actor < cluster_cpus or cluster_cpus <= 0:
-        return c.cpus_per_actor
-    share = max(0.0, (cluster_cpus - 1) / c.num_actors)
-    log.info("the actor pool (%d x %g CPUs) would hold all %g CPUs of the cluster: each actor reserves %.3g "
-             "so that one stays free for the stages before it (it still runs %g threads)",
-             c.num_actors, c.cpus_per_actor, cluster_cpus, share, c.cpus_per_actor)
-    return share
-
-
-def _is_local_cluster() -> bool:
-    """Whether Ray runs on this machine alone (its resources are all there will be)."""
-    import ray
-
-    try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-    except Exception:  # noqa: BLE001
-        return False
-    return len(nodes) == 1 and not os.environ.get("RAY_ADDRESS")
 
 
 class _RowMap:
@@ -278,4 +254,4 @@ class _RowMap:
         return pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
 
 
-__all__ = ["build_processor", "Processor", "as_job_config", "check_generation", "actor_cpus"]
+__all__ = ["build_processor", "Processor", "as_job_config", "check_generation"]

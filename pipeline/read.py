@@ -51,19 +51,20 @@ import contextlib
 import io
 import json
 import logging
-import os
 import posixpath
+import os
 import stat
-from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import InputConfig, JobRefused
+from pipeline.output.fs import resolved_location, unstrip as _unstrip
+from pipeline.output.layout import MANIFEST, STAGING, owned_output_file
 from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
 from pipeline.schema import INPUT_SCHEMA
+from pipeline.units import Shard, Split, Unit, units_of  # noqa: F401 (the input's units; re-exported)
 
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -77,34 +78,6 @@ log = logging.getLogger("specbatch")
 
 class InputError(JobRefused):
     """The input is missing, empty, unreadable, or lacks the text column."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One input file.  ``url`` carries the protocol (``s3://b/k.parquet``, ``/abs/x.jsonl``)
-    and is the file's resolved location (a local file's real path; ``//``, ``./`` and
-    ``x/..`` collapsed elsewhere), so every spelling of one file is the same shard."""
-
-    index: int
-    url: str
-    format: str  # "parquet" | "jsonl"
-    num_rows: int
-    #: what identifies this version of the file: ``size=...;etag=...`` (S3) or
-    #: ``size=...;mtime=...`` (local); compared on resume (see pipeline.output)
-    fingerprint: str | None = None
-    #: the file's path relative to the input location (``a/b.jsonl``); derived ids use it
-    name: str | None = None
-    #: the fsspec compression the file is read with (``gzip``, ``bz2``, ``zstd``, ``xz``) or None
-    compression: str | None = None
-    #: Hive partition values from the folders of ``name`` (``lang=de/x.parquet`` -> ``{"lang": "de"}``)
-    partitions: dict[str, str | None] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def derived_id(self, row: int) -> str:
-        """The id of a row that has none: ``<name>:<row>``."""
-        return f"{self.name or posixpath.basename(self.url)}:{row}"
 
 
 def file_kind(path: str, cfg: InputConfig) -> tuple[str | None, str | None, str | None]:
@@ -132,33 +105,6 @@ def file_kind(path: str, cfg: InputConfig) -> tuple[str | None, str | None, str 
     if fmt == "parquet" and comp:
         return None, None, f"a {comp}-compressed Parquet file (Parquet compresses its own pages: decompress it)"
     return fmt, comp, None
-
-
-def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """A URL that reopens ``path`` anywhere: plain path for local files, else ``proto://path``."""
-    return path if _is_local(fs) else fs.unstrip_protocol(path)
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protos or "local" in protos
-
-
-def resolved_location(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """``path`` normalised on local disk: a local file's real path (symlinks, ``..``, ``//``,
-    ``./`` resolved, relative paths made absolute); a glob keeps its pattern, only the folder
-    before its first wildcard is resolved.  Elsewhere (object stores: S3, GCS, ...) a key is
-    a string, not a path: ``a//b``, ``a/./b`` and ``a/x/../b`` are other objects than
-    ``a/b``, so the key is kept as written (trailing ``/`` of a folder aside)."""
-    if not _is_local(fs):
-        return path.rstrip("/") or path
-    if any(c in path for c in "*?["):
-        cut = min(path.index(c) for c in "*?[" if c in path)
-        head, sep, tail = path[:cut].rpartition("/")
-        if not sep:
-            return path
-        return resolved_location(fs, head or "/").rstrip("/") + "/" + tail + path[cut:]
-    return os.path.realpath(path)
 
 
 _SPECIAL = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -308,8 +254,6 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
         StorageError: the storage kept failing with transient errors (retries and
             deadline exhausted): the input may be fine, so this is not a refusal.
     """
-    from pipeline.output import MANIFEST, STAGING
-
     try:
         fs, path = open_fs(cfg.uri, cfg.storage_options, retry)
     except Exception as e:  # bad protocol, missing s3fs, bad storage options
@@ -364,8 +308,8 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
             link = f" (a link to {real!r})" if os.path.islink(p) else ""
             refuse_special_file(real, f"input shard {_unstrip(fs, p)!r}{link}", "input.uri")
         try:
-            n, fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp), shard_fingerprint(fs.info(real))),
-                       f"read input shard {url!r}")
+            (n, splits), fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp),
+                                          shard_fingerprint(fs.info(real))), f"read input shard {url!r}")
         except StorageError as e:
             cause = e.__cause__
             if isinstance(cause, InputError):
@@ -376,7 +320,7 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
             raise InputError(f"input shard {url!r} is unreadable as {how}: {type(cause).__name__}: {cause}") from None
         name = _rel(p, base)
         shards.append(Shard(index=i, url=url, format=fmt, num_rows=n, fingerprint=fp, name=name,
-                            compression=comp, partitions=hive_partitions(name) or None))
+                            compression=comp, partitions=hive_partitions(name) or None, splits=tuple(splits)))
     check_partition_keys(shards)
     return shards
 
@@ -384,7 +328,6 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
 def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out_root: str | None):
     """Sort a listing into the files read ``(path, resolved path, format, compression)``,
     those not read (:class:`_NotRead`) and those left out (``{(folder, why): count}``)."""
-    from pipeline.output import MANIFEST
 
     outputs = {p.rsplit(f"/{MANIFEST}/", 1)[0] for p in paths if f"/{MANIFEST}/" in p}
     outputs = {d for d in outputs if d != base and _under(d, base)}  # below the input location only
@@ -395,7 +338,7 @@ def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out_root
     for p in paths:
         real = resolved_location(fs, p)
         url = _unstrip(fs, real)
-        if out_root is not None and _under(url, out_root) and (not within or _owned(url[len(out_root):])):
+        if out_root is not None and _under(url, out_root) and (not within or owned_output_file(url[len(out_root):])):
             if kind == "file":
                 raise InputError(f"input {cfg.uri!r} is a file of the job's output {out_root}: the job would read "
                                  "its own output; choose another input.uri or output.uri")
@@ -424,20 +367,6 @@ def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out_root
         seen[url] = name
         picked.append((p, real, fmt, comp))
     return picked, not_read, left_out
-
-
-def _owned(rel: str) -> bool:
-    """Whether a path relative to an output folder names one of the job's files there: under
-    ``_manifest/`` or ``_staging/``, a marker or the lease, or a data file (in the folder or a ``date=`` partition)."""
-    from pipeline.lease import LEASE
-    from pipeline.output import DATA_FILE, MANIFEST, STAGING, SUCCESS, SUMMARY
-
-    parts = rel.strip("/").split("/")
-    if any(d in (MANIFEST, STAGING) for d in parts[:-1]):
-        return True
-    folders = parts[:-1]
-    mine = not folders or (len(folders) == 1 and folders[0].startswith("date="))
-    return mine and (parts[-1] in (SUCCESS, SUMMARY, LEASE) or bool(DATA_FILE.match(parts[-1])))
 
 
 def check_partition_keys(shards: list[Shard]) -> list[str]:
@@ -508,13 +437,17 @@ def _parquet_file(f) -> pq.ParquetFile:
 _ID_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null)
 
 
-def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | None = None) -> int:
-    """Open one shard, check it is usable, return its row count."""
+def _check_shard(fs, path: str, fmt: str, cfg: InputConfig,
+                 compression: str | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """Open one shard, check it is usable; return its row count and its splits
+    (:class:`Split` records of at most ``input.split_rows`` rows: Parquet row groups merged
+    up to that, or JSONL line ranges)."""
     if fmt == "parquet":
         with fs.open(path, "rb") as f:
             pf = _parquet_file(f)
             schema = pf.schema_arrow
             n = pf.metadata.num_rows
+            group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
         if cfg.text_column not in schema.names:
             raise InputError(
                 f"input shard {path!r} has no column {cfg.text_column!r} (input.text_column); "
@@ -534,13 +467,17 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | N
                         "<shard name>:<row>", path, cfg.id_column)
         _read_every_page(fs, path, [c for c in (cfg.id_column, cfg.text_column) if c in schema.names],
                          cfg.preflight_read_max_bytes)
-        return n
+        return n, parquet_splits(group_rows, cfg.split_rows)
     n = 0
     usable = False  # a line that is a JSON object with the text field
     objects = 0
     first_problem = None
+    splits: list[dict[str, Any]] = []
     with open_stream(fs, path, compression) as f:
-        for lineno, raw in _jsonl_lines(f):
+        for lineno, offset, raw in _jsonl_scan(f):
+            if n % cfg.split_rows == 0:
+                splits.append({"start": n, "rows": 0, "offset": offset, "line": lineno - 1})
+            splits[-1]["rows"] += 1
             n += 1
             if usable:
                 continue
@@ -556,7 +493,22 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | N
                              f"({first_problem})")
         raise InputError(f"input shard {path!r} has no field {cfg.text_column!r} (input.text_column) "
                          f"on any of its {n} lines")
-    return n
+    return n, splits or [{"start": 0, "rows": 0, "offset": 0, "line": 0}]
+
+
+def parquet_splits(group_rows: list[int], split_rows: int) -> list[dict[str, Any]]:
+    """Splits of a Parquet file whose row groups have ``group_rows`` rows: consecutive row
+    groups merged while together at most ``split_rows`` rows (a larger row group is a split
+    of its own: Parquet is read by row groups)."""
+    splits: list[dict[str, Any]] = []
+    start = 0
+    for i, r in enumerate(group_rows):
+        if not splits or splits[-1]["rows"] + r > split_rows:
+            splits.append({"start": start, "rows": 0, "row_groups": []})
+        splits[-1]["rows"] += r
+        splits[-1]["row_groups"].append(i)
+        start += r
+    return splits or [{"start": 0, "rows": 0, "row_groups": []}]
 
 
 @contextlib.contextmanager
@@ -621,11 +573,38 @@ class _ZstdFrames(io.RawIOBase):
 def _jsonl_lines(f) -> Iterator[tuple[int, bytes]]:
     """``(line number from 1, bytes)`` of every non-blank line of a binary file; a UTF-8
     byte-order mark at the start is dropped."""
-    for lineno, raw in enumerate(f, start=1):
-        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+    for lineno, _, raw in _jsonl_scan(f):
+        yield lineno, raw
+
+
+def _jsonl_scan(f, first_line: int = 1, offset: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """``(line number, byte offset of the line, bytes)`` of every non-blank line of a
+    binary file read from byte ``offset`` (line ``first_line``); a UTF-8 byte-order mark
+    at the start of the file is dropped."""
+    for lineno, raw in enumerate(f, start=first_line):
+        at = offset
+        offset += len(raw)
+        if at == 0 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         if raw.strip():
-            yield lineno, raw
+            yield lineno, at, raw
+
+
+def _skip_bytes(f, n: int, compression: str | None) -> None:
+    """Move ``f`` ``n`` bytes on: a seek on a plain file; a compressed stream is read and
+    dropped up to there (it cannot seek: a unit deep in a compressed file decompresses
+    everything before it)."""
+    if not n:
+        return
+    if compression is None:
+        f.seek(n)
+        return
+    left = n
+    while left:
+        got = f.read(min(left, 1 << 20))
+        if not got:
+            raise EOFError(f"the decompressed stream ended {left} bytes before the unit's first line")
+        left -= len(got)
 
 
 def _parse_line(raw: bytes) -> tuple[dict | None, str | None]:
@@ -695,60 +674,81 @@ def _short(v: Any) -> str:
 
 def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None,
                partition_keys: list[str] | None = None) -> pa.Table:
-    """One shard's rows: :data:`INPUT_SCHEMA`, then one string column per Hive partition
-    key (``partition_keys``, default the shard's own; null where the shard has no such
-    folder).  Transient storage errors are retried (see pipeline.retry)."""
+    """One shard's rows, all its units in row order (see :func:`read_unit`)."""
     s = Shard(**shard) if isinstance(shard, dict) else shard
+    tables = [read_unit(u, cfg, retry, partition_keys) for u in s.units()]
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def read_unit(unit: Unit | dict, cfg: InputConfig, retry: Any = None,
+              partition_keys: list[str] | None = None) -> pa.Table:
+    """One unit's rows: :data:`INPUT_SCHEMA` (``source_row`` the row's place in its file,
+    so ids derived from it are the same whatever the split), then one string column per
+    Hive partition key (``partition_keys``, default the shard's own; null where the shard
+    has no such folder).  Transient storage errors are retried (see pipeline.retry).
+
+    Raises:
+        InputError: the file changed since the job started (its fingerprint differs: the
+            unit's offsets no longer hold).
+        OSError / pyarrow errors when the file vanished or broke since :func:`resolve_shards`.
+    """
+    u = Unit.from_dict(unit) if isinstance(unit, dict) else unit
+    s = u.shard
     fs, path = open_fs(s.url, cfg.storage_options, retry)
-    table = retrying(retry, endpoint_of(fs))(lambda: _read_shard(s, cfg, fs, path), f"read input shard {s.url!r}")
-    check_row_count(s, table.num_rows)
+    table = retrying(retry, endpoint_of(fs))(lambda: _read_unit(u, cfg, fs, path), f"read input shard {s.url!r}")
     parts = s.partitions or {}
     for key in (list(parts) if partition_keys is None else partition_keys):
         table = table.append_column(pa.field(key, pa.string()), pa.array([parts.get(key)] * table.num_rows, pa.string()))
     return table
 
 
-def check_row_count(shard: Shard, rows: int) -> None:
-    """A shard's read gave the rows the preflight counted, or the read is refused: any
-    reader that stops early (or a file cut or grown while the job ran) would otherwise
-    lose rows, or add them, in silence.
+def _read_unit(unit: Unit, cfg: InputConfig, fs, path: str) -> pa.Table:
+    """Read one unit into :data:`INPUT_SCHEMA` (one row per input row, in file order).
 
     Raises:
-        InputError: ``rows`` is not ``shard.num_rows`` (naming the file and both counts).
+        InputError: the file changed since the preflight counted it (its fingerprint
+            differs), or the read gave other than the unit's rows (any reader that stops
+            early), naming the file and both counts.
     """
-    if rows != shard.num_rows:
-        raise InputError(f"input shard {shard.url!r} gave {rows} rows, but held {shard.num_rows} when the job "
-                         "started: it changed or was cut while the job ran; rerun (committed shards are kept)")
-
-
-def _read_shard(shard: Shard, cfg: InputConfig, fs, path: str) -> pa.Table:
-    """Read one shard into :data:`INPUT_SCHEMA` (one row per input row, in file order).
-
-    Raises:
-        OSError / pyarrow errors when the file vanished or broke since :func:`resolve_shards`.
-    """
+    shard, sp = unit.shard, unit.split
+    if shard.fingerprint is not None:
+        now = shard_fingerprint(fs.info(path))
+        if now != shard.fingerprint:
+            raise InputError(f"input shard {shard.url!r} changed while the job ran ({shard.fingerprint} -> {now}): "
+                             "rerun the job (the units committed from the old file are refused then)")
     rows: list[dict[str, Any]] = []
     if shard.format == "parquet":
         with fs.open(path, "rb") as f:
             pf = _parquet_file(f)
             names = pf.schema_arrow.names
             cols = [c for c in dict.fromkeys([cfg.id_column, cfg.text_column]) if c in names]
-            table = pf.read(columns=cols)
+            if sp.row_groups is None:
+                table = pf.read(columns=cols)
+            else:
+                table = pf.read_row_groups(list(sp.row_groups), columns=cols)
         ids, id_errors = _values(table, cfg.id_column)
         texts, text_errors = _values(table, cfg.text_column)
-        for i in range(table.num_rows):
-            err = id_errors.get(i) or text_errors.get(i)
-            rows.append(_row(shard, i, f"row {i}", ids[i] if not err else None, texts[i], err))
-    else:
-        i = 0
+        for k in range(table.num_rows):
+            i = sp.start + k
+            err = id_errors.get(k) or text_errors.get(k)
+            rows.append(_row(shard, i, f"row {i}", ids[k] if not err else None, texts[k], err))
+    elif sp.rows:
+        i = sp.start
         with open_stream(fs, path, shard.compression) as f:
-            for lineno, raw in _jsonl_lines(f):
+            _skip_bytes(f, sp.offset or 0, shard.compression)
+            for lineno, _, raw in _jsonl_scan(f, first_line=sp.line + 1, offset=sp.offset or 0):
                 obj, problem = _parse_line(raw)
                 if problem is not None:
                     rows.append(_row(shard, i, f"line {lineno}", None, None, problem))
                 else:
                     rows.append(_row(shard, i, f"line {lineno}", obj.get(cfg.id_column), obj.get(cfg.text_column)))
                 i += 1
+                if i == sp.start + sp.rows:
+                    break
+    if len(rows) != sp.rows:
+        raise InputError(f"input shard {shard.url!r} gave {len(rows)} rows for unit {unit.part}, but held {sp.rows} "
+                         "there when the job started: it changed or was cut while the job ran; rerun (committed "
+                         "units are kept)")
     return pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)
 
 
@@ -774,13 +774,21 @@ def _values(table: pa.Table, column: str) -> tuple[list[Any], dict[int, str]]:
     return values, {}
 
 
-def read_shards_batch(batch: pa.Table, cfg: dict, retry: dict | None = None,
-                      partition_keys: list[str] | None = None) -> pa.Table:
-    """``map_batches`` function: a batch of shard records -> their rows (INPUT_SCHEMA plus
-    the ``partition_keys`` columns, see :func:`read_shard`)."""
+def read_units_batch(batch: pa.Table, cfg: dict, retry: dict | None = None,
+                     partition_keys: list[str] | None = None) -> pa.Table:
+    """``map_batches`` function: a batch of unit records (``{"unit": json of Unit.to_dict()}``)
+    -> their rows (INPUT_SCHEMA plus the ``partition_keys`` columns, see :func:`read_unit`,
+    then ``_unit``: each row's part name, which the write stage groups by)."""
+    from pipeline.output.sink import UNIT_COLUMN
+
     icfg = InputConfig.model_validate(cfg)
     keys = list(partition_keys or [])
-    tables = [read_shard(rec, icfg, retry, keys) for rec in batch.to_pylist()]
+    tables = []
+    for rec in batch.to_pylist():
+        unit = Unit.from_dict(json.loads(rec["unit"]))
+        t = read_unit(unit, icfg, retry, keys)
+        tables.append(t.append_column(pa.field(UNIT_COLUMN, pa.string()), pa.array([unit.part] * t.num_rows, pa.string())))
     if tables:
         return pa.concat_tables(tables)
-    return pa.schema(list(INPUT_SCHEMA) + [pa.field(k, pa.string()) for k in keys]).empty_table()
+    return pa.schema(list(INPUT_SCHEMA) + [pa.field(k, pa.string()) for k in keys]
+                     + [pa.field(UNIT_COLUMN, pa.string())]).empty_table()

@@ -1,49 +1,44 @@
-"""One job, top to bottom: check -> read -> prompt/generate (actor pool) -> write -> summary.
+"""One job, top to bottom: check -> read -> prompt/generate (actor pool) -> write -> commit -> summary.
 
 :func:`run_job` first checks everything that can be checked cheaply in the driver (config,
-input shards, model paths and architectures, the prompt template rendered once, the output
-location and its manifest), so a bad job fails before Ray starts any actor.  Then it
-builds the Ray Data dataset::
+input shards and their units, model paths and architectures, the prompt template
+rendered once, the output location, its manifest and the resume plan), so a bad job fails
+before Ray starts any actor.  Then it builds the Ray Data dataset::
 
-    shards (one item each) --map_batches(read_shards_batch)--> rows (INPUT_SCHEMA)
-      --pipeline.processor.Processor:
-          repartition(rows_per_batch rows per block)--> balanced blocks
-          --map_batches(GenerateActor, actor pool)--> rows (OUTPUT_SCHEMA)
+    units (one item each) --map_batches(read_units_batch)--> one block of rows per unit (INPUT_SCHEMA, _unit)
+      --pipeline.processor.Processor (rebatch=False): each unit's block decoded by one actor task,
+          rows_per_batch rows per call, in order --> rows (OUTPUT_SCHEMA, _unit)
+      --map_batches(write_fragments, on the workers)--> staged Parquet fragments; one record each
 
-(the processor is the public stage users put in their own pipelines: one code path)
+(the processor is the public stage users put in their own pipelines: one code path) and
+streams the write stage's *records* back to the driver (never the rows: its memory stays
+flat as rows grow), which shows a progress bar of rows done and commits each unit (its
+files, then its manifest entry) as soon as its records cover its rows, in the order
+units complete (no ``preserve_order``), and finally writes ``_summary.json`` and
+``_SUCCESS`` (pipeline.output.writer; the layout: pipeline.output.layout; the resume plan:
+pipeline.output.resume).  Ray set-up and the resource plan: pipeline.ray_setup.  Whatever
+the cause, a run whose driver receives no record for ``compute.stall_timeout_s`` fails
+with :class:`StallError` instead of waiting forever (a record comes when a unit's rows
+are written: the timeout must be longer than one unit's work).
 
-and streams the result back to the driver, which shows a progress bar of rows done,
-writes each shard's rows to staging as they come (at most ``output.max_rows_per_file``
-rows of a shard held at a time), commits each shard (its files, then its manifest entry)
-as soon as it is complete, and finally writes ``_summary.json`` and ``_SUCCESS`` (see
-pipeline.write; the output's layout and the resume check: pipeline.output).
-
-Resource plan.  The read and repartition stages ask Ray for no CPU (they are I/O and
-slicing, at most two read tasks at a time), so they never wait behind an actor pool that
-holds every CPU (``num_actors x cpus_per_actor`` = the cluster's CPUs, the normal plan on
-a GPU node: one actor per GPU).  A plan that asks for more CPUs or GPUs than the cluster
-has (or than any one node has, per actor) is refused with the numbers (:class:`PlanError`;
-on a cluster that may autoscale it is only logged).  Whatever the cause, a run whose
-driver receives no output row for ``compute.stall_timeout_s`` fails with
-:class:`StallError` instead of waiting forever.
-
-Reliability.  Shards already committed in the output by an earlier run of the same job
+Reliability.  Units already committed in the output by an earlier run of the same job
 (same input, same config fingerprint) are skipped (resume; ``output.overwrite`` starts
-afresh).  A dead actor is restarted by Ray (``compute.max_actor_restarts``) and its batch
-resubmitted (``compute.max_batch_retries``); if Ray gives up, or the pool cannot run
-(every actor dead), the dataset raises and the run fails with the shards committed so far
-intact.  Storage calls are retried with backoff within timeouts and a deadline
-(``retry:``).  A run that fails or is interrupted leaves no ``_SUCCESS``; rerunning it
-does only the shards that are missing.
+afresh), so an interrupt loses at most the units in flight.  A dead actor is restarted by
+Ray (``compute.max_actor_restarts``) and its batch resubmitted
+(``compute.max_batch_retries``); if Ray gives up, or the pool cannot run (every actor
+dead), the dataset raises and the run fails with the units committed so far intact.
+Storage calls are retried with backoff within timeouts and a deadline (``retry:``).  A
+run that fails or is interrupted leaves no ``_SUCCESS``; rerunning it does only the units
+that are missing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import datetime as _dt
 import logging
-import os
 import platform
 import re
 import signal
@@ -54,29 +49,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import pyarrow as pa
 
-from pipeline.config import ConfigError, JobConfig, JobRefused
+from pipeline.config import JobConfig
 from pipeline.engine import GenerationSettings
 from pipeline.fingerprint import config_fingerprint, config_identity
-from pipeline.output import part_name
+from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
-from pipeline.read import Shard, partition_keys, read_shards_batch, resolve_shards
+from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console  # noqa: F401
+from pipeline.read import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.summary import RunTotals
-from pipeline.write import OutputWriter
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class RunError(RuntimeError):
-    """The run finished but its output does not match its input (rows lost or duplicated)."""
-
-
-class PlanError(JobRefused):
-    """The actor pool asks for more CPUs or GPUs than the cluster (or any one node) has."""
 
 
 class StallError(RuntimeError):
@@ -91,34 +77,45 @@ class ActorPoolError(RuntimeError):
     Ray's own error."""
 
 
-def preflight(cfg: JobConfig) -> tuple[list[Shard], OutputWriter, GenerationSettings]:
+@dataclasses.dataclass
+class Preflight:
+    """What :func:`preflight` found: the input's shards, the resume plan (its ``todo``
+    units are this run's), the writer (holding the output's lease), and the generation
+    settings every row is decoded with."""
+
+    shards: list[Shard]
+    plan: ResumePlan
+    writer: OutputWriter
+    generation: GenerationSettings
+
+
+def preflight(cfg: JobConfig) -> Preflight:
     """Every check that needs no model weights and no Ray.
 
-    Returns the shards, the writer (holding the output's lease: the caller releases it with
-    ``writer.release_lease()``), and the generation settings every row is decoded with
-    (the job's ``generation:`` with the target checkpoint's defaults filled in; the actors'
-    engines resolve the same ones).
+    The writer holds the output's lease: the caller releases it with
+    ``writer.release_lease()``.  The generation settings are the job's ``generation:``
+    with the target checkpoint's defaults filled in (the actors' engines resolve the same).
 
     Raises:
         InputError, ModelError, OutputError, ConfigError (all :class:`JobRefused`): a bad
             input, model (path, architecture, vocabulary), prompt or chat template, generation
             setting (explicit or the checkpoint's), or output location (foreign files, another
-            config or input committed there).
+            config or input committed there, units of another ``input.split_rows``).
         LeaseHeld (a :class:`JobRefused`): another run holds the output's lease.
         StorageError: the storage kept failing with transient errors.
     """
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     generation = check_generation(cfg)  # models, the template rendered once, generation settings
-    writer = OutputWriter(cfg.output, retry=cfg.retry)
+    writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards),
+                          split_rows=cfg.input.split_rows)
     identity = run_identity(cfg, generation, shards)
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
-    writer.extra_columns = partition_keys(shards)
     try:
-        writer.skip = writer.prepare(shards, identity)
+        plan = writer.prepare(units_of(shards), identity)
     except BaseException as e:
         writer.abandon_lease() if isinstance(e, StorageError) else writer.release_lease()
         raise
-    return shards, writer, generation
+    return Preflight(shards, plan, writer, generation)
 
 
 def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Shard]) -> dict[str, Any]:
@@ -131,162 +128,6 @@ def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Sh
     as_auto = cfg.input.format != "auto" and bool(shards) and all(
         file_kind(s.url, auto)[0] == s.format for s in shards)
     return config_identity(cfg, generation, format_is_auto=as_auto)
-
-
-def init_ray(cfg: JobConfig) -> bool:
-    """Join a cluster (``ray.address`` or ``RAY_ADDRESS``, as under ``ray job submit``) or
-    start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks).
-
-    ``ray.init`` replaces the process's SIGTERM handler (with one that exits at once); the
-    handler the caller had installed stays in place while Ray starts (:func:`_sigterm_kept`)
-    and is put back after (see pipeline.cli: interrupts).
-
-    Returns:
-        True when this call started an embedded Ray (its resources are all there will be).
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if on_main else None
-    try:
-        if address:
-            with _sigterm_kept(previous):
-                ray.init(address=address, log_to_driver=True)
-            return False
-        # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
-        root = str(REPO_ROOT)
-        pp = os.environ.get("PYTHONPATH", "")
-        if root not in pp.split(os.pathsep):
-            os.environ["PYTHONPATH"] = root + (os.pathsep + pp if pp else "")
-        # Ray >= 2.5x turns token authentication on for a new local cluster (RAY_AUTH_MODE
-        # unset) and warns that it did: that is the setting we want, so the warning is noise.
-        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_TokenAuthDefault())
-        # Actors' own output (a traceback when one dies loading a model, once per restart)
-        # goes to Ray's log files, not the job's console: the job reports failures itself.
-        with _sigterm_kept(previous):
-            ray.init(include_dashboard=False, log_to_driver=False)
-        return True
-    finally:
-        if on_main and callable(previous):
-            signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _sigterm_kept(handler) -> Iterator[None]:
-    """While Ray starts, the caller's SIGTERM handler (``handler``, when it is one: the job's,
-    pipeline.cli) stays the process's, in place of the ones ``ray.init`` installs (Ray's
-    driver handler exits with status 15 and no line; its embedded node's drains for up to
-    30 s first).  A SIGTERM that comes while ``ray.init`` runs is held until it returns (an
-    exception raised inside it, in the middle of an import or of starting the node, would
-    leave half a Ray behind to fail at exit), then given to ``handler``: the job stops as at
-    any other time, one line and exit 143.  A second SIGTERM meanwhile is given at once.
-    With no handler of the caller's (a library user), Ray's are installed as usual."""
-    if not callable(handler) or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    import ray._private.utils as ray_utils
-
-    original = getattr(ray_utils, "set_sigterm_handler", None)
-    held: list[int] = []
-
-    def hold(signum, frame) -> None:
-        if held:
-            handler(signum, frame)
-        held.append(signum)
-
-    def keep(sigterm_handler) -> None:
-        log.debug("Ray's SIGTERM handler not installed: the job's stays")
-
-    import ray._private.ray_constants as ray_constants
-
-    if original is not None:  # (another Ray version: its handlers are replaced afterwards, by init_ray)
-        ray_utils.set_sigterm_handler = keep
-    # the driver's C++ core worker would install its failure-signal handler for SIGTERM too
-    # (it prints "*** SIGTERM received ***" and aborts, exit -6); Ray's processes keep theirs
-    no_cpp_handler = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
-    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
-    signal.signal(signal.SIGTERM, hold)
-    try:
-        yield
-    finally:
-        if original is not None:
-            ray_utils.set_sigterm_handler = original
-        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = no_cpp_handler
-        signal.signal(signal.SIGTERM, handler)
-        if held:
-            handler(held[0], None)
-
-
-class _TokenAuthDefault(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
-
-
-def check_resource_plan(cfg: JobConfig, embedded: bool) -> None:
-    """Refuse an actor pool the cluster can never hold.
-
-    Raises:
-        PlanError: ``num_actors x cpus_per_actor`` CPUs (or ``x gpus_per_actor`` GPUs) are
-            more than the cluster has, or one actor's share is more than any one node has;
-            only logged when joining a cluster, which an autoscaler may grow.
-    """
-    import ray
-
-    c = cfg.compute
-    total = ray.cluster_resources()
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    problems = []
-    for res, per_actor, key in (("CPU", c.cpus_per_actor, "cpus_per_actor"), ("GPU", c.gpus_per_actor, "gpus_per_actor")):
-        if not per_actor:
-            continue
-        need, have = c.num_actors * per_actor, total.get(res, 0)
-        if need > have:
-            problems.append(f"compute.num_actors={c.num_actors} x compute.{key}={per_actor:g} = {need:g} {res}s, "
-                            f"but the cluster has {have:g}")
-        biggest = max((n.get(res, 0) for n in nodes), default=0)
-        if nodes and per_actor > biggest:
-            problems.append(f"compute.{key}={per_actor:g} {res}s per actor, but no node has more than {biggest:g}")
-    if not problems:
-        return
-    message = "the actor pool cannot be scheduled: " + "; ".join(problems)
-    if embedded:
-        raise PlanError(message + "; lower compute.num_actors or the per-actor resources")
-    log.warning("%s; waiting for the cluster to grow (up to compute.actor_start_timeout_s=%d s)",
-                message, c.actor_start_timeout_s)
-
-
-#: Ray Data console messages that say nothing to a user of this job (they still reach
-#: Ray Data's log file): our own progress bar replaces Ray Data's, the run's end is logged
-#: by the job itself (Ray Data's "execution finished" also shows on an interrupt), and a
-#: failure is reported by the job in one line, its traceback in a log file (pipeline.cli),
-#: where Ray Data would print the stack trace again (a 30-line one when an actor died) and
-#: ask for a Ray bug report.
-_RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled", "Exception occurred in",
-                   "Full stack trace", "An exception was raised from a task of operator")
-#: ... and those that name the operator first (``MapBatches(GenerateActor): actors died ...``)
-_RAY_DATA_NOISE_WITHIN = (": actors died during initialization",)
-
-
-class _QuietRayData(logging.Filter):
-    """Drops Ray Data's info records and known noise; passes every other logger's records
-    (a handler of ``ray.data`` may be shared with the root logger, e.g. under pytest)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name != "ray.data" and not record.name.startswith("ray.data."):
-            return True
-        msg = str(record.msg)
-        return (record.levelno >= logging.WARNING and not msg.startswith(_RAY_DATA_NOISE)
-                and not any(n in msg for n in _RAY_DATA_NOISE_WITHIN))
-
-
-def _quiet_ray_data_console() -> None:
-    """Show only Ray Data's warnings and errors on the console (minus the known noise)."""
-    for handler in logging.getLogger("ray.data").handlers:
-        if not isinstance(handler, logging.FileHandler) and not any(isinstance(f, _QuietRayData) for f in handler.filters):
-            handler.addFilter(_QuietRayData())
 
 
 _EXPLAINED: set[str] = set()
@@ -309,49 +150,39 @@ def explain_actor_args_error(cfg: JobConfig) -> None:
              cfg.compute.max_actor_restarts)
 
 
-def build_dataset(cfg: JobConfig, shards: list[Shard], generation: GenerationSettings | None = None,
-                  embedded: bool = False):
-    """The lazy Ray Data dataset of output rows (OUTPUT_SCHEMA, then the input's Hive
-    partition columns) for ``shards``: the read stage, then the :class:`Processor`."""
+def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation: GenerationSettings | None = None,
+                  embedded: bool = False, partition_columns: list[str] | None = None):
+    """The lazy Ray Data dataset of the write stage's records (one per staged fragment,
+    :data:`pipeline.output.sink.FRAGMENT_SCHEMA`) for ``units``: the read stage (one
+    block per unit), the :class:`Processor`, then the write stage on the workers."""
     import ray
     from ray.data import TaskPoolStrategy
 
-    _quiet_ray_data_console()
+    from pipeline.output.sink import write_fragments
+
+    quiet_ray_data_console()
     explain_actor_args_error(cfg)
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # shards finish in order: bounded driver buffer
+    ctx.execution_options.preserve_order = False  # units commit as they complete: a slow one holds back none
     ctx.enable_progress_bars = False  # the driver shows one bar of rows done instead
     ctx.print_on_execution_start = False
 
-    items = [s.to_dict() for s in shards]
+    items = [{"unit": json.dumps(u.to_dict())} for u in units]
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     ds = ds.map_batches(
-        read_shards_batch,
+        read_units_batch,
         fn_kwargs={"cfg": cfg.input.model_dump(), "retry": cfg.retry.model_dump(),
-                   "partition_keys": partition_keys(shards)},
+                   "partition_keys": list(partition_columns or [])},
         batch_size=1,
         batch_format="pyarrow",
-        num_cpus=0,  # I/O: never waits behind actors that hold every CPU (see the module docstring)
-        compute=TaskPoolStrategy(size=min(2, len(items))),  # shards read at a time (a task holds one shard's rows)
+        num_cpus=0,  # I/O: never waits behind actors that hold every CPU (pipeline.ray_setup)
+        compute=TaskPoolStrategy(size=min(2, len(items))),  # units read at a time (a task holds one unit's rows)
     )
-    # INPUT_SCHEMA's text and id columns; the job's own output columns
-    return Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
-                     embedded=embedded)(ds)
-
-
-def zero_cpu(ds):
-    """Make the repartition stage ask for no CPU.  ``Dataset.repartition`` takes no resource
-    arguments and its tasks default to 1 CPU, which an actor pool holding every CPU would
-    never leave free (the job hung there); its logical operator carries the remote args."""
-    args = getattr(getattr(getattr(ds, "_logical_plan", None), "dag", None), "ray_remote_args", None)
-    if not isinstance(args, dict):
-        raise RuntimeError("this Ray version's repartition operator has no ray_remote_args: "
-                           "pipeline.run.zero_cpu needs updating")
-    args["num_cpus"] = 0
-    return ds
-
-
-_zero_cpu = zero_cpu
+    # INPUT_SCHEMA's text and id columns; the job's own output columns; one actor task per unit
+    ds = Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
+                   embedded=embedded, rebatch=False)(ds)
+    return ds.map_batches(write_fragments, fn_kwargs=writer.sink_kwargs(), batch_size=None,
+                          batch_format="pyarrow", num_cpus=0)
 
 
 @contextlib.contextmanager
@@ -396,7 +227,7 @@ def _stall_report(cfg: JobConfig, done: Callable[[], int], total: int) -> Callab
             res = "unknown"
         c = cfg.compute
         return (f"{done()} of {total} rows done; actor pool {c.num_actors} x ({c.cpus_per_actor:g} CPU, "
-                f"{c.gpus_per_actor:g} GPU); cluster: {res}.  Committed shards are kept: rerun to resume")
+                f"{c.gpus_per_actor:g} GPU); cluster: {res}.  Committed units are kept: rerun to resume")
 
     return describe
 
@@ -410,91 +241,77 @@ def _progress(total: int, enabled: bool):
 def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
     """Run one job to completion and return its summary (also written as ``_summary.json``).
 
-    Shards already committed in the output by an earlier run (same source file, same
-    fingerprint) are skipped unless ``output.overwrite``; when all are committed and the
-    output is complete, nothing is written and the stored summary is returned (with
-    ``this_run.nothing_to_do: true``).
+    Units already committed in the output by an earlier run (same source file, same
+    fingerprint, same units) are skipped unless ``output.overwrite``; when all are
+    committed and the output is complete, nothing is written and the stored summary is
+    returned (with ``this_run.nothing_to_do: true``).
 
     Raises:
         InputError, ModelError, OutputError, ConfigError: before any model loads.
         PlanError: the actor pool is larger than the (embedded) cluster.
-        StallError: no output row came back for ``compute.stall_timeout_s``.
+        StallError: no unit's rows came back for ``compute.stall_timeout_s``.
         ActorPoolError: actors kept dying: the restarts or the batch retries ran out.
         StorageError: a storage call failed after its retries or its deadline.
         RunError: the output rows do not match the input rows.
         LeaseHeld: another run holds the output's lease (before any work); LeaseLost:
             this run lost it (it publishes nothing more).
         Any Ray error during the run, or KeyboardInterrupt; the output then has no
-        ``_SUCCESS``, and the shards committed before stay committed.
+        ``_SUCCESS``, and the units committed before stay committed.
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    shards, writer, generation = preflight(cfg)
+    pre = preflight(cfg)
     try:
-        return _run_leased(cfg, shards, writer, generation, started, t0, progress)
+        return _run_leased(cfg, pre, started, t0, progress)
     finally:
-        writer.release_lease()  # every exit path this process lives through; a killed one's goes stale
+        pre.writer.release_lease()  # every exit path this process lives through; a killed one's goes stale
 
 
-def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, generation: GenerationSettings,
-                started: _dt.datetime, t0: float, progress: bool) -> dict[str, Any]:
+def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, progress: bool) -> dict[str, Any]:
     """:func:`run_job` after its preflight, holding the output's lease."""
-    skip: set[int] = writer.skip
-    todo = [s for s in shards if s.index not in skip]
-    if writer.location.nothing_to_do:
-        log.info("%s is complete: all %d shards committed; nothing to do", writer.location.url(), len(shards))
+    shards, plan, writer, generation = pre.shards, pre.plan, pre.writer, pre.generation
+    todo = plan.todo
+    n_units = len(todo) + len(plan.done)
+    if plan.nothing_to_do:
+        log.info("%s is complete: all %d parts committed; nothing to do", writer.location.url(), len(plan.done))
         summary = writer.location.read_summary()
-        summary["this_run"] = {"run_id": writer.run_id, "nothing_to_do": True, "shards_run": [],
-                               "shards_skipped": [part_name(s.index) for s in shards]}
+        summary["this_run"] = {"run_id": writer.run_id, "nothing_to_do": True, "units_run": [],
+                               "units_skipped": list(plan.done)}
         return summary
-    total_rows = sum(s.num_rows for s in todo)
-    log.info("%d shards (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
-             len(shards), len(skip), total_rows, writer.location.url(), writer.run_id)
+    total_rows = sum(u.num_rows for u in todo)
+    log.info("%d shards in %d units (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
+             len(shards), n_units, len(plan.done), total_rows, writer.location.url(), writer.run_id)
     try:
-        totals = RunTotals()  # this run's rows
-        shard_totals: dict[str, RunTotals] = {}  # shards in flight
-        counts: dict[str, int] = {s.url: 0 for s in todo}
-        by_url = {s.url: s for s in todo}
-
-        for s in todo:
-            if s.num_rows == 0:
-                writer.finish_shard(s, RunTotals().state())
+        for u in todo:
+            if u.num_rows == 0:
+                writer.write_part(u, _empty_rows(writer))  # an empty file: no rows to decode
         t_gen = time.perf_counter()
-        first: tuple[float, int] | None = None  # (seconds to the first output batch, its new tokens)
+        first: float | None = None  # seconds to the first unit's records
         if total_rows:
             embedded = init_ray(cfg)
-            ds = build_dataset(cfg, [s for s in todo if s.num_rows], generation, embedded=embedded)
-            describe = _stall_report(cfg, lambda: totals.rows, total_rows)
+            ds = build_dataset(cfg, [u for u in todo if u.num_rows], writer, generation, embedded=embedded,
+                               partition_columns=writer.extra_columns)
+            describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
             with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
-                for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                for records in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                     beat()
-                    if batch.num_rows == 0:
+                    if records.num_rows == 0:
                         continue
-                    batch = _with_audit_column(batch)
-                    totals.add(batch)
                     if first is None:
-                        first = (time.perf_counter() - t_gen, totals.to_dict()["new_tokens"])
-                    for url, sub in _split_by_shard(batch):
-                        if url not in by_url:
-                            raise RunError(f"output row from unknown shard {url!r}")
-                        shard = by_url[url]
-                        counts[url] += sub.num_rows
-                        if counts[url] > shard.num_rows:
-                            raise RunError(f"shard {url!r}: more output rows than its {shard.num_rows} input rows")
-                        writer.add_rows(shard, sub)
-                        shard_totals.setdefault(url, RunTotals()).add(sub)
-                        if counts[url] == shard.num_rows:
-                            writer.finish_shard(shard, shard_totals.pop(url).state())
-                    bar.update(batch.num_rows)
+                        first = time.perf_counter() - t_gen
+                    before = writer.totals.rows
+                    writer.add_fragments(records)
+                    bar.update(writer.totals.rows - before)
         generate_elapsed = time.perf_counter() - t_gen
-        missing = {u: (counts[u], by_url[u].num_rows) for u in counts if counts[u] != by_url[u].num_rows}
+        missing = writer.missing()
         if missing:
-            raise RunError(f"rows missing from the output (got, expected) per shard: {missing}")
-        overall = RunTotals()  # every committed shard: earlier runs' and this run's
+            raise RunError(f"rows missing from the output (got, expected) per unit: {dict(list(missing.items())[:10])}"
+                           + (f" and {len(missing) - 10} more units" if len(missing) > 10 else ""))
+        overall = RunTotals()  # every committed part: earlier runs' and this run's
         entries = [writer.entries[k] for k in sorted(writer.entries)]
         for e in entries:
             overall.merge(e.get("totals"))
-        this = totals.to_dict(generate_elapsed_s=generate_elapsed)
+        this = writer.totals.to_dict(generate_elapsed_s=generate_elapsed)
         summary = {
             "run_id": writer.run_id,
             "status": "succeeded",
@@ -504,10 +321,11 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
             "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             "elapsed_s": time.perf_counter() - t0,
             "shards": len(shards),
+            "units": n_units,
             **overall.to_dict(),
             "generate_elapsed_s": generate_elapsed,
             "tokens_per_s": this["tokens_per_s"],  # this run's new tokens / this run's generate time
-            **_first_batch(first),
+            "first_batch_s": first,
             "audit": {"fraction": cfg.audit.fraction, "seed": cfg.audit.seed,
                       "greedy": not generation.do_sample},
             # the settings rows were decoded with: generation: plus the checkpoint's defaults
@@ -515,13 +333,13 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
             "this_run": {
                 "run_id": writer.run_id,
                 "nothing_to_do": False,
-                "shards_run": [part_name(s.index) for s in todo],
-                "shards_skipped": [part_name(i) for i in sorted(skip)],
+                "units_run": [u.part for u in todo],
+                "units_skipped": list(plan.done),
                 "rows": this["rows"], "errors": this["errors"], "new_tokens": this["new_tokens"],
                 "audit_rows": this["audit_rows"], "audit_mismatches": this["audit_mismatches"],
             },
             "runs": sorted({e.get("run_id") for e in entries if e.get("run_id")}),
-            "parts": [{k: e.get(k) for k in ("part", "files", "source_file", "rows", "errors", "run_id")}
+            "parts": [{k: e.get(k) for k in ("part", "files", "source_file", "start_row", "rows", "errors", "run_id")}
                       for e in entries],
             "config": cfg.resolved(),
             "config_fingerprint": writer.config_fingerprint,
@@ -531,8 +349,8 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
         if overall.rows != expected:
             raise RunError(f"committed rows {overall.rows} != input rows {expected}")
         writer.commit(summary)
-        log.info("run %s committed: %d rows (%d errors) in %s; this run: %d shards, %d skipped",
-                 writer.run_id, overall.rows, overall.errors, writer.location.url(), len(todo), len(skip))
+        log.info("run %s committed: %d rows (%d errors) in %s; this run: %d units, %d skipped",
+                 writer.run_id, overall.rows, overall.errors, writer.location.url(), len(todo), len(plan.done))
         if overall.audit_rows:
             log.info("audit: %d rows re-decoded with plain decoding, %d mismatches",
                      overall.audit_rows, overall.audit_mismatches)
@@ -547,6 +365,13 @@ def _run_leased(cfg: JobConfig, shards: list[Shard], writer: OutputWriter, gener
         if pool is not None:
             raise ActorPoolError(pool) from e
         raise
+
+
+def _empty_rows(writer: OutputWriter):
+    """An empty table of the writer's output schema (an empty unit's file)."""
+    from pipeline.schema import output_schema
+
+    return output_schema(writer.extra_columns).empty_table()
 
 
 def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime) -> str | None:
@@ -630,30 +455,6 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else ""
 
 
-def _with_audit_column(batch: pa.Table) -> pa.Table:
-    """Batches from an actor of an older schema have no ``audit`` column: add a null one."""
-    if "audit" in batch.column_names:
-        return batch
-    return batch.append_column("audit", pa.nulls(batch.num_rows, pa.bool_()))
-
-
-def _first_batch(first: tuple[float, int] | None) -> dict[str, Any]:
-    """``first_batch_s``: seconds from the dataset start to the first output batch (actor
-    start-up, model loading and one batch): the pipeline's fixed start-up cost."""
-    return {"first_batch_s": first[0] if first else None}
-
-
-def _split_by_shard(batch: pa.Table):
-    urls = batch.column("source_file").to_pylist()
-    if len(set(urls)) == 1:
-        yield urls[0], batch
-        return
-    import pyarrow.compute as pc
-
-    for url in dict.fromkeys(urls):
-        yield url, batch.filter(pc.equal(batch.column("source_file"), url))
-
-
 def _environment() -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "host": socket.gethostname()}
     for mod in ("torch", "transformers", "ray", "pyarrow"):
@@ -664,5 +465,5 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-__all__ = ["run_job", "preflight", "build_dataset", "init_ray", "check_resource_plan", "stall_guard",
-           "RunError", "PlanError", "StallError", "ActorPoolError", "INPUT_SCHEMA"]
+__all__ = ["run_job", "preflight", "Preflight", "build_dataset", "stall_guard",
+           "RunError", "StallError", "ActorPoolError", "INPUT_SCHEMA"]

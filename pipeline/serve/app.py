@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     What listens: Serve's HTTP proxy on ``serve.host:serve.port`` (127.0.0.1 by default;
     ``serve.api_key`` guards ``/v1/``).  An embedded Ray also listens, on every interface
     and on ports it picks: its GCS, raylet, object manager, worker and agent ports (Ray
-    2.60 with the dashboard off, as :func:`pipeline.run.init_ray` starts it), guarded by
+    2.60 with the dashboard off, as :func:`pipeline.ray_setup.init_ray` starts it), guarded by
     Ray's token authentication (on by default; ``RAY_AUTH_MODE=disabled`` turns it off,
     which no shared machine should do).  Keep such a machine behind a firewall that admits
     only the Serve port, or run the server on a Ray cluster set up as Ray's security guide
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from pipeline.run import init_ray
+    from pipeline.ray_setup import init_ray
 
     if cfg.serve.effective_api_key() is None and cfg.serve.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who reaches port %d can use the model; set "

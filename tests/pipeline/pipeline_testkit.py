@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import threading
@@ -140,3 +141,51 @@ class PausableProxy:
         self.closed = True
         self.pause()
         self.sock.close()
+
+
+class OutStore:
+    """An output folder on local disk or in a moto bucket (``interrupts``): its files, a put, the ids of its rows."""
+
+    def __init__(self, kind, tmp_path, moto):
+        self.kind = kind
+        if kind == "local":
+            self.uri, self.options, self.root = str(tmp_path / "out"), None, tmp_path / "out"
+        else:
+            self.client = moto["client"]
+            try:
+                self.client.create_bucket(Bucket="interrupts")
+            except self.client.exceptions.BucketAlreadyOwnedByYou:
+                pass
+            self.uri, self.options = f"s3://interrupts/{tmp_path.name}", moto["options_json"]
+            self.prefix = f"{tmp_path.name}/"
+
+    def files(self):
+        if self.kind == "local":
+            return sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file()) \
+                if self.root.exists() else []
+        return sorted(o["Key"][len(self.prefix):] for o in
+                      self.client.list_objects_v2(Bucket="interrupts", Prefix=self.prefix).get("Contents", []))
+
+    def get(self, rel) -> bytes:
+        if self.kind == "local":
+            return (self.root / rel).read_bytes()
+        return self.client.get_object(Bucket="interrupts", Key=self.prefix + rel)["Body"].read()
+
+    def put(self, rel, data):
+        if self.kind == "local":
+            (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (self.root / rel).write_bytes(data)
+        else:
+            self.client.put_object(Bucket="interrupts", Key=self.prefix + rel, Body=data)
+
+    def ids(self):
+        import pyarrow.parquet as pq
+
+        if self.kind == "local":
+            return sorted(pq.read_table(self.root).column("id").to_pylist())
+        ids = []
+        for rel in self.files():
+            if rel.startswith("part-"):
+                body = self.client.get_object(Bucket="interrupts", Key=self.prefix + rel)["Body"].read()
+                ids += pq.read_table(io.BytesIO(body)).column("id").to_pylist()
+        return sorted(ids)

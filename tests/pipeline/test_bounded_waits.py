@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-import pipeline.write
+import pipeline.output.writer
 from pipeline_testkit import REPO, TEXTS, PausableProxy, job_config
 from pipeline.config import InputConfig, OutputConfig, RetryConfig
 from pipeline.read import resolve_shards
 from pipeline.retry import StorageError, open_fs, with_retries
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 
 FAST = RetryConfig(connect_timeout_s=1, read_timeout_s=1, deadline_s=3, initial_backoff_s=0.2)
 BOUND = FAST.deadline_s + FAST.connect_timeout_s + FAST.read_timeout_s
@@ -122,15 +122,17 @@ def test_a_store_that_hangs_mid_run_fails_the_run_within_the_bound_and_a_rerun_r
         f"input.storage_options={opts}", f"output.storage_options={opts}", "compute.rows_per_batch=2",
         "generation.max_new_tokens=3", *retry])
     hung_at = []
-    original = pipeline.write.OutputWriter.finish_shard
+    original = pipeline.output.writer.OutputWriter.commit_unit
+    calls = []
 
-    def hang_at_shard_1(self, shard, totals=None):
-        if shard.index == 1 and not hung_at:
+    def hang_at_second_commit(self, unit, fragments):
+        calls.append(unit.part)
+        if len(calls) == 2 and not hung_at:
             proxy.hang()
             hung_at.append(time.monotonic())
-        return original(self, shard, totals)
+        return original(self, unit, fragments)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", hang_at_shard_1)
+    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "commit_unit", hang_at_second_commit)
     try:
         from pipeline.run import run_job
 
@@ -138,12 +140,12 @@ def test_a_store_that_hangs_mid_run_fails_the_run_within_the_bound_and_a_rerun_r
             run_job(cfg, progress=False)
         failed_after = time.monotonic() - hung_at[0]
         assert failed_after < BOUND + 2, failed_after
-        assert f"(endpoint http://127.0.0.1:{proxy.port})" in str(e.value) and "part-00001" in str(e.value)
+        assert f"(endpoint http://127.0.0.1:{proxy.port})" in str(e.value) and calls[1] in str(e.value)
     finally:
         proxy.resume()
         monkeypatch.undo()
     summary = run_job(cfg, progress=False)
-    assert summary["this_run"]["shards_skipped"] == ["part-00000.parquet"] and summary["rows"] == 6
+    assert summary["this_run"]["units_skipped"] == [calls[0]] and summary["rows"] == 6
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="hangs", Prefix="out/")["Contents"]]
     assert "out/_SUCCESS" in keys and not any("_staging" in k for k in keys)
     proxy.close()

@@ -1,9 +1,7 @@
-"""Driver memory does not grow with the largest shard: a shard's rows are written to
-staging in files of at most ``output.max_rows_per_file`` rows as they come back, so one
-5,000-row shard raises the driver's peak memory no more than ten shards of 500 rows.  A
-control run with the whole shard in one file (``max_rows_per_file`` above the shard size,
-what the driver did before: it held a shard's rows until the shard was complete) shows the
-measurement sees the difference.  The actors echo each row's prompt without running a
+"""Driver memory does not grow with the rows: the workers write each unit's rows, and the
+driver receives only a record per staged file, so one 5,000-row file (10 units of 500)
+raises the driver's peak memory no more than ten files of 500 rows.  A control that holds
+the same output rows in the driver (reading them back) shows the measurement sees them.  The actors echo each row's prompt without running a
 model (:class:`_EchoActor`): the driver's side (Ray Data iteration, buffers, staging,
 commits) is what is measured, in seconds instead of minutes."""
 
@@ -83,27 +81,27 @@ def test_driver_memory_is_flat_in_the_shard_size(ray_local, tiny_models, tmp_pat
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     monkeypatch.setattr(actors.generate, "GenerateActor", _EchoActor)
 
-    def run(name, inputs, max_rows_per_file):
+    def run(name, inputs):
         cfg = job_config(tiny_models, str(inputs), str(tmp_path / "out" / name), method="plain", overrides=[
-            "generation.max_new_tokens=1", "compute.rows_per_batch=250",
-            f"output.max_rows_per_file={max_rows_per_file}"])
+            "generation.max_new_tokens=1", "compute.rows_per_batch=250", "input.split_rows=500"])
         return lambda: run_job(cfg, progress=False)
 
     one_big = _write_shards(tmp_path / "one", 1, 5000)
     ten_small = _write_shards(tmp_path / "ten", 10, 500)
     try:
-        run("warm", _write_shards(tmp_path / "warm", 1, 300), 500)()  # imports, Ray Data, allocator arenas
-        big = _peak_growth_mb(run("big", one_big, 500))
-        small = _peak_growth_mb(run("small", ten_small, 500))
-        whole = _peak_growth_mb(run("whole", one_big, 10_000))  # the whole shard held in the driver
+        run("warm", _write_shards(tmp_path / "warm", 1, 300))()  # imports, Ray Data, allocator arenas
+        big = _peak_growth_mb(run("big", one_big))
+        small = _peak_growth_mb(run("small", ten_small))
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-    print(f"driver peak growth: one 5,000-row shard {big:.1f} MB, ten of 500 {small:.1f} MB, "
-          f"one shard held whole {whole:.1f} MB")
-    # the measurement sees a shard held in memory ...
+    held = []
+    whole = _peak_growth_mb(lambda: held.append(pq.read_table(tmp_path / "out" / "big").to_pylist()))  # rows held
+    print(f"driver peak growth: one 5,000-row file {big:.1f} MB, ten of 500 {small:.1f} MB, "
+          f"its output rows held in the driver {whole:.1f} MB")
+    # the measurement sees the rows held in memory ...
     assert whole > big + 8, (whole, big)
-    # ... and the 5,000-row shard streamed in files of 500 rows sits near the ten small shards,
-    # far from the shard held whole (allocator noise under a loaded machine is a few MB)
+    # ... and the 5,000-row file sits near the ten small files, far from its rows held
+    # (allocator noise under a loaded machine is a few MB)
     assert big < small + max(6.0, 0.4 * (whole - small)), (big, small, whole)
-    files = json.loads((tmp_path / "out" / "big" / "_manifest" / "part-00000.json").read_text())["files"]
-    assert len(files) == 10 and pq.read_table(tmp_path / "out" / "big").num_rows == 5000
+    entries = sorted((tmp_path / "out" / "big" / "_manifest").glob("part-*.json"))
+    assert len(entries) == 10 and pq.read_table(tmp_path / "out" / "big").num_rows == 5000

@@ -18,7 +18,7 @@ from pipeline.read import InputError
 from pipeline.run import run_job
 from pipeline.config import OutputConfig
 from pipeline.output import is_complete
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
 
 STAT_COLUMNS = ("prompt_tokens", "new_tokens", "verify_steps", "draft_tokens", "accepted_tokens",
@@ -54,7 +54,7 @@ def test_one_output_row_per_input_row(result, inputs):
     cfg, out, summary = result
     assert is_complete(str(out))
     assert sorted(p.name for p in out.iterdir()) == [
-        "_SUCCESS", "_manifest", "_summary.json", "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+        "_SUCCESS", "_manifest", "_summary.json", "part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"]
     table = pq.read_table(out)
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
     assert table.num_rows == 11
@@ -62,7 +62,7 @@ def test_one_output_row_per_input_row(result, inputs):
     for i, (name, ids) in enumerate([("s0.jsonl", ["0", "1", "2", "3"]),
                                      ("s1.jsonl", ["n", "e", "i", "long", "ok"]),
                                      ("s2.parquet", ["p0", "p1"])]):
-        part = pq.read_table(out / f"part-{i:05d}.parquet")
+        part = pq.read_table(out / f"part-{i:05d}-u00000.parquet")
         assert part.column("id").to_pylist() == ids
         assert set(part.column("source_file").to_pylist()) == {str(inputs / name)}
     assert table.schema.field("error").type == pa.string()
@@ -121,7 +121,7 @@ def test_summary_sums_before_dividing(result):
     assert on_disk["mean_accepted_length"] == pytest.approx(1 + accepted / draft_steps)
     assert on_disk["tokens_per_step"] == pytest.approx(new / steps)
     assert on_disk["tokens_per_s"] == pytest.approx(new / on_disk["generate_elapsed_s"])
-    assert [p["part"] for p in on_disk["parts"]] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert [p["part"] for p in on_disk["parts"]] == ["part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"]
     assert sum(on_disk["drafted_per_position"]) == drafted
 
 

@@ -17,7 +17,7 @@ import time
 from ray import cloudpickle
 import pytest
 
-import pipeline.write
+import pipeline.output.writer
 from actors.generate import GenerateActor
 from pipeline_testkit import TEXTS, PausableProxy, free_port, job_config, write_jsonl
 from pipeline.retry import StorageError
@@ -52,7 +52,7 @@ def test_actor_killed_mid_run_is_restarted_and_every_row_is_written_once(ray_loc
     def killer():
         deadline = time.time() + 120
         while time.time() < deadline and not killed:
-            if (out / "_manifest" / "part-00000.json").exists():
+            if any((out / "_manifest").glob("part-*.json")):  # a unit committed (in completion order)
                 for aid, a in _alive_generate_actors(ray_local).items():
                     os.kill(a["Pid"], signal.SIGKILL)
                     killed[aid] = a["Pid"]
@@ -64,7 +64,7 @@ def test_actor_killed_mid_run_is_restarted_and_every_row_is_written_once(ray_loc
     summary = run_job(cfg, progress=False)
     t.join(timeout=5)
     assert killed, "the actor was not killed before the run ended"
-    assert summary["this_run"]["shards_run"] == [f"part-{i:05d}.parquet" for i in range(4)]
+    assert summary["this_run"]["units_run"] == [f"part-{i:05d}-u00000.parquet" for i in range(4)]
     ids = pq.read_table(out).column("id").to_pylist()
     assert sorted(ids) == sorted(f"s{i}-{j}" for i in range(4) for j in range(4))  # every row exactly once
     assert summary["rows"] == 16 and summary["errors"] == 0
@@ -110,7 +110,7 @@ def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, t
     assert isinstance(e.value, ActorPoolError), repr(e.value)
     assert str(e.value).startswith("a batch failed after compute.max_batch_retries=1 resubmissions: its actor kept "
                                    "dying (2 actor restarts so far, compute.max_actor_restarts=2")
-    assert not (out / "_manifest" / "part-00001.json").exists() and not (out / "_SUCCESS").exists()
+    assert not (out / "_manifest" / "part-00001-u00000.json").exists() and not (out / "_SUCCESS").exists()
 
 
 # ---------------------------------------------------------------------------- storage
@@ -167,24 +167,27 @@ def _ids(client, prefix):
 EXPECTED = sorted(f"s{i}-{j}" for i in range(3) for j in range(2))
 
 
-def _outage_at_shard(monkeypatch, proxy, index, seconds=None):
-    """Take the storage down when the driver starts committing shard ``index``
-    (back after ``seconds``, or never)."""
-    original = pipeline.write.OutputWriter.finish_shard
+def _outage_at_commit(monkeypatch, proxy, index, seconds=None):
+    """Take the storage down when the driver starts its unit commit number ``index``
+    (from 0; units commit in the order they complete), back after ``seconds``, or never."""
+    original = pipeline.output.writer.OutputWriter.commit_unit
+    calls = []
 
-    def hooked(self, shard, totals=None):
-        if getattr(shard, "index", shard) == index and not proxy.paused.is_set():
+    def hooked(self, unit, fragments):
+        calls.append(unit.part)
+        if len(calls) == index + 1 and not proxy.paused.is_set():
             proxy.pause()
             if seconds is not None:
                 threading.Timer(seconds, proxy.resume).start()
-        return original(self, shard, totals)
+        return original(self, unit, fragments)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", hooked)
+    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "commit_unit", hooked)
+    return calls
 
 
 def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypatch, caplog):
     client, proxy = s3
-    _outage_at_shard(monkeypatch, proxy, 1, seconds=6.0)
+    _outage_at_commit(monkeypatch, proxy, 1, seconds=6.0)
     cfg = _cfg(tiny_models, proxy, "s3://faults/out/retried", "retry.attempts=10", "retry.initial_backoff_s=0.25",
                "retry.max_backoff_s=2")
     with caplog.at_level("WARNING", logger="specbatch"):
@@ -199,21 +202,23 @@ def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypat
 def test_persistent_outage_fails_clearly_and_a_rerun_completes_only_the_missing_shards(
         ray_local, tiny_models, s3, monkeypatch):
     client, proxy = s3
-    _outage_at_shard(monkeypatch, proxy, 1)  # never comes back during run 1
+    calls = _outage_at_commit(monkeypatch, proxy, 1)  # never comes back during run 1
     cfg = _cfg(tiny_models, proxy, "s3://faults/out/resumed", "retry.attempts=2", "retry.initial_backoff_s=0.2")
     try:
-        with pytest.raises(StorageError, match="part-00001.parquet.*failed after 2 attempts"):
+        with pytest.raises(StorageError, match=r"(part-0000\d-u00000.parquet|the lease).*failed after 2 attempts"):
             run_job(cfg, progress=False)
     finally:
         proxy.resume()
     monkeypatch.undo()
+    first, failed = calls[0], calls[1]
     keys = _keys(client, "out/resumed/")
-    assert "out/resumed/_manifest/part-00000.json" in keys  # committed before the outage: intact
-    assert "out/resumed/_SUCCESS" not in keys and "out/resumed/_manifest/part-00001.json" not in keys
+    entry = lambda p: "out/resumed/_manifest/" + p.replace(".parquet", ".json")  # noqa: E731
+    assert entry(first) in keys  # committed before the outage: intact
+    assert "out/resumed/_SUCCESS" not in keys and entry(failed) not in keys
 
     summary = run_job(_cfg(tiny_models, proxy, "s3://faults/out/resumed"), progress=False)
-    assert summary["this_run"]["shards_skipped"] == ["part-00000.parquet"]
-    assert summary["this_run"]["shards_run"] == ["part-00001.parquet", "part-00002.parquet"]
+    assert summary["this_run"]["units_skipped"] == [first]
+    assert summary["this_run"]["units_run"] == sorted({f"part-{i:05d}-u00000.parquet" for i in range(3)} - {first})
     assert summary["rows"] == 6 and len(summary["runs"]) == 2
     assert _ids(client, "out/resumed/") == EXPECTED  # every row exactly once
     assert "out/resumed/_SUCCESS" in _keys(client, "out/resumed/")

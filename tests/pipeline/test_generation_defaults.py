@@ -120,7 +120,7 @@ def test_driver_resolves_and_logs_the_defaults(opinionated_target, tmp_path, cap
 def test_quieting_ray_data_keeps_other_loggers_records():
     """The console filter of Ray Data's handlers may sit on a handler the root logger
     shares: it must drop only Ray Data's info records, never the job's own."""
-    from pipeline.run import _QuietRayData
+    from pipeline.ray_setup import _QuietRayData
 
     def record(name, level, msg="m"):
         return logging.LogRecord(name, level, __file__, 1, msg, None, None)

@@ -23,7 +23,8 @@ import zstandard
 from pipeline_testkit import TEXTS
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.read import InputError, file_kind, read_shard, resolve_shards
-from pipeline.write import OUTPUT_SCHEMA, OutputWriter
+from pipeline.output import OutputWriter
+from pipeline.schema import OUTPUT_SCHEMA
 
 ROWS = [{"id": f"r{i}", "text": t} for i, t in enumerate(TEXTS[:3])]
 PLAIN = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
@@ -177,7 +178,7 @@ def _commit_one(out_cfg: OutputConfig, shards) -> None:
     w = OutputWriter(out_cfg)
     w.prepare(shards)
     for s in shards:
-        w.write_part(s, pa.Table.from_pylist([{"id": "x", "source_row": 0}] * s.num_rows, schema=OUTPUT_SCHEMA))
+        w.write_part(s, pa.Table.from_pylist([{"id": "x", "source_row": i} for i in range(s.num_rows)], schema=OUTPUT_SCHEMA))
     w.commit({"rows": 1})
 
 
@@ -203,7 +204,7 @@ def test_the_output_inside_the_input_is_left_out(tmp_path, caplog):
     assert [s.name for s in resolve_shards(InputConfig(uri=str(d)), output=same)] == ["a.jsonl"]
     # a specbatch output named as the input itself is read (jobs chain: summarize -> translate)
     chained = resolve_shards(InputConfig(uri=str(d / "older"), text_column="output_text"))
-    assert [s.name for s in chained] == ["part-00000.parquet"]
+    assert [s.name for s in chained] == ["part-00000-u00000.parquet"]
 
 
 def test_an_input_inside_the_outputs_manifest_or_staging_is_refused(tmp_path):
@@ -215,9 +216,9 @@ def test_an_input_inside_the_outputs_manifest_or_staging_is_refused(tmp_path):
             with pytest.raises(InputError, match=r"lies inside the output's _(manifest|staging)/"):
                 resolve_shards(InputConfig(uri=str(uri)), output=out)
     # a data file of the output named as the input: refused too
-    (tmp_path / "out" / "part-00000.parquet").write_bytes(b"")
+    (tmp_path / "out" / "part-00000-u00000.parquet").write_bytes(b"")
     with pytest.raises(InputError, match="a file of the job's output"):
-        resolve_shards(InputConfig(uri=str(tmp_path / "out" / "part-00000.parquet")), output=out)
+        resolve_shards(InputConfig(uri=str(tmp_path / "out" / "part-00000-u00000.parquet")), output=out)
 
 
 def test_another_spelling_of_the_same_input_resumes(tmp_path, monkeypatch):
@@ -236,7 +237,7 @@ def test_another_spelling_of_the_same_input_resumes(tmp_path, monkeypatch):
     for uri in spellings:
         shards = resolve_shards(InputConfig(uri=uri), output=out)
         assert [(s.url, s.fingerprint) for s in shards] == [(first[0].url, first[0].fingerprint)], uri
-        assert OutputWriter(out).prepare(shards) == {0}, uri  # resumes: nothing to redo
+        assert OutputWriter(out).prepare(shards).done == ["part-00000-u00000.parquet"], uri  # resumes: nothing to redo
 
 
 # ------------------------------------------------------------------ moto S3
@@ -270,7 +271,7 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
     for uri in (f"s3://{b}/in/", f"s3://{b}/in"):
         again = resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
         assert [s.url for s in again] == [s.url for s in shards], uri
-        assert OutputWriter(out).prepare(again) == {0, 1, 2}, uri
+        assert OutputWriter(out).prepare(again).done == ["part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"], uri
     for uri in (f"s3://{b}/in/./", f"s3://{b}/in/x/../"):
         with pytest.raises(InputError, match="input not found"):
             resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)

@@ -1,4 +1,4 @@
-"""The output lease (pipeline.lease), on local disk and on moto S3: one holder at a time
+"""The output lease (pipeline.output.lease), on local disk and on moto S3: one holder at a time
 (also when many runs race for it), a second run refused naming the holder and its last
 heartbeat, a stale lease taken over with a warning (and only by one of several takers), a
 holder that lost its lease publishes nothing (``check`` raises) and never removes the
@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from pipeline.lease import LEASE, LeaseHeld, LeaseLost, LeaseUnreadable, OutputLease
+from pipeline.output.lease import LEASE, LeaseHeld, LeaseLost, LeaseUnreadable, OutputLease
 from pipeline.retry import open_fs, retrying
 from pipeline_testkit import REPO
 
@@ -251,7 +251,7 @@ def test_a_sigkilled_holder_s_lease_expires(tmp_path):
     place = Place("local", tmp_path, None)
     script = (
         "import sys, time; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + '/tests/pipeline');"
-        "import json; from pipeline.lease import OutputLease; from pipeline.retry import open_fs;"
+        "import json; from pipeline.output.lease import OutputLease; from pipeline.retry import open_fs;"
         "opts = json.loads(sys.argv[3]); fs, root = open_fs(sys.argv[2], opts);"
         "l = OutputLease(fs, root, 'killed-run', url=sys.argv[2], timeout_s=2.0); l.acquire();"
         "print('held', flush=True); time.sleep(600)"

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipeline.write
+import pipeline.output.writer
 from pipeline.config import OutputConfig
 from pipeline.output import OutputError, is_complete
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
 
 
@@ -100,12 +100,12 @@ def test_a_folder_with_foreign_files_is_refused_and_they_are_never_deleted(store
         w.commit({"rows": 3})
         files = s.files()
         assert {k: files[k] for k in FOREIGN} == FOREIGN
-        assert sorted(_ours(files)) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json", "part-00000.parquet"]
-        assert json.loads(files["_manifest/part-00000.json"])["run_id"] == w.run_id
+        assert sorted(_ours(files)) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_summary.json", "part-00000-u00000.parquet"]
+        assert json.loads(files["_manifest/part-00000-u00000.json"])["run_id"] == w.run_id
     assert is_complete(s.base, s.options)
 
 
-@pytest.mark.parametrize("clash", ["part-00003.parquet", "part-00000-00001.parquet", "_summary.json"])
+@pytest.mark.parametrize("clash", ["part-00003-u00000.parquet", "part-00000-u00000-00001.parquet", "_summary.json"])
 def test_a_foreign_file_with_a_name_the_job_writes_is_always_refused(store, clash):
     s = store()
     s.put(clash, b"not ours")
@@ -119,36 +119,34 @@ def test_an_output_of_another_tool_is_refused(store):
     """Spark-style: parts and a _SUCCESS, no manifest."""
     s = store()
     s.put("_SUCCESS", b"")
-    s.put("part-00000.parquet", _parquet_bytes())
+    s.put("part-00000-u00000.parquet", _parquet_bytes())
     with pytest.raises(OutputError, match="without a manifest"):
         OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True)).prepare()
-    assert sorted(s.files()) == ["_SUCCESS", "part-00000.parquet"]
+    assert sorted(s.files()) == ["_SUCCESS", "part-00000-u00000.parquet"]
 
 
-def test_a_large_shard_is_written_in_files_of_max_rows_per_file(store):
+def test_a_large_unit_is_written_in_files_of_max_rows_per_file(store):
     s = store()
     w = OutputWriter(s.cfg(max_rows_per_file=10))
     w.prepare()
-    # rows arrive in batches of odd sizes; 3 error rows
-    start = 0
+    # rows given out of order (batches of odd sizes, last first); 3 error rows
+    batches, start = [], 0
     for n in (3, 7, 1, 9, 5):
-        w.add_rows(0, _rows(n, start, errors={4, 12, 24}))
+        batches.append(_rows(n, start, errors={4, 12, 24}))
         start += n
-        assert sum(t.num_rows for t in w._buffers.get(0, [])) < 10  # never more than a file's worth held
-    w.add_rows(1, _rows(4))
-    w.finish_shard(0, {"rows": 25})
-    w.finish_shard(1)
+    w.write_part(0, pa.concat_tables(batches[::-1]))
+    w.write_part(1, _rows(4))
     w.commit({"rows": 29})
     files = s.files()
-    names = ["part-00000-00000.parquet", "part-00000-00001.parquet", "part-00000-00002.parquet"]
-    assert sorted(k for k in files if k.startswith("part-")) == names + ["part-00001.parquet"]
+    names = ["part-00000-u00000-00000.parquet", "part-00000-u00000-00001.parquet", "part-00000-u00000-00002.parquet"]
+    assert sorted(k for k in files if k.startswith("part-")) == names + ["part-00001-u00000.parquet"]
     sizes = [pq.read_table(io.BytesIO(files[n])).num_rows for n in names]
     assert sizes == [10, 10, 5]
     ids = [i for n in names for i in pq.read_table(io.BytesIO(files[n])).column("id").to_pylist()]
     assert ids == [str(i) for i in range(25)]  # in row order across the files
-    entry = json.loads(files["_manifest/part-00000.json"])
+    entry = json.loads(files["_manifest/part-00000-u00000.json"])
     assert entry["files"] == names and entry["rows"] == 25 and entry["errors"] == 3
-    assert json.loads(files["_manifest/part-00001.json"])["files"] == ["part-00001.parquet"]
+    assert json.loads(files["_manifest/part-00001-u00000.json"])["files"] == ["part-00001-u00000.parquet"]
     assert not any(k.startswith(("_staging", "_manifest/pending")) for k in files)
 
 
@@ -168,22 +166,21 @@ def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(
     monkeypatch.setattr(OutputWriter, "_write_json", die_at_manifest_entry)
     w1 = OutputWriter(s.cfg(allow_foreign_files=True, max_rows_per_file=2))
     w1.prepare()
-    w1.add_rows(0, _rows(5))
     with pytest.raises(RuntimeError, match="killed"):
-        w1.finish_shard(0)
+        w1.write_part(0, _rows(5))
     monkeypatch.setattr(OutputWriter, "_write_json", original)
     s.put(f"_staging/{w1.run_id}/part-00001/00000.parquet", b"left by a killed run")
     files = s.files()
-    assert {"part-00000-00000.parquet", "part-00000-00002.parquet",
-            f"_manifest/pending/part-00000.{w1.run_id}.json"} <= set(files)
-    assert "_manifest/part-00000.json" not in files
+    assert {"part-00000-u00000-00000.parquet", "part-00000-u00000-00002.parquet",
+            f"_manifest/pending/part-00000-u00000.{w1.run_id}.json"} <= set(files)
+    assert "_manifest/part-00000-u00000.json" not in files
 
     w2 = OutputWriter(s.cfg(allow_foreign_files=True))  # not refused: those files are ours
-    assert w2.prepare([]) == set() and w2.location.foreign == ["notes.txt"]
+    assert w2.prepare([]).done == [] and w2.location.foreign == ["notes.txt"]
     w2.write_part(0, _rows(5))
     w2.commit({"rows": 5})
-    assert sorted(s.files()) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json", "notes.txt",
-                                 "part-00000.parquet"]
+    assert sorted(s.files()) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_summary.json", "notes.txt",
+                                 "part-00000-u00000.parquet"]
 
 
 def test_the_issue_example_part_archive_survives_a_run(ray_local, tiny_models, tmp_path):
@@ -203,26 +200,7 @@ def test_the_issue_example_part_archive_survives_a_run(ray_local, tiny_models, t
     summary = run_job(cfg("output.overwrite=true", "output.allow_foreign_files=true"), progress=False)
     assert summary["rows"] == 3
     assert (out / "part-archive.parquet").read_bytes() == FOREIGN["part-archive.parquet"]
-    assert pq.read_table(out / "part-00000.parquet").num_rows == 3 and is_complete(str(out))
-
-
-def test_rows_held_for_many_shards_in_flight_stay_bounded(tmp_path):
-    """Rows of many unfinished shards at once: whenever more than twice max_rows_per_file
-    rows are held in all, the largest shard's are written out (a smaller file)."""
-    w = OutputWriter(OutputConfig(uri=str(tmp_path / "out"), max_rows_per_file=10))
-    w.prepare()
-    for rnd in range(3):
-        for shard in range(6):
-            w.add_rows(shard, _rows(4, start=4 * rnd))
-            assert sum(w._buffered.values()) <= 20
-    for shard in range(6):
-        w.finish_shard(shard)
-    w.commit({"rows": 72})
-    for shard in range(6):
-        entry = json.loads((tmp_path / "out" / "_manifest" / f"part-{shard:05d}.json").read_text())
-        tables = [pq.read_table(tmp_path / "out" / f) for f in entry["files"]]
-        assert all(t.num_rows <= 10 for t in tables) and entry["rows"] == 12
-        assert [i for t in tables for i in t.column("id").to_pylist()] == [str(i) for i in range(12)]
+    assert pq.read_table(out / "part-00000-u00000.parquet").num_rows == 3 and is_complete(str(out))
 
 
 # ---------------------------------------------------------------------------- names from _manifest/
@@ -250,8 +228,8 @@ class Victim:
         return self.path.read_bytes() == b"precious"
 
 
-FORGED_NAMES = ["relative", "absolute", "nested/part-00000.parquet", "part-00001.parquet", "part-00000.parquet\n",
-                "part-00000-00000.parquet"]
+FORGED_NAMES = ["relative", "absolute", "nested/part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00000-u00000.parquet\n",
+                "part-00000-u00000-00000.parquet"]
 
 
 @pytest.mark.parametrize("where", ["intent", "entry"])
@@ -265,35 +243,35 @@ def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is
     w.prepare()
     w.write_part(0, _rows(2))  # a real committed shard beside the forged record
     if where == "intent":
-        rel = "_manifest/pending/part-00000.0123456789ab.json"
-        s.put(rel, json.dumps({"part": "part-00000.parquet", "files": [name], "run_id": "0123456789ab"}).encode())
+        rel = "_manifest/pending/part-00000-u00000.0123456789ab.json"
+        s.put(rel, json.dumps({"part": "part-00000-u00000.parquet", "files": [name], "run_id": "0123456789ab"}).encode())
     else:
-        rel = "_manifest/part-00000.json"
+        rel = "_manifest/part-00000-u00000.json"
         entry = json.loads(s.files()[rel])
         s.put(rel, json.dumps(dict(entry, files=[name])).encode())
     before = s.files()
     for kw in ({}, {"overwrite": True}, {"overwrite": True, "allow_foreign_files": True}):
         with pytest.raises(OutputError, match=f"{rel.replace('.', '[.]')} names the files .*not the names this job "
-                                              "gives shard 0 .*does nothing"):
+                                              "gives unit 0 of shard 0 .*does nothing"):
             OutputWriter(s.cfg(**kw)).prepare([])
         assert s.files() == before and victim.intact()
     # and a commit that meets the forged intent (written while the run ran) deletes nothing either
     if where == "intent":
-        s.put("_manifest/part-00000.json", before.get("_manifest/part-00000.json", b""))
+        s.put("_manifest/part-00000-u00000.json", before.get("_manifest/part-00000-u00000.json", b""))
         with pytest.raises(OutputError, match=rel.replace(".", "[.]")):
             w.commit({"rows": 2})
-        assert victim.intact() and "part-00000.parquet" in s.files()
+        assert victim.intact() and "part-00000-u00000.parquet" in s.files()
 
 
-@pytest.mark.parametrize("record", [{"part": "part-00001.parquet", "files": ["part-00001.parquet"]},
-                                    {"part": "../part-00000.parquet"}, ["part-00000.parquet"], {"files": []}])
+@pytest.mark.parametrize("record", [{"part": "part-00001-u00000.parquet", "files": ["part-00001-u00000.parquet"]},
+                                    {"part": "../part-00000-u00000.parquet"}, ["part-00000-u00000.parquet"], {"files": []}])
 def test_a_manifest_entry_for_another_shard_or_of_another_shape_is_refused(store, record):
     s = store()
-    s.put("_manifest/part-00000.json", json.dumps(record).encode())
+    s.put("_manifest/part-00000-u00000.json", json.dumps(record).encode())
     for kw in ({}, {"overwrite": True}):
-        with pytest.raises(OutputError, match="_manifest/part-00000.json"):
+        with pytest.raises(OutputError, match="_manifest/part-00000-u00000.json"):
             OutputWriter(s.cfg(**kw)).prepare([])
-    assert list(s.files()) == ["_manifest/part-00000.json"]
+    assert list(s.files()) == ["_manifest/part-00000-u00000.json"]
 
 
 @pytest.mark.parametrize("rel", ["_manifest/input.jsonl", "_manifest/pending/notes.txt", "_manifest/part-1.json",
@@ -310,13 +288,13 @@ def test_foreign_files_under_manifest_and_staging_are_foreign_and_survive_overwr
         OutputWriter(s.cfg(overwrite=True)).prepare()
     for run in range(2):
         w = OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True))
-        assert w.prepare() == set() and w.location.foreign == [rel]
+        assert w.prepare().done == [] and w.location.foreign == [rel]
         w.write_part(0, _rows(1))
         w.commit({"rows": 1})
         files = s.files()
         assert files[rel] == b'{"id": "x", "text": "keep me"}\n'
-        assert sorted(set(files) - {rel}) == ["_SUCCESS", "_manifest/part-00000.json", "_summary.json",
-                                              "part-00000.parquet"]
+        assert sorted(set(files) - {rel}) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_summary.json",
+                                              "part-00000-u00000.parquet"]
 
 
 @pytest.mark.parametrize("link", ["_staging", "_manifest", "_manifest/pending", "_staging/0123456789ab",

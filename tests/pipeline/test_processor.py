@@ -123,7 +123,8 @@ def test_partitioned_parquet_with_one_actor_per_cpu_equals_the_job(ray_local, ti
     the cluster has CPUs: finishes; the partition column is kept; rows equal the job's."""
     import ray
 
-    from pipeline.processor import actor_cpus, build_processor
+    from pipeline.processor import build_processor
+    from pipeline.ray_setup import actor_cpus
 
     table = pa.table({"id": [r["id"] for r in ROWS], "text": [r["text"] for r in ROWS],
                       "lang": ["de", "en", "de", "en", "fr", "fr"]})

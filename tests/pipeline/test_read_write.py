@@ -10,7 +10,7 @@ from pipeline_testkit import write_jsonl
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.read import InputError, read_shard, resolve_shards
 from pipeline.output import OutputError, is_complete
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
 
 
@@ -93,15 +93,15 @@ def test_commit_protocol(tmp_path):
     w.prepare()
     w.write_part(0, _table(3))
     # a shard is published as soon as it is written: part first, then its manifest entry
-    assert (out / "part-00000.parquet").exists() and (out / "_manifest" / "part-00000.json").exists()
+    assert (out / "part-00000-u00000.parquet").exists() and (out / "_manifest" / "part-00000-u00000.json").exists()
     assert not is_complete(str(out))
     w.write_part(1, _table(2))
     w.commit({"rows": 5})
     assert sorted(p.name for p in out.iterdir()) == [
-        "_SUCCESS", "_manifest", "_summary.json", "part-00000.parquet", "part-00001.parquet"]
+        "_SUCCESS", "_manifest", "_summary.json", "part-00000-u00000.parquet", "part-00001-u00000.parquet"]
     assert pq.read_table(out).num_rows == 5  # pyarrow skips _-prefixed files
     assert json.loads((out / "_summary.json").read_text()) == {"rows": 5}
-    entry = json.loads((out / "_manifest" / "part-00001.json").read_text())
+    entry = json.loads((out / "_manifest" / "part-00001-u00000.json").read_text())
     assert entry["rows"] == 2 and entry["run_id"] == w.run_id
 
     # An output written before manifests existed (parts + _SUCCESS only) is refused.
@@ -125,7 +125,7 @@ def test_commit_protocol(tmp_path):
     w3.write_part(0, _table(4))
     w3.commit({"rows": 4})
     assert pq.read_table(out).num_rows == 4 and is_complete(str(out))
-    assert not (out / "part-00001.parquet").exists()
+    assert not (out / "part-00001-u00000.parquet").exists()
 
 
 def test_unwritable_output(tmp_path):

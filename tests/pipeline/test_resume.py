@@ -10,7 +10,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-import pipeline.write
+import pipeline.output.writer
 from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
 from pipeline.run import run_job
 from pipeline.output import OutputError, is_complete
@@ -49,32 +49,35 @@ def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_mod
     out = tmp_path / "out"
     day = out / f"date={DATE}"
 
-    # Run 1 dies while committing shard 2 (after shards 0 and 1 are committed).
-    original = pipeline.write.OutputWriter.finish_shard
+    # Run 1 dies at its third unit commit (after two units are committed: units commit in
+    # the order they complete, whichever that is).
+    original = pipeline.output.writer.OutputWriter.commit_unit
+    calls = []
 
-    def dying(self, shard, totals=None):
-        if getattr(shard, "index", shard) == 2:
+    def dying(self, unit, fragments):
+        calls.append(unit.part)
+        if len(calls) == 3:
             raise RuntimeError("driver died")
-        return original(self, shard, totals)
+        return original(self, unit, fragments)
 
-    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", dying)
+    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "commit_unit", dying)
     with pytest.raises(RuntimeError, match="driver died"):
         run_job(_cfg(tiny_models, inputs, out), progress=False)
-    monkeypatch.setattr(pipeline.write.OutputWriter, "finish_shard", original)
+    monkeypatch.setattr(pipeline.output.writer.OutputWriter, "commit_unit", original)
+    done, missing = sorted(calls[:2]), calls[2]
     assert not is_complete(str(day)) and not (day / "_staging").exists()
-    assert sorted(p.name for p in (day / "_manifest").glob("part-*.json")) == ["part-00000.json", "part-00001.json"]
-    first_run = json.loads((day / "_manifest" / "part-00000.json").read_text())["run_id"]
-    committed = {n: (day / n).read_bytes() for n in ("part-00000.parquet", "part-00001.parquet")}
+    assert sorted(p.name for p in (day / "_manifest").glob("part-*.json")) == [p.replace(".parquet", ".json") for p in done]
+    first_run = json.loads((day / "_manifest" / done[0].replace(".parquet", ".json")).read_text())["run_id"]
+    committed = {n: (day / n).read_bytes() for n in done}
 
-    # Run 2 (same job, same output) resumes: only shard 2 runs; committed parts untouched.
+    # Run 2 (same job, same output) resumes: only the missing unit runs; committed parts untouched.
     summary = run_job(_cfg(tiny_models, inputs, out), progress=False)
-    assert summary["this_run"]["shards_run"] == ["part-00002.parquet"]
-    assert summary["this_run"]["shards_skipped"] == ["part-00000.parquet", "part-00001.parquet"]
+    assert summary["this_run"]["units_run"] == [missing]
+    assert summary["this_run"]["units_skipped"] == done
     assert summary["this_run"]["rows"] == 2
     assert summary["rows"] == 6 and summary["shards"] == 3  # totals over every committed shard
     assert summary["runs"] == sorted({first_run, summary["run_id"]})
-    assert {p["part"]: p["run_id"] for p in summary["parts"]} == {
-        "part-00000.parquet": first_run, "part-00001.parquet": first_run, "part-00002.parquet": summary["run_id"]}
+    assert {p["part"]: p["run_id"] for p in summary["parts"]} == {**{p: first_run for p in done}, missing: summary["run_id"]}
     for n, data in committed.items():
         assert (day / n).read_bytes() == data
     assert is_complete(str(day))
@@ -87,13 +90,13 @@ def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_mod
     # Run 3: everything committed, _SUCCESS there -> writes nothing at all.
     before = _snapshot(out)
     again = run_job(_cfg(tiny_models, inputs, out), progress=False)
-    assert again["this_run"]["nothing_to_do"] and again["this_run"]["shards_run"] == []
+    assert again["this_run"]["nothing_to_do"] and again["this_run"]["units_run"] == []
     assert again["rows"] == 6
     assert _snapshot(out) == before
 
     # Run 4: --overwrite starts afresh (every shard rewritten by the new run).
     fresh = run_job(_cfg(tiny_models, inputs, out, "output.overwrite=true"), progress=False)
-    assert fresh["this_run"]["shards_skipped"] == [] and len(fresh["this_run"]["shards_run"]) == 3
+    assert fresh["this_run"]["units_skipped"] == [] and len(fresh["this_run"]["units_run"]) == 3
     assert fresh["runs"] == [fresh["run_id"]]
     assert _ids(day) == EXPECTED_IDS
 
@@ -108,7 +111,7 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
 
     from pipeline.fingerprint import config_identity
     from pipeline.read import resolve_shards
-    from pipeline.write import OutputWriter
+    from pipeline.output import OutputWriter
     import pyarrow as pa
     from pipeline.schema import OUTPUT_SCHEMA
 
@@ -117,10 +120,11 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     cfg = _cfg(tiny_models, src, tmp_path / "out")
     shards = resolve_shards(cfg.input)
     w = OutputWriter(cfg.output)
-    assert w.prepare(shards, config_identity(cfg)) == set()
-    w.write_part(shards[0], pa.Table.from_pylist([{"id": "x", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    assert w.prepare(shards, config_identity(cfg)).done == []
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": f"x{i}", "source_row": i} for i in range(shards[0].num_rows)],
+                                                schema=OUTPUT_SCHEMA))
     # same input: shard 0 is committed and would be skipped
-    assert OutputWriter(cfg.output).prepare(resolve_shards(cfg.input)) == {0}
+    assert OutputWriter(cfg.output).prepare(resolve_shards(cfg.input)).done == ["part-00000-u00000.parquet"]
     write_jsonl(src / "s0.jsonl", [{"id": "new", "text": TEXTS[0]}] * 3)
     with pytest.raises(OutputError, match="input changed"):
         run_job(_cfg(tiny_models, src, tmp_path / "out"), progress=False)

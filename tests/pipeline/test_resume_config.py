@@ -18,7 +18,7 @@ from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
 from pipeline.fingerprint import config_fingerprint, config_identity, describe_changes, file_identity, model_files
 from pipeline.read import resolve_shards
 from pipeline.output import OutputError
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
 
 
@@ -32,8 +32,9 @@ def inputs(tmp_path):
 def _commit_shard0(cfg):
     w = OutputWriter(cfg.output, retry=cfg.retry)
     shards = resolve_shards(cfg.input)
-    assert w.prepare(shards, config_identity(cfg)) == set()
-    w.write_part(shards[0], pa.Table.from_pylist([{"id": "0", "source_row": 0}], schema=OUTPUT_SCHEMA))
+    assert w.prepare(shards, config_identity(cfg)).done == []
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": f"0{i}", "source_row": i} for i in range(shards[0].num_rows)],
+                                                schema=OUTPUT_SCHEMA))
     w.commit({"rows": 1})
 
 
@@ -66,7 +67,7 @@ def test_resume_under_another_config_is_refused_naming_the_change(tiny_models, i
     assert named in str(e.value) and "--overwrite" in str(e.value)
     # --overwrite redoes it from scratch under the new config
     assert OutputWriter(job_config(tiny_models, str(inputs), out, overrides=[override, "output.overwrite=true"]).output
-                        ).prepare(resolve_shards(job_config(tiny_models, str(inputs), out).input)) == set()
+                        ).prepare(resolve_shards(job_config(tiny_models, str(inputs), out).input)).done == []
 
 
 @pytest.mark.parametrize("override", ["compute.num_actors=2", "compute.rows_per_batch=1", "retry.attempts=2",
@@ -75,7 +76,7 @@ def test_resume_under_another_config_is_refused_naming_the_change(tiny_models, i
 def test_settings_that_do_not_change_outputs_resume(tiny_models, inputs, tmp_path, override):
     out = str(tmp_path / "out")
     _commit_shard0(job_config(tiny_models, str(inputs), out))
-    assert _resume(job_config(tiny_models, str(inputs), out, overrides=[override])) == {0}
+    assert _resume(job_config(tiny_models, str(inputs), out, overrides=[override])).done == ["part-00000-u00000.parquet"]
 
 
 def test_the_drafter_counts_only_for_methods_that_use_it(tiny_models, inputs, tmp_path):
@@ -190,7 +191,7 @@ def test_a_checkpoint_edited_in_place_is_refused_on_resume_and_a_rerun_rehashes_
     cfg = lambda: job_config(dict(tiny_models, target=str(m)), str(inputs), out)
     _commit_shard0(cfg())
     reads = _hash_reads(monkeypatch)
-    assert _resume(cfg()) == {0} and reads == []  # nothing rehashed
+    assert _resume(cfg()).done == ["part-00000-u00000.parquet"] and reads == []  # nothing rehashed
     if edit == "a tensor in the middle":
         weights = m / "model.safetensors"
         header = int.from_bytes(weights.read_bytes()[:8], "little")
@@ -259,7 +260,7 @@ def test_the_issue_example_plain_then_draft_model(ray_local, tiny_models, tmp_pa
 
     summary = run_job(job_config(tiny_models, str(tmp_path / "in"), str(out), method="draft_model",
                                  overrides=["generation.max_new_tokens=8", "output.overwrite=true"]), progress=False)
-    assert summary["this_run"]["shards_skipped"] == [] and summary["rows"] == 5
+    assert summary["this_run"]["units_skipped"] == [] and summary["rows"] == 5
     assert set(pq.read_table(out).column("method").to_pylist()) == {"draft_model"}
     assert summary["config"]["method"]["name"] == "draft_model"
 
@@ -274,10 +275,11 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
     w = OutputWriter(cfg().output)
     shards = resolve_shards(cfg().input)
     w.prepare(shards, config_identity(cfg()))
-    w.write_part(shards[0], pa.Table.from_pylist([{"id": "1", "source_row": 0}], schema=OUTPUT_SCHEMA))
-    entry = json.loads(client.get_object(Bucket="fingerprints", Key="out/_manifest/part-00000.json")["Body"].read())
+    w.write_part(shards[0], pa.Table.from_pylist([{"id": f"1{i}", "source_row": i} for i in range(shards[0].num_rows)],
+                                                schema=OUTPUT_SCHEMA))
+    entry = json.loads(client.get_object(Bucket="fingerprints", Key="out/_manifest/part-00000-u00000.json")["Body"].read())
     assert entry["config_fingerprint"] == config_fingerprint(config_identity(cfg()))
-    assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())) == {0}
+    assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())).done == ["part-00000-u00000.parquet"]
     with pytest.raises(OutputError, match="generation.max_new_tokens: 12 -> 5"):
         OutputWriter(cfg().output).prepare(resolve_shards(cfg().input),
                                            config_identity(cfg("generation.max_new_tokens=5")))

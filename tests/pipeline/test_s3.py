@@ -48,8 +48,8 @@ def test_s3_in_s3_out(ray_local, tiny_models, s3_server, bucket):
     assert summary["rows"] == 6 and summary["errors"] == 0
 
     keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="prompts", Prefix="out/run1/")["Contents"])
-    assert keys == ["out/run1/_SUCCESS", "out/run1/_manifest/part-00000.json", "out/run1/_manifest/part-00001.json",
-                    "out/run1/_summary.json", "out/run1/part-00000.parquet", "out/run1/part-00001.parquet"]
+    assert keys == ["out/run1/_SUCCESS", "out/run1/_manifest/part-00000-u00000.json", "out/run1/_manifest/part-00001-u00000.json",
+                    "out/run1/_summary.json", "out/run1/part-00000-u00000.parquet", "out/run1/part-00001-u00000.parquet"]
 
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
@@ -84,7 +84,7 @@ def test_s3_credentials_and_endpoint_from_the_standard_chain(s3_server, bucket, 
     from pipeline.config import InputConfig, OutputConfig
     from pipeline.read import read_shard, resolve_shards
     from pipeline.output import is_complete
-    from pipeline.write import OutputWriter
+    from pipeline.output import OutputWriter
     from pipeline.schema import OUTPUT_SCHEMA
 
     for k, v in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server,

@@ -24,12 +24,12 @@ import pytest
 import zstandard
 
 from pipeline.config import ConfigError, InputConfig, OutputConfig, load_config
-from pipeline.lease import LEASE, LeaseHeld, LeaseUnreadable, OutputLease
+from pipeline.output.lease import LEASE, LeaseHeld, LeaseUnreadable, OutputLease
 from pipeline.output import OutputError, is_complete
 from pipeline.read import InputError, read_shard, resolve_shards
 from pipeline.retry import StorageError, open_fs, retrying
 from pipeline.schema import OUTPUT_SCHEMA
-from pipeline.write import OutputWriter
+from pipeline.output import OutputWriter
 
 N = 3000
 BIG = "".join(json.dumps({"id": f"r{i}", "text": f"row {i} " + "lorem ipsum " * 3}) + "\n" for i in range(N)).encode()

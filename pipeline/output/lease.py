@@ -67,11 +67,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeline.config import MAX_LEASE_TIMEOUT_S, JobRefused
+from pipeline.output.layout import LEASE  # noqa: F401 (the lease file, directly in the output folder)
 
 log = logging.getLogger("specbatch")
 
-#: the lease file, directly in the output folder
-LEASE = "_lease.json"
 _MARK = "specbatch output lease"
 #: this process, in the leases it takes (a lease of this process whose run is over is a leftover)
 _PROCESS = uuid.uuid4().hex

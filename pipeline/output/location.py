@@ -1,48 +1,24 @@
-"""The output location: an output directory's layout, the files this job owns there, and
-the resume check.  (Writing a run's shards into it: :mod:`pipeline.write`.)
-
-Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD`` with
-``output.partition_by_date``; any fsspec URL: local path, ``s3://bucket/prefix``...)::
-
-    <dir>/part-00000.parquet          the rows of input shard 0 (OUTPUT_SCHEMA, in the shard's order)
-    <dir>/part-00001-00000.parquet    a shard of more than output.max_rows_per_file rows is
-    <dir>/part-00001-00001.parquet    written as several files, in row order
-    <dir>/_manifest/part-00000.json   the shard's commit record (pipeline.write)
-    <dir>/_manifest/pending/...       publish intents (pipeline.write)
-    <dir>/_summary.json               the run summary over all committed shards (pipeline.summary)
-    <dir>/_SUCCESS                    written last: every shard of the input is committed
-    <dir>/_staging/<run_id>/          files of a run in progress, before they are published
-    <dir>/_lease.json                 the lease of the run writing the folder now (pipeline.lease)
-
-Files this job owns, and the only ones it ever deletes or overwrites: the data files named
-by a manifest entry or a publish intent, the manifest entries and intents themselves
-(``_manifest/part-NNNNN.json``, ``_manifest/pending/part-NNNNN.<run_id>.json``), the files
-of its staging layout (``_staging/<run_id>/part-NNNNN/NNNNN.parquet``,
-``_staging/<run_id>/part-NNNNN.parquet.json``), its lease, and ``_summary.json`` /
-``_SUCCESS`` of a directory that has a manifest.  Anything else in the directory, under
-``_manifest/`` and ``_staging/`` too, is *foreign*: the job refuses such a directory
-(:class:`OutputError`) unless ``output.allow_foreign_files: true``, and even then, and with
-``overwrite``, never touches those files (a foreign file with a name the job would write,
-``part-*.parquet``, ``_SUCCESS``, ``_summary.json``, is always refused).
+"""The output location: one output directory on its filesystem, listing, the manifest
+(read and checked), the foreign-file check, and clearing on ``overwrite``.  (The names
+and which files are the job's: :mod:`pipeline.output.layout`; the resume plan:
+:mod:`pipeline.output.resume`; committing units: :mod:`pipeline.output.writer`.)
 
 Names read back from ``_manifest/`` are never trusted: before any is used (to delete a
 dead run's files, to clear the output on ``overwrite``, to resume), every manifest entry
-and publish intent must name its own shard (``part-NNNNN.parquet`` for the file
-``part-NNNNN.json``) and exactly that shard's data files in this job's naming
-(:func:`data_file_names`: plain names directly in the folder, no separator, no ``..``, not
-absolute); anything else is refused (:class:`OutputError`) naming the manifest file, and
-nothing is deleted.  On local disk, ``_manifest``, ``_staging``, ``_SUCCESS`` and
-``_summary.json`` (or anything under the two folders) being a symbolic link is refused too:
-the job would write, and delete, through it.
+and publish intent must name its own part (``part-NNNNN-uNNNNN.parquet`` for the file
+``part-NNNNN-uNNNNN.json``; ``part-NNNNN.parquet`` for a whole-shard part of the layout
+before units) and exactly that part's data files in this job's naming
+(:func:`~pipeline.output.layout.data_file_names`: plain names directly in the folder, no
+separator, no ``..``, not absolute); anything else is refused (:class:`OutputError`)
+naming the manifest file, and nothing is deleted.  On local disk, ``_manifest``,
+``_staging``, ``_SUCCESS`` and ``_summary.json`` (or anything under the two folders)
+being a symbolic link is refused too: the job would write, and delete, through it.
 
-Resume (``overwrite: false``, the default): :meth:`OutputLocation.prepare` reads the
-manifest and returns the shards already committed *from the same source under the same
-config fingerprint*; the run skips them, so committed rows are never duplicated or
-rewritten.  A manifest entry that disagrees with today's input (another file at that
-index, or the file changed) or with today's config (another method, generation setting,
-prompt template, model file...) is refused with :class:`OutputError`, naming what
-changed: rerun with ``overwrite: true``.  When every shard is already committed and
-``_SUCCESS`` exists, the run writes nothing (:attr:`OutputLocation.nothing_to_do`).
+Files the job did not write (anything :mod:`pipeline.output.layout` does not name as the
+job's, and data files no manifest entry or intent names) are *foreign*: the job refuses
+such a directory (:class:`OutputError`) unless ``output.allow_foreign_files: true``, and
+even then, and with ``overwrite``, never touches those files (a foreign file with a name
+the job would write, ``part-*.parquet``, ``_SUCCESS``, ``_summary.json``, is always refused).
 
 Overwrite (``overwrite: true``): ``_SUCCESS``, ``_summary.json``, the files the manifest
 and intents name, ``_manifest/`` and ``_staging/`` are deleted first and the run starts
@@ -63,85 +39,25 @@ import re
 from typing import Any
 
 from pipeline.config import JobRefused, OutputConfig
-from pipeline.fingerprint import config_fingerprint, describe_changes
-from pipeline.lease import LEASE
+from pipeline.output.fs import is_local, is_object_store, prune_empty, unstrip
+from pipeline.output.layout import (DATA_FILE, ENTRY_FILE, INTENT_FILE, LEASE, MANIFEST, PENDING, STAGING, SUCCESS,
+                                    SUMMARY, TEMP_FILE, data_file_names, owned_layout_file, part_name, temp_name)
 from pipeline.retry import endpoint_of, open_fs, retrying
 
 log = logging.getLogger("specbatch")
-
-SUCCESS = "_SUCCESS"
-SUMMARY = "_summary.json"
-STAGING = "_staging"
-MANIFEST = "_manifest"
-PENDING = "pending"  # under _manifest/
-#: names of data files the job writes; a foreign file with such a name is always refused
-DATA_FILE = re.compile(r"^part-\d{5,}(-\d{5,})?\.parquet$", re.ASCII)  # ASCII digits only, here and below
-#: a manifest entry, ``_manifest/<name>``, and a publish intent, ``_manifest/pending/<name>``
-ENTRY_FILE = re.compile(r"part-(\d{5,})\.json", re.ASCII)
-INTENT_FILE = re.compile(r"part-(\d{5,})\.([A-Za-z0-9_-]+)\.json", re.ASCII)
-#: what a run stages, ``_staging/<this>``: its shards' files, manifest entries, write probe
-STAGED_FILE = re.compile(r"[A-Za-z0-9_-]+/(part-\d{5,}/\d{5,}\.parquet|part-\d{5,}\.parquet\.json|\.probe)", re.ASCII)
-#: the temporary name a small file of the job is written under before its rename
-#: (:meth:`OutputLocation.put_atomic`): ``.<name>.<32 hex digits>.tmp`` beside it
-TEMP_FILE = re.compile(r"\.(.+)\.[0-9a-f]{32}\.tmp", re.ASCII)
-
-
-def temp_name(path: str) -> str:
-    """Where :meth:`OutputLocation.put_atomic` writes ``path`` before renaming it: a
-    hidden name of :data:`TEMP_FILE` in the same folder (so the rename is atomic)."""
-    import uuid
-
-    folder, name = posixpath.split(path)
-    return posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
-
-
-def owned_layout_file(rel: str) -> bool:
-    """Whether ``rel`` (a path relative to the output folder) is a file of this job's own
-    layout under ``_manifest/`` or ``_staging/``, its lease, or the temporary name of one of
-    its small files (``_manifest/pending/.part-00000.<run>.json.<hex>.tmp``,
-    ``._SUCCESS.<hex>.tmp``: a run killed between the write and the rename leaves it)."""
-    if rel == LEASE:
-        return True
-    folder, name = posixpath.split(rel)
-    tmp = TEMP_FILE.fullmatch(name)
-    if tmp:
-        meant = posixpath.join(folder, tmp.group(1))
-        return meant in (SUCCESS, SUMMARY) or (meant != LEASE and owned_layout_file(meant))
-    top, _, rest = rel.partition("/")
-    if top == MANIFEST:
-        sub, _, name = rest.partition("/")
-        return bool(ENTRY_FILE.fullmatch(rest) or (sub == PENDING and INTENT_FILE.fullmatch(name)))
-    return top == STAGING and bool(STAGED_FILE.fullmatch(rest))
-
 
 class OutputError(JobRefused):
     """The output location cannot be used: it holds files this job did not write, a run of
     another config or input (and ``overwrite`` is off), or it is not writable."""
 
 
-def part_name(shard_index: int) -> str:
-    """The name of input shard ``shard_index`` in the output: ``part-00003.parquet`` (also
-    its only data file's name when its rows fit in one file)."""
-    return f"part-{shard_index:05d}.parquet"
-
-
-def data_file_names(shard_index: int, n_files: int) -> list[str]:
-    """Final names of a shard's data files: ``[part-00003.parquet]`` for one file, else
-    ``part-00003-00000.parquet``, ``part-00003-00001.parquet``, ... (row order)."""
-    if n_files <= 1:
-        return [part_name(shard_index)]
-    return [f"part-{shard_index:05d}-{c:05d}.parquet" for c in range(n_files)]
-
-
 class OutputLocation:
     """One output directory (``cfg.location()``) on its filesystem: listing, the manifest,
-    the foreign-file and resume checks of :meth:`prepare`, and the storage helpers the
-    shard commit (:class:`pipeline.write.OutputWriter`) writes through.
+    the foreign-file checks of :meth:`inspect`, and the storage helpers the unit commit
+    (:class:`pipeline.output.writer.OutputWriter`) writes through.
 
-    After :meth:`prepare`: ``entries`` (part name -> manifest entry of every shard committed
-    by earlier runs), ``intents`` (publish intents earlier runs left), ``foreign`` (files
-    this job did not write, relative paths), ``skipped`` (part names to skip) and
-    ``nothing_to_do`` (every shard committed and ``_SUCCESS`` there).
+    After :meth:`inspect`: ``intents`` (publish intents earlier runs left) and ``foreign``
+    (files this job did not write, relative paths).
 
     Args:
         cfg: the output section.
@@ -154,17 +70,13 @@ class OutputLocation:
         self.fs, root = open_fs(self.uri, cfg.storage_options, retry)
         self.root = root.rstrip("/") or "/"
         self.io = retrying(retry, endpoint_of(self.fs))
-        self.entries: dict[str, dict[str, Any]] = {}
         self.intents: dict[str, dict[str, Any]] = {}
         self.foreign: list[str] = []
         #: manifest records (paths) an earlier run began and never finished writing (empty, or
-        #: cut short): its own, naming nothing; removed by :meth:`prepare`
+        #: cut short): its own, naming nothing; removed by :meth:`inspect`
         self.leftovers: list[str] = []
-        self.skipped: list[str] = []
-        self.nothing_to_do = False
-        protos = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self.local = "file" in protos or "local" in protos
-        self.object_store = any(p in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss") for p in protos)
+        self.local = is_local(self.fs)
+        self.object_store = is_object_store(self.fs)
 
     # ------------------------------------------------------------------ paths and storage
     def path(self, *names: str) -> str:
@@ -234,7 +146,7 @@ class OutputLocation:
             if owned_layout_file(rel):
                 call(lambda r=rel: self._rm_quiet(self.path(r)), f"remove {rel}")
         if self.local:
-            _prune_empty(self.path(under))
+            prune_empty(self.path(under))
             top = under.split("/", 1)[0]
             if top != under:
                 with contextlib.suppress(OSError):
@@ -257,9 +169,7 @@ class OutputLocation:
     def url(self, name: str = "") -> str:
         """The output directory (or a file in it) as a full URL; local paths made absolute
         (under ``ray job submit`` a relative path lands in the job's working directory)."""
-        from pipeline.read import _unstrip
-
-        base = _unstrip(self.fs, self.root)
+        base = unstrip(self.fs, self.root)
         return base + ("/" + name if name else "")
 
     def listing(self, under: str = "") -> list[str]:
@@ -301,12 +211,12 @@ class OutputLocation:
             out[path] = entry
         return out
 
-    def _read_json_files(self, pattern: str, name: re.Pattern, what: str) -> list[tuple[str, str, int, Any]]:
-        """``(path, relative path, shard index, parsed JSON)`` of the files matching the glob
+    def _read_json_files(self, pattern: str, name: re.Pattern, what: str) -> list[tuple[str, str, tuple, Any]]:
+        """``(path, relative path, (shard, split or None), parsed JSON)`` of the files matching the glob
         ``pattern`` whose name is ``name`` (others there are foreign: never read)."""
         prefix = self.root.rstrip("/") + "/"
 
-        def load() -> list[tuple[str, str, int, Any]]:
+        def load() -> list[tuple[str, str, tuple, Any]]:
             try:
                 paths = sorted(self.fs.glob(pattern))
             except FileNotFoundError:
@@ -319,7 +229,8 @@ class OutputLocation:
                 rel = p[len(prefix):] if p.startswith(prefix) else p
                 with self.fs.open(p, "rb") as f:
                     raw = f.read()
-                if _partial_record(raw, int(m.group(1))):
+                unit = (int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
+                if _partial_record(raw, unit):
                     if p not in self.leftovers:
                         self.leftovers.append(p)
                     continue
@@ -329,16 +240,17 @@ class OutputLocation:
                     raise OutputError(f"output {self.url()!r}: {rel} is not a manifest record of this job ({e}); "
                                       "the job never deletes files it did not write: remove it, or choose "
                                       "another output.uri") from None
-                out.append((p, rel, int(m.group(1)), entry))
+                out.append((p, rel, unit, entry))
             return out
 
         return self.io(load, f"read {what} of {self.url()}")
 
-    def _checked(self, rel: str, index: int, entry: Any) -> dict[str, Any]:
-        """``entry`` (from the manifest file ``rel`` of shard ``index``) if it names its own
-        shard and exactly that shard's data files in this job's naming; else OutputError
-        naming the file (a name from ``_manifest/`` is never used before this check)."""
-        expect = part_name(index)
+    def _checked(self, rel: str, unit: tuple[int, int | None], entry: Any) -> dict[str, Any]:
+        """``entry`` (from the manifest file ``rel`` of the part ``unit`` = ``(shard,
+        split)``) if it names its own part and exactly that part's data files in this job's
+        naming; else OutputError naming the file (a name from ``_manifest/`` is never used
+        before this check)."""
+        expect = part_name(*unit)
         problem = None
         if not isinstance(entry, dict):
             problem = f"holds a {type(entry).__name__}, not a record"
@@ -346,15 +258,17 @@ class OutputLocation:
             problem = f"names the part {entry.get('part')!r}"
         else:
             files = entry.get("files", [expect])
-            if not isinstance(files, list) or not files or files != data_file_names(index, len(files)):
+            if not isinstance(files, list) or not files or files != data_file_names(expect, len(files)):
                 problem = f"names the files {_short_list(files)}"
         if problem is None:
             if "files" not in entry:
                 entry["files"] = [expect]
             return entry
+        stem = expect[: -len(".parquet")]
+        who = f"shard {unit[0]}" if unit[1] is None else f"unit {unit[1]} of shard {unit[0]}"
         raise OutputError(
-            f"output {self.url()!r}: {rel} {problem}, which are not the names this job gives shard {index} "
-            f"({expect}, or part-{index:05d}-NNNNN.parquet, directly in the output folder); the job deletes only "
+            f"output {self.url()!r}: {rel} {problem}, which are not the names this job gives {who} "
+            f"({expect}, or {stem}-NNNNN.parquet, directly in the output folder); the job deletes only "
             f"files it wrote, so it does nothing: remove {rel} (this job did not write it), or choose another "
             "output.uri")
 
@@ -367,25 +281,18 @@ class OutputLocation:
         return self.io(load, f"read {SUMMARY}")
 
     # ------------------------------------------------------------------ the checks
-    def prepare(self, shards: list | None, identity: dict[str, Any] | None, staging: str) -> set[int]:
-        """Check the output against the input and config; on overwrite, clear this job's
-        files; unless there is nothing to do, remove the markers of the last run and check
-        that ``staging`` is writable.
-
-        Args:
-            shards: the input shards (:class:`pipeline.read.Shard`); None = no resume check.
-            identity: :func:`pipeline.fingerprint.config_identity` of this run's config
-                (compared with the one each committed shard recorded); None = not checked.
-            staging: the folder this run stages its files in (:meth:`staging_dir`).
+    def inspect(self) -> dict[str, dict[str, Any]]:
+        """Read and check the output folder: its listing, manifest and publish intents
+        (names checked), the foreign-file check; on ``overwrite``, clear this job's files.
 
         Returns:
-            Indices of the shards already committed from the same source and config (to skip).
+            The manifest (part name -> entry) the run starts from: empty after a clear.
+            ``intents`` and ``foreign`` are set on the location.
 
         Raises:
             OutputError: the directory holds files this job did not write (see the module
-                docstring); or its manifest disagrees with the input or the config (and
-                ``overwrite`` is off); or the location is not writable (bad bucket,
-                credentials, permissions).
+                docstring), or a manifest record that is not this job's; or the location
+                is not usable (bad bucket, credentials, permissions).
             StorageError: the storage kept failing with transient errors.
         """
         from pipeline.retry import StorageError
@@ -403,9 +310,7 @@ class OutputLocation:
             self._remove_leftovers(files)
             if self.cfg.overwrite:
                 self._clear(entries, files)
-                skip: set[int] = set()
-            else:
-                skip = self._resume_check(shards, entries, identity)
+                entries = {}
         except OutputError:
             raise
         except StorageError as e:
@@ -414,9 +319,22 @@ class OutputLocation:
             raise OutputError(f"output {self.url()!r} is not usable: {e}") from None
         except Exception as e:
             raise OutputError(f"output {self.url()!r} is not usable: {type(e).__name__}: {e}") from None
-        if shards is not None and len(skip) == len(shards) and self.exists(self.path(SUCCESS)):
-            self.nothing_to_do = True
-            return skip
+        return entries
+
+    def complete(self) -> bool:
+        """Whether ``_SUCCESS`` is there (the last run finished)."""
+        return self.exists(self.path(SUCCESS))
+
+    def make_ready(self, staging: str) -> None:
+        """Before a run writes: remove the markers of the last run (the output no longer
+        looks complete) and check that ``staging`` is writable.
+
+        Raises:
+            OutputError: the location is not writable.
+            StorageError: the storage kept failing with transient errors.
+        """
+        from pipeline.retry import StorageError
+
         try:
             for name in (SUCCESS, SUMMARY):
                 if self.exists(self.path(name)):
@@ -436,7 +354,6 @@ class OutputLocation:
             raise OutputError(f"output {self.url()!r} is not writable: {e}") from None
         except Exception as e:
             raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
-        return skip
 
     def _remove_leftovers(self, files: list[str]) -> None:
         """Remove what an earlier run of this job began to write and never finished: the
@@ -552,56 +469,18 @@ class OutputLocation:
                 self.remove(self.path(rel), f"remove {rel}")
         if self.local:
             for d in (MANIFEST, STAGING):
-                _prune_empty(self.path(d))
+                prune_empty(self.path(d))
         self.intents = {}
 
-    def _resume_check(self, shards: list | None, entries: dict[str, dict[str, Any]],
-                      identity: dict[str, Any] | None) -> set[int]:
-        if not entries:
-            return set()
-        if shards is None:
-            raise OutputError(f"output {self.url()!r} already holds committed shards; set output.overwrite: true")
-        if identity is not None:
-            expected = config_fingerprint(identity)
-            for part, entry in sorted(entries.items()):
-                if entry.get("config_fingerprint") != expected:
-                    raise OutputError(
-                        f"output {self.url()!r}: {part} was committed under another config "
-                        f"({describe_changes(entry.get('config_identity'), identity)}); resuming would mix "
-                        "outputs of two configs: rerun with --overwrite (output.overwrite: true) to redo the "
-                        "output from scratch, or choose another output.uri"
-                    )
-        by_part = {part_name(s.index): s for s in shards}
-        skip = set()
-        for part, entry in sorted(entries.items()):
-            shard = by_part.get(part)
-            if shard is None:
-                raise OutputError(
-                    f"output {self.url()!r}: {part} was committed from {entry.get('source_file')!r}, but the input "
-                    f"has only {len(shards)} shards now; set output.overwrite: true (--overwrite) to start afresh"
-                )
-            if entry.get("source_file") != shard.url or entry.get("fingerprint") != shard.fingerprint:
-                raise OutputError(
-                    f"output {self.url()!r}: {part} was committed from {entry.get('source_file')!r} "
-                    f"({entry.get('fingerprint')}), but input shard {shard.index} is now {shard.url!r} "
-                    f"({shard.fingerprint}): the input changed since; set output.overwrite: true (--overwrite) "
-                    "to start afresh, or choose another output.uri"
-                )
-            skip.add(shard.index)
-        self.entries = dict(entries)
-        self.skipped = sorted(entries)
-        return skip
-
-
-def _partial_record(raw: bytes, index: int) -> bool:
-    """Whether ``raw``, read from the manifest record of shard ``index``, is one this job
-    began and never finished: empty, or the start of the record it writes (``{"part":
-    "part-NNNNN.parquet"...``, JSON cut short).  Anything else that does not parse is not
-    the job's, and is refused."""
+def _partial_record(raw: bytes, unit: tuple[int, int | None]) -> bool:
+    """Whether ``raw``, read from the manifest record of the part ``unit`` = ``(shard,
+    split)``, is one this job began and never finished: empty, or the start of the record
+    it writes (``{"part": "part-NNNNN-uNNNNN.parquet"...``, JSON cut short, inside its first
+    key too).  Anything else that does not parse is not the job's, and is refused."""
     if not raw:
         return True
-    head = ('{"part": "%s"' % part_name(index)).encode()
-    if not (raw.startswith(head) or head.startswith(raw)):  # cut inside its first key, too
+    head = ('{"part": "%s"' % part_name(*unit)).encode()
+    if not (raw.startswith(head) or head.startswith(raw)):
         return False
     try:
         json.loads(raw)
@@ -610,23 +489,6 @@ def _partial_record(raw: bytes, index: int) -> bool:
     return False
 
 
-def _prune_empty(folder: str) -> None:
-    """Remove ``folder`` and its subfolders that are empty (local disk), deepest first."""
-    if not os.path.isdir(folder) or os.path.islink(folder):
-        return
-    for dirpath, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
-        try:
-            os.rmdir(dirpath)
-        except OSError:  # not empty: a file that is not ours stays, and so does its folder
-            pass
-
-
 def _short_list(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 120 else r[:117] + "..."
-
-
-def is_complete(uri: str, storage_options: dict | None = None) -> bool:
-    """Whether ``uri`` holds a finished run (its ``_SUCCESS`` marker exists)."""
-    fs, root = open_fs(uri, storage_options)
-    return fs.exists(posixpath.join(root.rstrip("/"), SUCCESS))

@@ -1,0 +1,251 @@
+"""Ray set-up for a job or a processor: joining or starting Ray, the console's Ray Data
+messages, and the resource plan of the actor pool.
+
+Resource plan.  The read, repartition and write stages ask Ray for no CPU (they are I/O
+and slicing), so they never wait behind an actor pool that holds every CPU
+(``num_actors x cpus_per_actor`` = the cluster's CPUs, the normal plan on a GPU node: one
+actor per GPU).  A pool whose smallest size asks for more CPUs or GPUs than the cluster
+has (or than any one node has, per actor) is refused with the numbers (:class:`PlanError`;
+on a cluster that may autoscale it is only logged).  A ``[min, max]`` pool
+(``compute.num_actors``) whose ``max`` is more than the cluster holds now is logged: it
+grows as nodes join (docs/scheduling.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from pipeline.config import JobConfig, JobRefused
+
+log = logging.getLogger("specbatch")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class PlanError(JobRefused):
+    """The actor pool asks for more CPUs or GPUs than the cluster (or any one node) has."""
+
+
+def init_ray(cfg: JobConfig) -> bool:
+    """Join a cluster (``ray.address`` or ``RAY_ADDRESS``, as under ``ray job submit``) or
+    start an embedded Ray.  Does nothing when Ray is already initialized (tests, notebooks).
+
+    ``ray.init`` replaces the process's SIGTERM handler (with one that exits at once); the
+    handler the caller had installed stays in place while Ray starts (:func:`_sigterm_kept`)
+    and is put back after (see pipeline.cli: interrupts).
+
+    Returns:
+        True when this call started an embedded Ray (its resources are all there will be).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main else None
+    try:
+        if address:
+            with _sigterm_kept(previous):
+                ray.init(address=address, log_to_driver=True)
+            return False
+        # Embedded: workers inherit this environment, so they can import pipeline/ and actors/.
+        root = str(REPO_ROOT)
+        pp = os.environ.get("PYTHONPATH", "")
+        if root not in pp.split(os.pathsep):
+            os.environ["PYTHONPATH"] = root + (os.pathsep + pp if pp else "")
+        # Ray >= 2.5x turns token authentication on for a new local cluster (RAY_AUTH_MODE
+        # unset) and warns that it did: that is the setting we want, so the warning is noise.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_TokenAuthDefault())
+        # Actors' own output (a traceback when one dies loading a model, once per restart)
+        # goes to Ray's log files, not the job's console: the job reports failures itself.
+        with _sigterm_kept(previous):
+            ray.init(include_dashboard=False, log_to_driver=False)
+        return True
+    finally:
+        if on_main and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_kept(handler) -> Iterator[None]:
+    """While Ray starts, the caller's SIGTERM handler (``handler``, when it is one: the job's,
+    pipeline.cli) stays the process's, in place of the ones ``ray.init`` installs (Ray's
+    driver handler exits with status 15 and no line; its embedded node's drains for up to
+    30 s first).  A SIGTERM that comes while ``ray.init`` runs is held until it returns (an
+    exception raised inside it, in the middle of an import or of starting the node, would
+    leave half a Ray behind to fail at exit), then given to ``handler``: the job stops as at
+    any other time, one line and exit 143.  A second SIGTERM meanwhile is given at once.
+    With no handler of the caller's (a library user), Ray's are installed as usual."""
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if held:
+            handler(signum, frame)
+        held.append(signum)
+
+    def keep(sigterm_handler) -> None:
+        log.debug("Ray's SIGTERM handler not installed: the job's stays")
+
+    import ray._private.ray_constants as ray_constants
+
+    if original is not None:  # (another Ray version: its handlers are replaced afterwards, by init_ray)
+        ray_utils.set_sigterm_handler = keep
+    # the driver's C++ core worker would install its failure-signal handler for SIGTERM too
+    # (it prints "*** SIGTERM received ***" and aborts, exit -6); Ray's processes keep theirs
+    no_cpp_handler = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    signal.signal(signal.SIGTERM, hold)
+    try:
+        yield
+    finally:
+        if original is not None:
+            ray_utils.set_sigterm_handler = original
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = no_cpp_handler
+        signal.signal(signal.SIGTERM, handler)
+        if held:
+            handler(held[0], None)
+
+
+class _TokenAuthDefault(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
+
+
+def check_resource_plan(cfg: JobConfig, embedded: bool) -> None:
+    """Refuse an actor pool the cluster can never hold.
+
+    A ``[min, max]`` pool is checked at its ``min`` (the size it must reach to start); a
+    ``max`` the cluster cannot hold now is logged (the pool grows as nodes join).
+
+    Raises:
+        PlanError: ``min x cpus_per_actor`` CPUs (or ``x gpus_per_actor`` GPUs) are more
+            than the cluster has, or one actor's share is more than any one node has; only
+            logged when joining a cluster, which an autoscaler may grow.
+    """
+    import ray
+
+    c = cfg.compute
+    total = ray.cluster_resources()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    problems, room = [], []
+    size = c.min_actors if c.min_actors == c.max_actors else f"{c.min_actors} (the min of [{c.min_actors}, {c.max_actors}])"
+    for res, per_actor, key in (("CPU", c.cpus_per_actor, "cpus_per_actor"), ("GPU", c.gpus_per_actor, "gpus_per_actor")):
+        if not per_actor:
+            continue
+        need, have = c.min_actors * per_actor, total.get(res, 0)
+        if need > have:
+            problems.append(f"compute.num_actors={size} x compute.{key}={per_actor:g} = {need:g} {res}s, "
+                            f"but the cluster has {have:g}")
+        elif c.max_actors * per_actor > have:
+            room.append(f"{int(have // per_actor)} actors' {res}s")
+        biggest = max((n.get(res, 0) for n in nodes), default=0)
+        if nodes and per_actor > biggest:
+            problems.append(f"compute.{key}={per_actor:g} {res}s per actor, but no node has more than {biggest:g}")
+    if room and not problems:
+        log.info("the actor pool [%d, %d] starts with %d actors; the cluster holds %s now: it grows to %d as "
+                 "resources allow (nodes joining an autoscaling cluster)", c.min_actors, c.max_actors,
+                 c.min_actors, " and ".join(room), c.max_actors)
+    if not problems:
+        return
+    message = "the actor pool cannot be scheduled: " + "; ".join(problems)
+    if embedded:
+        raise PlanError(message + "; lower compute.num_actors or the per-actor resources")
+    log.warning("%s; waiting for the cluster to grow (up to compute.actor_start_timeout_s=%d s)",
+                message, c.actor_start_timeout_s)
+
+
+#: Ray Data console messages that say nothing to a user of this job (they still reach
+#: Ray Data's log file): our own progress bar replaces Ray Data's, the run's end is logged
+#: by the job itself (Ray Data's "execution finished" also shows on an interrupt), and a
+#: failure is reported by the job in one line, its traceback in a log file (pipeline.cli),
+#: where Ray Data would print the stack trace again (a 30-line one when an actor died) and
+#: ask for a Ray bug report.
+_RAY_DATA_NOISE = ("Progress bars disabled", "Progress bars for operators disabled", "Exception occurred in",
+                   "Full stack trace", "An exception was raised from a task of operator")
+#: ... and those that name the operator first (``MapBatches(GenerateActor): actors died ...``)
+_RAY_DATA_NOISE_WITHIN = (": actors died during initialization",)
+
+
+class _QuietRayData(logging.Filter):
+    """Drops Ray Data's info records and known noise; passes every other logger's records
+    (a handler of ``ray.data`` may be shared with the root logger, e.g. under pytest)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "ray.data" and not record.name.startswith("ray.data."):
+            return True
+        msg = str(record.msg)
+        return (record.levelno >= logging.WARNING and not msg.startswith(_RAY_DATA_NOISE)
+                and not any(n in msg for n in _RAY_DATA_NOISE_WITHIN))
+
+
+def quiet_ray_data_console() -> None:
+    """Show only Ray Data's warnings and errors on the console (minus the known noise)."""
+    for handler in logging.getLogger("ray.data").handlers:
+        if not isinstance(handler, logging.FileHandler) and not any(isinstance(f, _QuietRayData) for f in handler.filters):
+            handler.addFilter(_QuietRayData())
+
+
+def zero_cpu(ds):
+    """Make the repartition stage ask for no CPU.  ``Dataset.repartition`` takes no resource
+    arguments and its tasks default to 1 CPU, which an actor pool holding every CPU would
+    never leave free (the job hung there); its logical operator carries the remote args."""
+    args = getattr(getattr(getattr(ds, "_logical_plan", None), "dag", None), "ray_remote_args", None)
+    if not isinstance(args, dict):
+        raise RuntimeError("this Ray version's repartition operator has no ray_remote_args: "
+                           "pipeline.ray_setup.zero_cpu needs updating")
+    args["num_cpus"] = 0
+    return ds
+
+
+def actor_cpus(cfg: JobConfig, cluster_cpus: float | None = None) -> float:
+    """The CPUs each actor reserves from Ray: ``compute.cpus_per_actor``, or less when the
+    pool would hold every CPU of the cluster, so that one stays free for the stages before
+    the pool (see pipeline.processor, Scheduling); a ``[min, max]`` pool counts ``max``."""
+    c = cfg.compute
+    if cluster_cpus is None:
+        import ray
+
+        cluster_cpus = ray.cluster_resources().get("CPU", 0)
+    if c.max_actors * c.cpus_per_actor < cluster_cpus or cluster_cpus <= 0:
+        return c.cpus_per_actor
+    share = max(0.0, (cluster_cpus - 1) / c.max_actors)
+    log.info("the actor pool (%d x %g CPUs) would hold all %g CPUs of the cluster: each actor reserves %.3g "
+             "so that one stays free for the stages before it (it still runs %g threads)",
+             c.max_actors, c.cpus_per_actor, cluster_cpus, share, c.cpus_per_actor)
+    return share
+
+
+def pool_strategy(cfg: JobConfig):
+    """Ray Data's ``ActorPoolStrategy`` for ``compute.num_actors``: ``size=N``, or
+    ``min_size=``/``max_size=`` for a ``[min, max]`` pool."""
+    from ray.data import ActorPoolStrategy
+
+    c = cfg.compute
+    if c.min_actors == c.max_actors:
+        return ActorPoolStrategy(size=c.min_actors)
+    return ActorPoolStrategy(min_size=c.min_actors, max_size=c.max_actors)
+
+
+def is_local_cluster() -> bool:
+    """Whether Ray runs on this machine alone (its resources are all there will be)."""
+    import ray
+
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+    except Exception:  # noqa: BLE001
+        return False
+    return len(nodes) == 1 and not os.environ.get("RAY_ADDRESS")
+
+
