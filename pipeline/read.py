@@ -60,7 +60,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import InputConfig, JobRefused
-from pipeline.output.fs import resolved_location, unstrip as _unstrip
+from pipeline.output.fs import is_local as _is_local, resolved_location, unstrip as _unstrip
 from pipeline.output.layout import MANIFEST, STAGING, owned_output_file
 from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
 from pipeline.schema import INPUT_SCHEMA

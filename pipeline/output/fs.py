@@ -10,7 +10,6 @@ the empty folders a local run leaves (:func:`prune_empty`).
 from __future__ import annotations
 
 import os
-import posixpath
 
 import fsspec
 

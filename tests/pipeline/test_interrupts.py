@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pyarrow.parquet as pq
+
 import pytest
 
 from pipeline_testkit import REPO, OutStore as Out, write_jsonl
