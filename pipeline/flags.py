@@ -6,7 +6,8 @@ the config overrides of the flags that set a config key come from here too
 changes a flag by hand.
 
 Jobs: ``summarize`` and ``translate`` (:mod:`pipeline.cli`), ``serve``
-(:mod:`pipeline.serve.app`), ``tune``, ``report`` and ``prepare_inputs`` (``jobs/*.py``).
+(:mod:`pipeline.serve.app`), ``tune``, ``report``, ``prepare_inputs`` and ``train_drafter``
+(``jobs/*.py``).
 
 ``--out`` is an alias of ``--output``, kept for one release (``jobs/tune.py``,
 ``jobs/report.py`` and ``jobs/prepare_inputs.py`` took ``--out`` before); using it prints a
@@ -130,6 +131,19 @@ FLAGS: dict[str, Flag] = _flags(
     Flag("--endpoint-url", "S3 endpoint (shortcut for storage option client_kwargs.endpoint_url)"),
     # preparing inputs
     Flag("--data", "the shared corpora"),
+    # training the draft head on a job's outputs
+    Flag("--from", "a job's output folder: the one holding _manifest/ (local or any fsspec URL)", dest="source",
+         metavar="FOLDER"),
+    Flag("--head", "the draft head to continue training (a draft-head folder)", metavar="FOLDER"),
+    Flag("--steps", "optimizer steps in all (a rerun continues up to this)", type=int),
+    Flag("--holdout", "fraction of rows held back (by a hash of the row id) to measure acceptance on", type=float,
+         metavar="F"),
+    Flag("--promote-to", "write the trained head here only when its held-out acceptance beats the current head's",
+         metavar="FOLDER"),
+    Flag("--lr", "peak learning rate", type=float),
+    Flag("--tokens-per-step", "head positions per optimizer step", type=int),
+    Flag("--max-rows", "read at most this many committed rows", type=int),
+    Flag("--seed", "seed of the held-back rows, the row order and the sampled positions", type=int),
 )
 
 _BATCH_JOB = ("config", "overrides", "input", "output", "method", "target", "drafter", "max_new_tokens",
@@ -146,6 +160,8 @@ JOB_FLAGS: dict[str, tuple[str, ...]] = {
              "repeats", "confirm", "confirm_rows", "adaptive", "clock"),
     "report": ("output", "baseline", "title", "storage_options", "endpoint_url"),
     "prepare_inputs": ("data", "output"),
+    "train_drafter": ("source", "config", "target", "head", "output", "steps", "holdout", "max_draft", "promote_to",
+                      "lr", "tokens_per_step", "max_rows", "seed", "storage_options", "endpoint_url"),
 }
 
 

@@ -7,7 +7,8 @@ Run from the repository root, after ``python scripts/fetch_models.py``::
     python train/train_smollm2_draft_head.py --target /tmp/tiny --out /tmp/head --work /tmp/work \\
         --gen-minutes 0.1 --news-minutes 0.05 --train-minutes 0.1 --eval-rows 2 --smoke   # smoke run
 
-The head is the ``eagle`` proposer's (:mod:`pipeline.engine.proposers.eagle`): the target's
+The head is the ``eagle`` proposer's (:mod:`pipeline.engine.draft_head`; the training step:
+:mod:`train.draft_head_training`): the target's
 feature of position ``j`` and the embedding of ``x_{j+1}`` -> one Llama decoder layer ->
 ``x_{j+2}`` over a reduced draft vocabulary, chained on its own output for later draft
 positions (EAGLE, Li et al. 2024; EAGLE-3, 2025; DeepSeek-V3's MTP layout; FR-Spec's
@@ -37,7 +38,7 @@ reached, a finished stage is never redone unless ``--fresh``):
 5. **train** (``--train-minutes``): AdamW on the head (the target frozen; its embeddings
    shared).  Loss per draft position ``s = 1 .. --unroll`` (training-time test: step ``s``
    fed its own step ``s - 1`` output, with the attention each draft position sees at
-   inference, ``DraftHead.unrolled``), weighted ``--step-decay`` ** (s-1): cross-entropy
+   inference, ``train.draft_head_training.unrolled``), weighted ``--step-decay`` ** (s-1): cross-entropy
    against the target's top-k distribution renormalized over the draft vocabulary, answer
    positions weighted ``--answer-weight``, other positions sampled with probability
    ``--prompt-fraction`` (the output layer runs only on those); plus
@@ -69,10 +70,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from train.draft_head_training import (Data, init_head, lr_scale, make_batch, make_optimizer,  # noqa: E402
+                                      record, topk_logprobs, train_step, unrolled)
 
 DATA = REPO.parent / "shared" / "data"
 #: XSum articles 0..199 are the report set, 200..263 the benchmark set: never trained on
@@ -136,20 +139,6 @@ def news_paragraphs(docs: list[list[str]], seed: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- records
-def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(T, V)`` logits -> top-k log-probabilities (float16) and ids (int32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    v, i = logp.topk(k, dim=-1)
-    return v.half(), i.int()
-
-
-def _record(ids, prompt_len, feats, topv, topi, kind):
-    """One training sequence: ``ids`` (its tokens), the target's stored-layer features
-    ``(len-1, m, H)`` bfloat16 and top-k ``(len-1, K)`` of positions ``0 .. len-2``."""
-    return {"ids": torch.tensor(ids, dtype=torch.int32), "prompt_len": prompt_len, "feats": feats,
-            "topv": topv, "topi": topi, "kind": kind}
-
-
 class Shards:
     """Records in numbered ``torch.save`` files under ``folder`` (written atomically), with a
     ``done`` marker once the stage is complete."""
@@ -208,7 +197,7 @@ def generate_with_features(target, prompts: list[list[int]], layers: list[int], 
         ids = prompts[index]
         out = runner.forward([slot], [torch.tensor(ids)], [0], logits_to_keep=len(ids), output_hidden_states=layers)
         feats = torch.stack([out.hidden_states[i][0] for i in layers], dim=1).to(torch.bfloat16)  # (P, m, H)
-        v, i = _topk(out.logits[0], top_k)
+        v, i = topk_logprobs(out.logits[0], top_k)
         live[slot] = {"index": index, "ids": list(ids), "feats": [feats], "v": [v], "i": [i],
                       "next": int(i[-1, 0]), "prompt_len": len(ids)}
 
@@ -216,7 +205,7 @@ def generate_with_features(target, prompts: list[list[int]], layers: list[int], 
         st = live.pop(slot)
         ids = st["ids"] + [st["next"]]
         feats, v, i = torch.cat(st["feats"]), torch.cat(st["v"]), torch.cat(st["i"])
-        finished[st["index"]] = _record(ids, st["prompt_len"], feats, v, i, "answer")
+        finished[st["index"]] = record(ids, st["prompt_len"], feats, v, i, "answer")
         free.append(slot)
 
     def flush(final: bool = False) -> None:
@@ -245,7 +234,7 @@ def generate_with_features(target, prompts: list[list[int]], layers: list[int], 
             starts = [len(live[s]["ids"]) for s in slots]
             out = runner.forward(slots, tokens, starts, logits_to_keep=1, output_hidden_states=layers)
             feats = torch.stack([out.hidden_states[i][:, -1] for i in layers], dim=1).to(torch.bfloat16)  # (b, m, H)
-            v, i = _topk(out.logits[:, -1], top_k)
+            v, i = topk_logprobs(out.logits[:, -1], top_k)
             for b, s in enumerate(slots):
                 st = live[s]
                 st["ids"].append(st["next"])
@@ -272,26 +261,14 @@ def chunk_features(target, chunks: list[list[int]], layers: list[int], top_k: in
         recs = []
         for r, ids in enumerate(part):
             feats = torch.stack([out.hidden_states[i][r, :-1] for i in layers], dim=1).to(torch.bfloat16)
-            v, i = _topk(out.logits[r, :-1], top_k)
-            recs.append(_record(ids, len(ids), feats, v, i, "news"))
+            v, i = topk_logprobs(out.logits[r, :-1], top_k)
+            recs.append(record(ids, len(ids), feats, v, i, "news"))
         done = b + len(part)
         on_records(recs, done)
     return done
 
 
 # ----------------------------------------------------------------------------- data for the head
-class Data:
-    """Training or held-out records, with the stored layers mapped to the head's."""
-
-    def __init__(self, records: list[dict], stored_layers: list[int]):
-        self.records = records
-        self.stored = list(stored_layers)
-
-    def feature(self, rec: dict, layers: list[int], a: int, b: int) -> dict[int, torch.Tensor]:
-        """``{layer: (b - a, H)}`` float32 features of positions ``a .. b-1``."""
-        return {layer: rec["feats"][a:b, self.stored.index(layer)].float() for layer in layers}
-
-
 def draft_vocab_order(records: list[dict], vocab: int, answer_weight: float,
                       text_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Target ids, most frequent first: the share of the target's argmax naming each id in
@@ -329,123 +306,10 @@ def coverage(records: list[dict], order: torch.Tensor, sizes: list[int]) -> dict
     return {n: round(float((ranks < n).float().mean()), 4) for n in sizes}
 
 
-def make_batch(data: Data, recs: list[dict], head, layers: list[int], max_len: int, rng: random.Random,
-               prompt_fraction: float, answer_weight: float, steps: int, vocab_index: torch.Tensor):
-    """Right-padded tensors of a batch of windows of up to ``max_len`` head positions.
-
-    Returns ``p (B, T, H)`` (projected features, with grad through the head's projection),
-    ``e (B, T, H)``, ``valid (B, T)``, per step the kept positions ``(B, T)`` bool and the
-    loss targets at them, and the next-feature targets (for the regression loss).
-    """
-    wins = []
-    for r in recs:
-        n = r["ids"].shape[0] - 2  # head positions j = 0 .. len-3 (teacher at j + 1 <= len - 2)
-        if n <= 0:
-            continue
-        if n > max_len:
-            a = n - max_len if r["kind"] == "answer" else rng.randint(0, n - max_len)  # answers: keep the end
-        else:
-            a = 0
-        wins.append((r, a, min(n, a + max_len)))
-    T = max(b - a for _, a, b in wins)
-    B = len(wins)
-    H = head.head_config.hidden_size
-    feats = {layer: torch.zeros(B, T, H) for layer in layers}
-    ids = torch.zeros(B, T, dtype=torch.long)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    weight = torch.zeros(B, T)
-    topv = torch.full((B, T, wins[0][0]["topv"].shape[1]), -30.0)
-    topi = torch.zeros(B, T, wins[0][0]["topi"].shape[1], dtype=torch.long)
-    nxt = torch.zeros(B, T, H)
-    last = head.head_config.target_num_hidden_layers  # the final, normed hidden state (must be stored)
-    for bi, (r, a, b) in enumerate(wins):
-        m = b - a
-        for layer, f in data.feature(r, layers, a, b).items():
-            feats[layer][bi, :m] = f
-        ids[bi, :m] = r["ids"][a + 1 : b + 1].long()
-        valid[bi, :m] = True
-        topv[bi, :m] = r["topv"][a + 1 : b + 1].float()
-        topi[bi, :m] = r["topi"][a + 1 : b + 1].long()
-        nxt[bi, :m] = r["feats"][a + 1 : b + 1, data.stored.index(last)].float()
-        w = torch.zeros(m)
-        j = torch.arange(a, b)
-        answer = j + 1 >= r["prompt_len"] - 1
-        w[answer] = answer_weight
-        sampled = torch.rand(m, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < prompt_fraction
-        w[~answer & sampled] = 1.0
-        weight[bi, :m] = w
-    # teacher distribution over the draft vocabulary
-    idx = vocab_index[topi]  # (B, T, K) draft indices or -1
-    logp = topv.masked_fill(idx < 0, float("-inf"))
-    has = torch.isfinite(logp).any(-1)
-    target_p = torch.softmax(logp.masked_fill(~has.unsqueeze(-1), 0.0), dim=-1)
-    keep = (weight > 0) & has & valid
-    keeps = []
-    for s in range(1, steps + 1):
-        k = keep.clone()
-        k[:, : s - 1] = False
-        keeps.append(k)
-    return {"feats": feats, "ids": ids, "valid": valid, "weight": weight, "idx": idx.clamp_min(0), "p": target_p,
-            "keeps": keeps, "top1": topi[..., 0], "next": nxt}
-
-
-def head_loss(head, batch: dict, steps: int, step_decay: float, regression_weight: float, autocast: bool):
-    """The training loss of one batch and per-step top-1 agreement with the target's argmax."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        p = head.project(batch["feats"])
-        e = head.embed(batch["ids"])
-        outs = head.unrolled(p, e, steps, valid=batch["valid"], keep=batch["keeps"])
-        total = 0.0
-        agree = []
-        for s, g in enumerate(outs, start=1):
-            k = batch["keeps"][s - 1]
-            if not bool(k.any()):
-                agree.append(float("nan"))
-                continue
-            logq = torch.log_softmax(head.logits(g).float(), dim=-1)  # (n, N)
-            ce = -(batch["p"][k] * logq.gather(-1, batch["idx"][k])).sum(-1)
-            w = batch["weight"][k]
-            total = total + step_decay ** (s - 1) * (ce * w).sum() / w.sum()
-            if regression_weight:  # EAGLE-1's feature regression: norm(g) -> the target's next feature
-                reg = F.smooth_l1_loss(head.norm(g).float(), batch["next"][k], reduction="none").mean(-1)
-                total = total + regression_weight * step_decay ** (s - 1) * (reg * w).sum() / w.sum()
-            pred = head.draft_vocab[logq.argmax(-1)]
-            agree.append(float((pred == batch["top1"][k]).float().mean()))
-    return total, agree
-
-
-def init_head(head, target, how: str = "identity") -> None:
-    """Warm start.  ``how``: ``target-layer`` -- the decoder layer is a copy of the target's
-    last layer; ``identity`` -- the same with its two output projections (attention
-    ``o_proj``, MLP ``down_proj``) zeroed, so the layer starts as the identity and the head
-    as ``lm_head(norm(z))``; ``random`` -- transformers' initialisation.  Always: the final
-    norm is the target's, ``W_fc = [I I] / 2`` (normed feature + normed token embedding), and an
-    own output layer starts as the target's rows."""
-    with torch.no_grad():
-        last = target.get_decoder().layers[-1]
-        if how in ("target-layer", "identity"):
-            head.layer.load_state_dict(last.state_dict())
-        if how == "identity":
-            head.layer.self_attn.o_proj.weight.zero_()
-            head.layer.mlp.down_proj.weight.zero_()
-        head.norm.weight.copy_(target.get_decoder().norm.weight)
-        H = head.head_config.hidden_size
-        head.fc.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1) * 0.5)
-        if head.feature_proj is not None:
-            m = len(head.head_config.feature_layers)
-            head.feature_proj.weight.copy_(torch.cat([torch.eye(H)] * m, dim=1) / m)
-        rows = target.get_output_embeddings().weight.index_select(0, head.draft_vocab)
-        head.lm_head.weight.copy_(rows)
-
-
 def train_head(head, train: Data, args, work: Path, vocab_index: torch.Tensor) -> dict:
     """AdamW with warm-up and cosine decay for ``--train-minutes`` of wall time (resumable
     from ``work/train-state.pt``)."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt, params = make_optimizer(head, args.lr)
     state_file = work / "train-state.pt"
     st = {"step": 0, "elapsed": 0.0, "tokens": 0, "losses": [], "agree": []}
     if state_file.exists():
@@ -469,9 +333,7 @@ def train_head(head, train: Data, args, work: Path, vocab_index: torch.Tensor) -
             frac, warmup = min(1.0, elapsed / budget), min(1.0, (elapsed + 1) / warm)
         else:  # the same over a fixed number of steps (comparisons at equal steps)
             frac, warmup = st["step"] / max_steps, min(1.0, (st["step"] + 1) / max(1, max_steps // 20))
-        scale = warmup * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = args.lr * scale
+        scale = lr_scale(frac, warmup)
         batch_recs, n_tok = [], 0
         while n_tok < args.tokens_per_step:
             if not order:
@@ -482,14 +344,11 @@ def train_head(head, train: Data, args, work: Path, vocab_index: torch.Tensor) -
             n_tok += min(args.max_len, r["ids"].shape[0])
         batch = make_batch(train, batch_recs, head, layers, args.max_len, rng, args.prompt_fraction,
                            args.answer_weight, args.unroll, vocab_index)
-        loss, agree = head_loss(head, batch, args.unroll, args.step_decay, args.regression_weight, args.autocast)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss, agree = train_step(head, opt, params, batch, args.unroll, args.step_decay, args.regression_weight,
+                                 args.autocast, args.lr * scale)
         st["step"] += 1
         st["tokens"] += int(batch["valid"].sum())
-        st["losses"].append(float(loss.detach()))
+        st["losses"].append(loss)
         st["agree"].append(agree)
         if st["step"] % 10 == 0:
             a = [statistics.mean(x[s] for x in st["agree"][-10:] if not math.isnan(x[s])) for s in range(args.unroll)]
@@ -528,7 +387,7 @@ def agreement_by_position(head, data: Data, steps: int, answers_only: bool = Tru
         feats = {k: v.unsqueeze(0) for k, v in data.feature(r, layers, 0, n).items()}
         p = head.project(feats)
         e = head.embed(r["ids"][1 : n + 1].long().unsqueeze(0))
-        outs = head.unrolled(p, e, steps)
+        outs = unrolled(head, p, e, steps)
         top1 = r["topi"][1 : n + 1, 0].long()
         j = torch.arange(n)
         for s, g in enumerate(outs):
@@ -562,7 +421,7 @@ def engine_acceptance(target, head_path: Path, prompts: list[list[int]], ks: lis
     acceptance per draft position, speed-up.  ``extra``: further runs ``(label, settings,
     drafter (a callable making it), adaptive_draft_length)``, reported under ``other``."""
     from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
-    from pipeline.engine.proposers.eagle import load_draft_head
+    from pipeline.engine.draft_head import load_draft_head
 
     gs = GenerationSettings(max_new_tokens=max_new)
     threads = torch.get_num_threads()
@@ -593,7 +452,8 @@ def cost_ratio(target, head_path: Path, prompt: list[int], rows_list=(1, 8), rep
     """``c`` = one head draft step (a chained one-token pass + its output layer, every row) /
     one target decode step (one token per row, the same context), float32, 1 thread,
     medians of ``reps`` alternating measurements."""
-    from pipeline.engine.proposers.eagle import EagleProposer, load_draft_head
+    from pipeline.engine.draft_head import load_draft_head
+    from pipeline.engine.proposers.eagle import EagleProposer
     from pipeline.engine.runner import ModelRunner
 
     threads = torch.get_num_threads()
@@ -701,7 +561,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.config import TaskConfig
-    from pipeline.engine.proposers.eagle import DraftHead, DraftHeadConfig, load_draft_head, save_draft_head
+    from pipeline.engine.draft_head import DraftHead, DraftHeadConfig, load_draft_head, save_draft_head
     from pipeline.prompts import PromptBuilder
 
     torch.manual_seed(args.seed)

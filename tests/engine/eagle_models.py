@@ -8,9 +8,15 @@ lossless tests exercise long accepted blocks too.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-from pipeline.engine.proposers.eagle import DraftHead, DraftHeadConfig
+from pipeline.engine.draft_head import DraftHead, DraftHeadConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: train/
+from train.draft_head_training import unrolled  # noqa: E402
 
 from tiny_models import build, prompt_of
 
@@ -75,7 +81,7 @@ def trained_head(target, prompts: list[torch.Tensor], steps: int = 120, unroll: 
     opt = torch.optim.Adam(params, lr=lr)
     head.train()
     for _ in range(steps):
-        outs = head.unrolled(p, e, unroll)  # right padding: no real position attends to it
+        outs = unrolled(head, p, e, unroll)  # right padding: no real position attends to it
         loss = 0.0
         for s, g in enumerate(outs, start=1):
             logits = head.logits(g[:, s - 1 :])

@@ -17,11 +17,12 @@ import torch
 import test_sampling as ts
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.proposers.base import DraftRequest
-from pipeline.engine.proposers.eagle import EagleProposer, load_draft_head, save_draft_head
+from pipeline.engine.draft_head import load_draft_head, save_draft_head
+from pipeline.engine.proposers.eagle import EagleProposer
 from pipeline.engine.runner import ModelRunner, prefill
 from pipeline.engine.sampling import LogitsShaper
 
-from eagle_models import random_head, tiny_target, trained_head
+from eagle_models import random_head, tiny_target, trained_head, unrolled
 from tiny_models import VOCAB, build, check_stats, prompt_of
 
 #: prompts the trained heads learnt the continuations of (long accepted blocks), and others
@@ -361,7 +362,7 @@ def test_training_time_test_matches_the_proposer(target, features):
         out = target(seq, output_hidden_states=True)
         p = head.project(out.hidden_states)[:, :-1]
         e = head.embed(seq[:, 1:])
-        steps = head.unrolled(p, e, 3)
+        steps = unrolled(head, p, e, 3)
     shaper = LogitsShaper(GenerationSettings())
     for L in (5, 11, 20):
         # drafts d_1 .. d_3 of the prefix of length L; feed the sequence's own tokens as the

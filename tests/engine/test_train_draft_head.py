@@ -82,7 +82,7 @@ def test_training_script_smoke(tmp_path):
     card = (out / "README.md").read_text()
     assert "0-263" in card and "acceptance" in card.lower()
     # the XSum report and benchmark articles are in no training record
-    from pipeline.engine.proposers.eagle import load_draft_head
+    from pipeline.engine.draft_head import load_draft_head
 
     from transformers import AutoModelForCausalLM
 

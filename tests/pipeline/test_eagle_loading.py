@@ -8,7 +8,7 @@ import torch
 
 from pipeline_testkit import job_config
 from pipeline.engine import GenerationSettings, SpeculativeEngine
-from pipeline.engine.proposers.eagle import DraftHead, DraftHeadConfig, save_draft_head
+from pipeline.engine.draft_head import DraftHead, DraftHeadConfig, save_draft_head
 from pipeline.loading import build_engine, load_job_models
 from pipeline.models import ModelError, check_models
 
