@@ -469,12 +469,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows-per-batch", type=int, default=256, help="compute.rows_per_batch (rows per actor call)")
     p.add_argument("--split-rows", type=int, default=None, help="input.split_rows, where this version has it")
     p.add_argument("--demo-max-rows", type=int, default=100_000, help="run the demo target only up to this size")
-    p.add_argument("--quick", action="store_true", help="200 and 800 rows, the stub, files of 200 rows, 32 rows per batch (minutes: a Ray start per job run)")
+    p.add_argument("--quick", action="store_true", help="200 and 800 rows, the stub, files of 200 rows, units of 100 rows, 32 rows per batch (minutes: a Ray start per job run)")
     p.add_argument("--output", default=None, help="write report.json and report.md here")
     p.add_argument("--work", default=None, help="folder for corpora and outputs (default: a temporary one)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.engines, args.rows_per_file, args.rows_per_batch = "200,800", "stub", 200, 32
+        if args.split_rows is None and _has_key("input", "split_rows"):
+            args.split_rows = 100  # several units per file: the SIGTERM half-way lands between unit commits
     sizes = [int(s) for s in args.sizes.split(",")]
     engines = args.engines.split(",")
     layouts = [None if lay == "one" else args.rows_per_file for lay in args.layouts.split(",")]

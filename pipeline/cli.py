@@ -112,7 +112,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
               "before the error are kept: rerun the same command to resume", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous if previous is not signal.SIG_DFL else _after_the_run)
     headline = {k: summary.get(k) for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
                                             "mean_accepted_length", "tokens_per_step", "tokens_per_s", "elapsed_s",
                                             "audit_rows", "audit_mismatches", "audit_speedup")}
@@ -149,6 +149,16 @@ def speedup_line(summary: dict) -> None:
 
 
 _signal_received: int | None = None
+
+
+def _after_the_run(signum, frame) -> None:
+    """SIGTERM after the run returned (printing its summary, Ray shutting down at exit):
+    the signal contract holds to the last line, one line and exit 143, and nothing is
+    waited on (the output is as the run left it: committed units are kept)."""
+    sys.stdout.flush()
+    print(f"\ninterrupted ({signal.Signals(signum).name}) after the run ended: its committed units are kept",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _on_sigterm_raise_interrupt():

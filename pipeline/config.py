@@ -662,7 +662,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+            what = "not a regular file (a named pipe, a device or a folder)" if p.exists() else "not found"
+            raise ConfigError(f"config file {what}: {p}")
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:

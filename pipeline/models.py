@@ -51,6 +51,27 @@ def _gguf_error(e: Exception, gguf_file: str, gguf_key: str) -> ModelError:
     return ModelError(f"{gguf_key}: {gguf_file!r} is not a readable GGUF checkpoint: {type(e).__name__}: {text}")
 
 
+def refuse_special_files(folder: str, key: str) -> None:
+    """Refuse a model folder holding a named pipe, a device or a socket (following links):
+    the fingerprint's hash, or transformers' loader, would read it and may never return.
+
+    Raises:
+        ModelError: naming ``key`` and the file.
+    """
+    import stat
+
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = os.path.join(dirpath, name)
+            try:
+                mode = os.stat(p).st_mode
+            except OSError:  # a dangling link: left to the loader's own message
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise ModelError(f"{key}: {p!r} is a named pipe, a device or a socket, not a file: a read of it may "
+                                 "never return, so the job does not open it; replace it with a file")
+
+
 def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_file: str | None = None,
                      gguf_key: str = "models.gguf_file"):
     """Load the config of the model at ``path``; returns it.
@@ -77,6 +98,7 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_
         kw["gguf_file"] = gguf_file
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        refuse_special_files(expanded, key)
         if gguf_file:
             _check_gguf_file(expanded, gguf_file, key, gguf_key)
         try:

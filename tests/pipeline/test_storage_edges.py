@@ -340,6 +340,27 @@ def test_a_fifo_at_the_lease_or_in_the_manifest_is_refused_not_waited_on(tmp_pat
     assert (out / "_manifest" / "part-00000.json").exists()  # not the job's: left as it is
 
 
+def test_a_fifo_in_a_model_folder_or_as_the_config_file_is_refused_not_waited_on(tmp_path):
+    """The model folder's files are hashed and loaded, the config file is read: a named
+    pipe at any of them would block; each is refused by name before it is opened."""
+    from pipeline.models import ModelError, check_model_path
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    os.mkfifo(model / "tokenizer.json")
+    with pytest.raises(ModelError, match=r"models\.target: .*tokenizer\.json' is a named pipe"):
+        _bounded(lambda: check_model_path(str(model), "models.target"))
+    (model / "sub").mkdir()
+    os.unlink(model / "tokenizer.json")
+    os.symlink("/dev/zero", model / "sub" / "model.safetensors")  # a link to a device, one folder down
+    with pytest.raises(ModelError, match=r"model\.safetensors' is a named pipe, a device"):
+        _bounded(lambda: check_model_path(str(model), "models.target"))
+    os.mkfifo(tmp_path / "job.yaml")
+    with pytest.raises(ConfigError, match="config file not a regular file"):
+        _bounded(lambda: load_config(str(tmp_path / "job.yaml")))
+
+
 # ------------------------------------------------------------------ 5. checksums the file carries
 
 def _checksummed_parquet(path, n=200):
