@@ -388,7 +388,8 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
         if died is None or getattr(died, "actor_init_failed", False):
             return None
         e = died
-        if isinstance(e, ActorUnavailableError) or _NODE_DIED.search(str(e)):
+        unreachable = isinstance(e, ActorUnavailableError)
+        if _NODE_DIED.search(str(e)) or (unreachable and _dead_nodes()):  # a node was lost: say that first
             return _lost_actor(e)
         from ray._private import state
 
@@ -410,7 +411,19 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
                 f"kept dying ({restarts} actor restarts so far, compute.max_actor_restarts={c.max_actor_restarts}; "
                 f"{type(e).__name__}: {_first_line(e)}); a row that kills its process (out of memory?) or a failing "
                 "node: find it in Ray's logs, then rerun to resume")
+    if unreachable:
+        return _lost_actor(e)
     return None
+
+
+def _dead_nodes() -> int:
+    """How many nodes Ray's node table lists as dead (0 when it cannot be read)."""
+    try:
+        import ray
+
+        return sum(not n.get("Alive") for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - the node table is an aid to the message only
+        return 0
 
 
 def _raised_from(e: BaseException | None, kind: type) -> BaseException | None:
@@ -433,12 +446,7 @@ def _lost_actor(e: BaseException) -> str:
     raylet and its processes killed, the machine gone) or it could not be reached.  Ray
     does not resubmit a batch that may have run on an actor it could not reach, so the
     run stops; the rerun does only the shards not committed."""
-    try:
-        import ray
-
-        dead = sum(not n.get("Alive") for n in ray.nodes())
-    except Exception:  # noqa: BLE001 - the node table is an aid to the message only
-        dead = 0
+    dead = _dead_nodes()
     where = "its node or process went away" + (f"; the cluster lists {dead} dead node(s)" if dead else "")
     text = _first_line(e).replace("The task may or may not have been executed on the actor.", "").strip()
     return (f"the actor pool lost an actor with a batch in flight ({where}) and Ray gave up on that batch, so "
