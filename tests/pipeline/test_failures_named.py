@@ -183,11 +183,19 @@ def _job_args(tmp_path, target):
 
 @pytest.mark.parametrize("files", [["pytorch_model.bin"], ["pytorch_model-00001-of-00002.bin",
                                                            "pytorch_model-00002-of-00002.bin"], ["model.pt"]])
-def test_weights_only_as_pickles_are_refused_in_the_preflight_in_one_line(tiny_models, tmp_path, capsys, files):
+def test_weights_only_as_pickles_are_refused_in_the_preflight_in_one_line(tiny_models, tmp_path, capsys, files,
+                                                                          monkeypatch):
     """Before Ray starts (exit 2, one line naming the key and the file), not inside the actor."""
     import shutil
 
     import torch
+
+    import pipeline.run
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started: the pickle-only model was not refused in the preflight")
+
+    monkeypatch.setattr(pipeline.run, "init_ray", no_ray)
 
     model = tmp_path / "pickled"
     shutil.copytree(tiny_models["target"], model)
@@ -198,9 +206,6 @@ def test_weights_only_as_pickles_are_refused_in_the_preflight_in_one_line(tiny_m
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " specbatch INFO " not in ln]
     assert len(err) == 1 and err[0].startswith("error: models.target: ") and files[0] in err[0] \
         and "a pickle" in err[0] and "safetensors" in err[0], err
-    import ray
-
-    assert not ray.is_initialized()
     # the same folder with safetensors weights beside the pickle is fine (they are what loads)
     shutil.copy(os.path.join(tiny_models["target"], "model.safetensors"), model)
     from pipeline.models import check_weight_files
