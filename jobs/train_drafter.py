@@ -172,7 +172,8 @@ def read_job_output(uri: str, storage_options: dict, config_path: str | None, ma
     import pyarrow.parquet as pq
 
     from pipeline.config import OutputConfig, load_config
-    from pipeline.output import DATA_FILE, SUMMARY, OutputLocation
+    from pipeline.output import OutputLocation
+    from pipeline.output.layout import DATA_FILE, SUMMARY
 
     try:
         loc = OutputLocation(OutputConfig(uri=uri, partition_by_date=False, storage_options=storage_options))
@@ -185,7 +186,7 @@ def read_job_output(uri: str, storage_options: dict, config_path: str | None, ma
         if days:
             raise TrainDrafterError(f"--from {uri!r} holds date partitions, not one job output: pass one of them, "
                                     f"e.g. {uri.rstrip('/')}/{days[-1]}")
-        what = "does not exist" if not listing else "has no committed shard (_manifest/part-*.json)"
+        what = "does not exist" if not listing else "has no committed unit (_manifest/part-*.json)"
         raise TrainDrafterError(f"--from {uri!r} is not a job output: it {what}")
     summary = loc.read_summary() if loc.exists(loc.path(SUMMARY)) else None
     identity = next(iter(entries.values())).get("config_identity") or {}
