@@ -124,7 +124,7 @@ def test_a_run_that_makes_no_progress_fails_after_the_stall_timeout(ray_local, t
     assert rc == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "no output row came back for" in err[0] and "compute.stall_timeout_s=8" in err[0]
-    assert "of 2 rows done" in err[0] and "Committed shards are kept" in err[0]
+    assert "of 2 rows done" in err[0] and "Committed units are kept" in err[0]
     assert elapsed < 8 + 5 + 60  # the stall (checked every 5 s) plus start-up
     assert not (tmp_path / "out" / "_SUCCESS").exists()
     deadline = time.monotonic() + 60  # the stuck actor does not outlive the run
