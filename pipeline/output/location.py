@@ -295,8 +295,6 @@ class OutputLocation:
                 is not usable (bad bucket, credentials, permissions).
             StorageError: the storage kept failing with transient errors.
         """
-        from pipeline.retry import StorageError
-
         self.fs.invalidate_cache()
         if self.local:
             self._refuse_links()
@@ -311,14 +309,8 @@ class OutputLocation:
             if self.cfg.overwrite:
                 self._clear(entries, files)
                 entries = {}
-        except OutputError:
-            raise
-        except StorageError as e:
-            if e.transient:
-                raise
-            raise OutputError(f"output {self.url()!r} is not usable: {e}") from None
         except Exception as e:
-            raise OutputError(f"output {self.url()!r} is not usable: {type(e).__name__}: {e}") from None
+            self._refused(e, "usable")
         return entries
 
     def complete(self) -> bool:
@@ -333,8 +325,6 @@ class OutputLocation:
             OutputError: the location is not writable.
             StorageError: the storage kept failing with transient errors.
         """
-        from pipeline.retry import StorageError
-
         try:
             for name in (SUCCESS, SUMMARY):
                 if self.exists(self.path(name)):
@@ -348,12 +338,19 @@ class OutputLocation:
                 self.fs.rm(probe)
 
             self.io(write_probe, f"write to {self.url()}")
-        except StorageError as e:
-            if e.transient:
-                raise
-            raise OutputError(f"output {self.url()!r} is not writable: {e}") from None
         except Exception as e:
-            raise OutputError(f"output {self.url()!r} is not writable: {type(e).__name__}: {e}") from None
+            self._refused(e, "writable")
+
+    def _refused(self, e: Exception, what: str) -> None:
+        """Re-raise ``e`` from a check of the location: an :class:`OutputError` or a
+        transient :class:`StorageError` as it is, anything else as an OutputError saying the
+        output is not ``what`` (``usable``, ``writable``)."""
+        from pipeline.retry import StorageError
+
+        if isinstance(e, OutputError) or (isinstance(e, StorageError) and e.transient):
+            raise e
+        detail = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
+        raise OutputError(f"output {self.url()!r} is not {what}: {detail}") from None
 
     def _remove_leftovers(self, files: list[str]) -> None:
         """Remove what an earlier run of this job began to write and never finished: the
