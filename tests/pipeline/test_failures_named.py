@@ -175,6 +175,83 @@ def test_actors_that_keep_dying_are_one_line_saying_the_restarts_ran_out(tiny_mo
     assert log.startswith(str(tmp_path / "state" / "specbatch" / "logs")) and "ActorDiedError" in open(log).read()
 
 
+KILLED_JOB = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, sys.argv.pop(1))
+    pids = sys.argv.pop(1)
+    import actors.generate
+    from ray import cloudpickle
+
+    class Waiting(actors.generate.GenerateActor):
+        def generate_rows(self, rows):
+            if any("kill me" == r.get("text") for r in rows):
+                open(os.path.join(pids, str(os.getpid())), "w").close()  # the test kills this process
+                time.sleep(600)
+            return super().generate_rows(rows)
+
+    import __main__
+    cloudpickle.register_pickle_by_value(__main__)
+    actors.generate.GenerateActor = Waiting
+    from pipeline.cli import main
+    sys.exit(main("summarize"))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0, 4])
+def test_an_actor_killed_from_outside_until_its_budget_runs_out_is_one_line_naming_it(tiny_models, tmp_path,
+                                                                                      budget):
+    """SIGKILL from another process (the kernel's OOM killer, an operator) each time the
+    actor holds the batch, until ``compute.max_actor_restarts`` runs out: one line that
+    names the budget and how often the actor died, and the rerun resumes."""
+    import signal
+    import threading
+    import time
+
+    script, pids = tmp_path / "killed_job.py", tmp_path / "pids"
+    script.write_text(KILLED_JOB)
+    pids.mkdir()
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "text": TEXTS[0]}, {"id": 2, "text": "kill me"}])
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", XDG_STATE_HOME=str(tmp_path / "state"))
+    env.pop("RAY_ADDRESS", None)
+    job = subprocess.Popen([sys.executable, str(script), str(REPO), str(pids), "--input", str(tmp_path / "in.jsonl"),
+                            "--output", str(tmp_path / "out"), "--target", tiny_models["target"], "--method", "plain",
+                            "--max-new-tokens", "2", "--rows-per-batch", "1", "--no-progress",
+                            "--set", f"compute.max_actor_restarts={budget}",
+                            "--set", f"compute.max_batch_retries={budget + 4}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    killed: set[str] = set()
+
+    def killer() -> None:
+        while job.poll() is None:
+            for f in pids.iterdir():
+                if f.name not in killed:
+                    killed.add(f.name)
+                    try:
+                        os.kill(int(f.name), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.1)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    try:
+        _, err = job.communicate(timeout=400)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    t.join(5)
+    assert job.returncode == 1, err[-3000:]
+    assert len(killed) == budget + 1, (killed, err[-3000:])
+    said = [ln for ln in err.splitlines() if ln.strip() and " specbatch INFO " not in ln
+            and "Started a local Ray instance" not in ln and ".cc:" not in ln]
+    assert len(said) == 1, err[-3000:]
+    times = "1 time" if budget == 0 else f"{budget + 1} times"
+    assert said[0].startswith(f"error: the actor pool ran out of restarts: an actor died {times}, and "
+                              f"compute.max_actor_restarts={budget} allows {budget} restarts"), said[0]
+    assert "Traceback (most recent call last)" not in err
+
+
 def _job_args(tmp_path, target):
     write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "text": TEXTS[0]}])
     return ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--target", str(target),
