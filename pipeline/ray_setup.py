@@ -47,6 +47,7 @@ def init_ray(cfg: JobConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    _ray_errors_in_one_line()
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if on_main else None
     try:
@@ -116,6 +117,42 @@ def _sigterm_kept(handler) -> Iterator[None]:
         signal.signal(signal.SIGTERM, handler)
         if held:
             handler(held[0], None)
+
+
+def _ray_errors_in_one_line() -> None:
+    """Ray's driver prints every error the cluster publishes to it whole, on stdout: a raylet
+    that died comes with the last 20 lines of its C++ log and state dumps (about 50 lines),
+    in the middle of the job's console and of its JSON summary.  Each such error becomes one
+    WARNING line of the job's log instead, once: its first line, and where Ray's logs are (the
+    job then fails or goes on, and says so itself).  Ray's worker output (``log_to_driver``)
+    is left as it is.  Ray prints these errors from its private ``print_to_stdstream``; with
+    another Ray that has none, nothing changes."""
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "specbatch_one_line", False):
+        return
+
+    said: set[str] = set()  # (Ray publishes a dead raylet's error once per subscriber: say it once)
+
+    def one_line(data, ignore_prefix):
+        if not isinstance(data, dict) or data.get("pid") != "raylet":  # (published errors only)
+            return original(data, ignore_prefix)
+        node = getattr(ray_worker, "_global_node", None)
+        try:
+            where = node.get_logs_dir_path() if node is not None else None
+        except Exception:  # noqa: BLE001 - the path is an aid to the line only
+            where = None
+        for message in data.get("lines") or ():
+            text = " ".join(str(message).split("\n", 1)[0].split())
+            text = text.split(" Last ", 1)[0] if "Raylet is terminated" in text else text
+            if text in said:
+                continue
+            said.add(text)
+            log.warning("Ray: %s (the rest is in Ray's logs%s)", text[:400], f", {where}" if where else "")
+
+    one_line.specbatch_one_line = True
+    ray_worker.print_to_stdstream = one_line
 
 
 class _TokenAuthDefault(logging.Filter):

@@ -308,3 +308,38 @@ def test_a_chat_template_that_loops_without_bound_is_refused_in_the_preflight(ti
     assert main("summarize", _job_args(tmp_path, model)) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " specbatch INFO " not in ln]
     assert len(err) == 1 and "task.chat_template" in err[0] and bound in err[0], err
+
+
+# ---------------------------------------------------------------------------- Ray's published errors
+RAYLET_DIED = ("Raylet is terminated. Termination is unexpected. Possible reasons include: (1) SIGKILL by the user "
+               "or system OOM killer, (2) Invalid memory access from Raylet causing SIGSEGV or SIGBUS, (3) Other "
+               "termination signals. Last 20 lines of the Raylet logs:\n"
+               + "".join(f"    [state-dump] NodeManager line {i}\n" for i in range(20)))
+
+
+def test_an_error_ray_publishes_to_the_driver_is_one_warning_line_not_its_whole_log(monkeypatch, capsys, caplog):
+    """A dead raylet's error comes with ~50 lines of its C++ log and state dumps, printed on
+    the job's stdout (where its JSON summary goes): the job says it once, in one line of its
+    log; worker output forwarded by ``log_to_driver`` still prints as Ray prints it."""
+    import logging
+
+    import ray._private.worker as ray_worker
+
+    from pipeline.ray_setup import _ray_errors_in_one_line
+
+    printed = []
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", lambda data, ignore_prefix: printed.append(data))
+    _ray_errors_in_one_line()
+    _ray_errors_in_one_line()  # (a second Ray start in the process does not wrap it twice)
+    with caplog.at_level(logging.WARNING, logger="specbatch"):
+        for _ in range(2):  # published once per subscriber
+            ray_worker.print_to_stdstream({"lines": [RAYLET_DIED], "pid": "raylet", "is_err": False},
+                                          ignore_prefix=False)
+        ray_worker.print_to_stdstream({"lines": ["an actor's print"], "pid": 1234, "is_err": False},
+                                      ignore_prefix=False)
+    assert capsys.readouterr().out == ""
+    warned = [r.getMessage() for r in caplog.records if r.name == "specbatch"]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert warned[0].startswith("Ray: Raylet is terminated. Termination is unexpected.") and "state-dump" not in warned[0]
+    assert "Ray's logs" in warned[0]
+    assert printed == [{"lines": ["an actor's print"], "pid": 1234, "is_err": False}]
