@@ -43,6 +43,7 @@ import traceback
 from pathlib import Path
 
 from pipeline.config import ConfigError, JobRefused, load_config
+from pipeline.errors import raised_from
 from pipeline.flags import build_parser as build_job_parser
 from pipeline.flags import config_overrides
 
@@ -88,17 +89,17 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - every failure is one line (plus a log file when unexpected)
-        storage = _cause(e, StorageError)
+        storage = raised_from(e, StorageError)
         if storage is not None:
             print(f"error: storage: {_one_line(storage)}; shards committed before the error are kept: "
                   "rerun the same command to do only the missing ones", file=sys.stderr)
             return 1
-        known = _cause(e, StallError) or _cause(e, LeaseLost)
+        known = raised_from(e, StallError) or raised_from(e, LeaseLost)
         if known is not None:
             print(f"error: {_one_line(known)}", file=sys.stderr)
             return 1
         path = _write_log(e)
-        pool = _cause(e, ActorPoolError)
+        pool = raised_from(e, ActorPoolError)
         if pool is not None:
             print(f"error: {_one_line(pool)} (traceback in {path}); shards committed before the error are kept",
                   file=sys.stderr)
@@ -173,18 +174,6 @@ def _on_sigterm_raise_interrupt():
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, handler)
     return previous if previous is not None else signal.SIG_DFL
-
-
-def _cause(e: BaseException, kind: type) -> BaseException | None:
-    """``e`` or the first exception of kind ``kind`` it was raised from (Ray wraps errors
-    of its tasks and actors)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, kind):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

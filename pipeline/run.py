@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 
 from pipeline.config import JobConfig
 from pipeline.engine import GenerationSettings
+from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
@@ -382,7 +383,7 @@ def _actor_pool_failure(cfg: JobConfig, e: BaseException, started: _dt.datetime)
     try:
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        died = _raised_from(e, RayActorError)  # Ray Data may raise it from another error
+        died = raised_from(e, RayActorError)  # Ray Data may raise it from another error
         # an exception in the constructor (a model that does not load) carries its cause; a
         # process killed while it restarts (in its constructor again) is a death like another
         if died is None or getattr(died, "actor_init_failed", False):
@@ -424,17 +425,6 @@ def _dead_nodes() -> int:
         return sum(not n.get("Alive") for n in ray.nodes())
     except Exception:  # noqa: BLE001 - the node table is an aid to the message only
         return 0
-
-
-def _raised_from(e: BaseException | None, kind: type) -> BaseException | None:
-    """``e`` or the first exception of kind ``kind`` it was raised from (its cause or context)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, kind):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
 
 
 #: Ray's words for an actor whose node died (``ActorDiedError``: "... because its node has died")
