@@ -120,7 +120,7 @@ class StepEngine:
         if self.spec.num_candidates > 1:
             why = None
             if not getattr(self.proposer, "proposes_trees", False):
-                why = "its proposer drafts no token trees (prompt_lookup and draft_model do)"
+                why = "its proposer drafts no token trees (prompt_lookup, suffix and draft_model do)"
             elif self._hook is not None:
                 why = "it runs the target's passes itself, without a tree attention mask"
             elif self.layout.longrope_switch is not None:

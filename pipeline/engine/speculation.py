@@ -77,7 +77,8 @@ class SpeculationSettings:
         num_candidates: tree verification (SpecInfer, Miao et al. 2023): the most candidate
             continuations a row's draft may branch into, verified in one target pass with a
             tree attention mask (1, the default: one linear draft).  Methods whose proposer
-            offers trees (``prompt_lookup``: several n-gram matches; ``draft_model``: the
+            offers trees (``prompt_lookup``: several n-gram matches; ``suffix``: its trees'
+            other frequent continuations; ``draft_model``: the
             drafter's top candidates at each draft position); greedy rows without logits
             processors only (sampled rows verify one linear draft; ``RowStats.tree_off_steps``
             counts those steps).

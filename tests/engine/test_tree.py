@@ -182,6 +182,9 @@ def test_the_cache_after_a_tree_step_equals_a_fresh_pass(target, references, mon
 # ---------------------------------------------------------------------------- real proposers
 def _tree_engines(target, drafter, batch, **kw):
     for c in (2, 4):
+        yield f"suffix c={c}", SpeculativeEngine(
+            target, SpeculationSettings(method="suffix", num_assistant_tokens=4, num_candidates=c),
+            max_batch_size=batch, **kw)
         yield f"prompt_lookup c={c}", SpeculativeEngine(
             target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=4, num_candidates=c),
             max_batch_size=batch, **kw)
@@ -191,7 +194,7 @@ def _tree_engines(target, drafter, batch, **kw):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_prompt_lookup_and_draft_model_trees_equal_plain(target, references, batch):
+def test_prompt_lookup_suffix_and_draft_model_trees_equal_plain(target, references, batch):
     prompts, budgets, outs = references
     drafter = perturbed_copy(target, 0.3)
     settings = [GenerationSettings(max_new_tokens=b) for b in budgets]
@@ -229,7 +232,7 @@ def test_eos_inside_a_tree_block_and_a_budget_ending_mid_tree():
             eos = full[6 + i]
             settings.append(GenerationSettings(max_new_tokens=30, eos_token_id=eos))
             expected.append((full[: full.index(eos) + 1], "stop"))
-    for method, drafter in (("draft_model", oracle), ("prompt_lookup", None)):
+    for method, drafter in (("draft_model", oracle), ("prompt_lookup", None), ("suffix", None)):
         engine = SpeculativeEngine(target, SpeculationSettings(method=method, num_assistant_tokens=4,
                                                                prompt_lookup_num_tokens=4, num_candidates=3),
                                    drafter=drafter, max_batch_size=2, adaptive_draft_length=False)

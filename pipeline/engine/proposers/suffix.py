@@ -28,6 +28,13 @@ random draw, so ``q`` is one-hot (``Draft.probs`` is ``None``) and verification 
 greedy output equals plain greedy output and sampled output follows the target's law,
 whatever the trees hold and whatever order the rows came in.  The trees change which
 tokens are drafted, never which tokens are emitted.
+
+Token trees (``num_candidates = c > 1``, greedy rows): the linear draft above is the first
+branch; the other branches are the most frequent other continuations of the longest
+continued match, in the row's tree and the job-wide one (:meth:`SuffixProposer.branches`),
+each followed greedily for up to ``k`` tokens, merged into one trie of at most ``c``
+branches that the target verifies in one pass (SpecInfer's token-tree verification, as
+SuffixDecoding's speculation trees).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .base import Draft, DraftRequest, empty_draft
+from .base import Draft, DraftRequest, empty_draft, tree_from_branches
 
 #: vLLM's defaults of the four options (``SpeculativeConfig.suffix_decoding_*``)
 DEFAULT_MAX_TREE_DEPTH = 24
@@ -234,6 +241,7 @@ class SuffixProposer:
 
     adaptive = False
     max_rows = None
+    proposes_trees = True
 
     def __init__(self, max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
                  max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
@@ -280,6 +288,16 @@ class SuffixProposer:
             tokens, source = (local[0], "row") if local[1] >= job[1] else (job[0], "job")
             if tokens:
                 self.drafts_from[source] += 1
+            if r.candidates > 1:  # a token tree: the linear draft first, then the trees' other branches
+                paths = [tokens] if tokens else []
+                for path, _ in self.branches(seq, r.slot, r.candidates, r.k):
+                    if len(paths) >= r.candidates:
+                        break
+                    if not any(q[: len(path)] == path for q in paths):
+                        paths.append(path)
+                out.append(tree_from_branches(paths, r.sequence.device) if paths else
+                           empty_draft(r.sequence.device))
+            elif tokens:
                 out.append(Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=r.sequence.device)))
             else:
                 out.append(empty_draft(r.sequence.device))
@@ -311,7 +329,8 @@ class SuffixProposer:
     def branches(self, sequence: Sequence[int], slot: int, width: int, depth: int) -> list[tuple[list[int], float]]:
         """Up to ``width`` candidate continuations of ``sequence`` for a token tree, from the
         row's tree and the job-wide one (:meth:`SuffixTree.continuations`), most probable
-        first; not used by the linear loop."""
+        first: the other branches of a token tree (``num_candidates > 1``), after the linear
+        draft."""
         context = list(sequence)[-(self.max_tree_depth - 1):]
         row = self.rows.get(slot)
         cands = (row.tree.continuations(context, width, depth) if row is not None else []) + \
