@@ -37,7 +37,8 @@ For each corpus it prints, measured in one run each on the wall clock:
 ``--split-rows N`` passes ``input.split_rows`` (work units smaller than a file) when this
 version's config has that key.  Above ``--engine-alone-max-rows`` (100k) the engine alone is
 timed on a corpus's first rows and scaled to its size (it costs the same per row: the table
-says so), and above ``--sigterm-max-rows`` (100k) no SIGTERM run is made.
+says so); above ``--sigterm-max-rows`` (100k) no SIGTERM run is made, and above
+``--many-max-rows`` (100k) only the single file runs.
 """
 
 from __future__ import annotations
@@ -479,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-rows", type=int, default=None, help="input.split_rows, where this version has it")
     p.add_argument("--engine-alone-max-rows", type=int, default=100_000,
                    help="time the engine alone on at most this many rows of a corpus, scaled to its size")
+    p.add_argument("--many-max-rows", type=int, default=100_000,
+                   help="run the many-files layout only up to this many rows")
     p.add_argument("--sigterm-max-rows", type=int, default=100_000,
                    help="send the mid-run SIGTERM only to single files of at most this many rows")
     p.add_argument("--demo-max-rows", type=int, default=100_000, help="run the demo target only up to this size")
@@ -507,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                 if engine == "demo" and rows > args.demo_max_rows:
                     continue
                 for rpf in layouts:
+                    if rpf is not None and rows > args.many_max_rows:
+                        continue
                     runs.append(bench_corpus(engine, rows, rpf, work, args))
                     if args.output:  # each corpus's figures as soon as they are measured
                         Path(args.output).mkdir(parents=True, exist_ok=True)

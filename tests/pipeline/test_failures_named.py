@@ -197,13 +197,43 @@ KILLED_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("budget", [0, 1, 4])
+def test_the_budget_that_ran_out_is_read_from_ray_s_actor_table(budget, monkeypatch):
+    """The line for budgets 0, 1 and 4, from the actor table Ray keeps (the pool's actor
+    DEAD after ``budget`` restarts); the integration test below kills a real actor."""
+    import datetime as dt
+
+    from ray._private import state
+    from ray.exceptions import ActorDiedError
+
+    from pipeline.config import load_config
+    from pipeline.run import _actor_pool_failure
+
+    started = dt.datetime.now()
+    table = {"a1": {"ActorClassName": "MapWorker(MapBatches(GenerateActor))", "State": "DEAD", "NumRestarts": budget,
+                    "StartTime": started.timestamp() * 1000 + 5}}
+    monkeypatch.setattr(state, "actors", lambda: table)
+    cfg = load_config(REPO / "configs" / "demo-summarize.yaml", [f"compute.max_actor_restarts={budget}"])
+    died = ActorDiedError()
+    wrapped = RuntimeError("a Ray Data operator failed")
+    wrapped.__cause__ = died
+    line = _actor_pool_failure(cfg, wrapped, started)
+    times = "1 time" if budget == 0 else f"{budget + 1} times"
+    assert line.startswith(f"the actor pool ran out of restarts: an actor died {times}, and "
+                           f"compute.max_actor_restarts={budget} allows {budget} restarts (ActorDiedError: "), line
+    table["a1"]["State"] = "ALIVE"  # restarted, and the batch's retries ran out first
+    assert _actor_pool_failure(cfg, wrapped, started).startswith("a batch failed after compute.max_batch_retries=") \
+        if budget else _actor_pool_failure(cfg, wrapped, started) is None
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [0, 4])
+@pytest.mark.parametrize("budget", [4])
 def test_an_actor_killed_from_outside_until_its_budget_runs_out_is_one_line_naming_it(tiny_models, tmp_path,
                                                                                       budget):
     """SIGKILL from another process (the kernel's OOM killer, an operator) each time the
     actor holds the batch, until ``compute.max_actor_restarts`` runs out: one line that
-    names the budget and how often the actor died, and the rerun resumes."""
+    names the budget and how often the actor died (budgets 0 and 1 from the actor table:
+    the test above; 1 with an actor that kills itself: the one before)."""
     import signal
     import threading
     import time
