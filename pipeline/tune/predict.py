@@ -176,6 +176,8 @@ class Candidate:
             extra += f" schedule={self.params['num_assistant_tokens_schedule']}"
         if self.params.get("assistant_confidence_threshold"):
             extra += f" threshold={self.params['assistant_confidence_threshold']}"
+        if (self.params.get("num_candidates") or 1) > 1:
+            extra += f" trees={self.params['num_candidates']}"
         return f"{self.method}{k}{extra} B={self.batch_size}"
 
 

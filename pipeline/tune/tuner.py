@@ -455,10 +455,15 @@ class _Confirmation:
                  f"measured {cand.measured_tokens_per_s:.1f} tokens/s")
 
 
+#: the branches of the token-tree variant the tuner confirms (``method.num_candidates``)
+TREE_CANDIDATES = 4
+
+
 def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -> list[Candidate]:
     """Adaptive draft lengths of the chosen method, to confirm against its fixed ``k``: the
     engine's draft length by expected gain up to ``K`` (greedy jobs: the job applies it to
-    greedy rows only); for a method with a per-row schedule, transformers' heuristic
+    greedy rows only), and for a method that drafts token trees the same with trees of
+    ``TREE_CANDIDATES`` branches, sized per row by expected gain; for a method with a per-row schedule, transformers' heuristic
     schedule from its k, and (for a method that takes it) a confidence threshold at ``K``.
     Not modelled: their prediction is the chosen one's scaled by the measured ratio (filled
     in by :func:`_keep_adaptive`)."""
@@ -466,6 +471,9 @@ def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -
     if not do_sample:
         out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch, params=dict(chosen.params),
                              adaptive_draft_length=True))
+        if getattr(METHODS[chosen.method].proposer, "proposes_trees", False):  # token trees: greedy rows only
+            out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch,
+                                 params={**chosen.params, "num_candidates": TREE_CANDIDATES}, adaptive_draft_length=True))
     knobs = [(chosen.k, {SCHEDULE_FIELD: "heuristic"})] if METHODS[chosen.method].adaptive else []
     if CONFIDENCE_FIELD in METHODS[chosen.method].params:
         knobs.append((k_max, {CONFIDENCE_FIELD: CONFIDENCE_THRESHOLD}))

@@ -167,9 +167,12 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
              and c["params"].get("num_assistant_tokens_schedule", "constant") == "constant"
              and not c["adaptive_draft_length"]]
     assert 2 <= len(fixed) <= 3 and any(c["method"] == "plain" for c in fixed)
-    # adaptive variants of a chosen drafting method: the draft length by expected gain (every
-    # method), the heuristic schedule and the confidence threshold (a model drafter)
-    assert len(confirmed) - len(fixed) in (0, 1, 3)
+    # adaptive variants of a chosen drafting method: the draft length by expected gain and the
+    # same with token trees (every method here drafts trees), the heuristic schedule and the
+    # confidence threshold (a model drafter)
+    assert len(confirmed) - len(fixed) in (0, 2, 4)
+    trees = [c for c in confirmed if c["params"].get("num_candidates", 1) > 1]
+    assert len(trees) == (len(confirmed) > len(fixed)) and all(c["adaptive_draft_length"] for c in trees)
     for c in confirmed:  # confirmation runs are lossless and measured
         assert c["same_output"] == c["compared_rows"] == 10 and c["measured_tokens_per_s"] > 0
     chosen = next(c for c in confirmed if c["label"] == headline["chosen"])
@@ -224,24 +227,26 @@ def test_tune_job_refuses_bad_input_before_measuring(tmp_path, tiny_models, caps
 
 
 def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_path, tiny_models):
-    """With only the drafter to choose from, the engine's draft length by expected gain up to K,
-    its heuristic schedule and its confidence threshold are measured on the confirmation rows
+    """With only the drafter to choose from, the engine's draft length by expected gain up to K
+    (with and without token trees), its heuristic schedule and its confidence threshold are measured on the confirmation rows
     and kept only if 5 % faster than the fixed k."""
     from pipeline.config import load_config
-    from pipeline.tune.tuner import CONFIDENCE_THRESHOLD, TuneOptions, read_raw_config, tune
+    from pipeline.tune.tuner import CONFIDENCE_THRESHOLD, TREE_CANDIDATES, TuneOptions, read_raw_config, tune
 
     path = _job(tmp_path, tiny_models, rows=6)
     result = tune(load_config(path), TuneOptions(rows=6, batch_sizes=(1, 2), methods=("draft_model",), max_draft=3,
                                                  repeats=1, confirm=1), raw_config=read_raw_config(str(path), None),
                   log=lambda line: None)
-    fixed, gain, heuristic, threshold = result.confirmed
-    assert (fixed.method, gain.method, heuristic.method, threshold.method) == ("draft_model",) * 4
+    fixed, gain, trees, heuristic, threshold = result.confirmed
+    assert (fixed.method, gain.method, trees.method, heuristic.method, threshold.method) == ("draft_model",) * 5
     assert gain.adaptive_draft_length and gain.k == 3 and not fixed.adaptive_draft_length
+    assert trees.adaptive_draft_length and trees.k == 3 and trees.params["num_candidates"] == TREE_CANDIDATES
+    assert "trees=4" in trees.label
     assert heuristic.params["num_assistant_tokens_schedule"] == "heuristic" and heuristic.k == fixed.k
     assert threshold.params["assistant_confidence_threshold"] == CONFIDENCE_THRESHOLD and threshold.k == 3
     for c in result.confirmed:  # lossless, measured on the same rows
         assert c.same_output == c.compared_rows == 6 and c.measured_tokens_per_s > 0
-    best = max((gain, heuristic, threshold), key=lambda c: c.measured_tokens_per_s)
+    best = max((gain, trees, heuristic, threshold), key=lambda c: c.measured_tokens_per_s)
     if best.measured_tokens_per_s > 1.05 * fixed.measured_tokens_per_s:
         assert result.chosen is best
     else:
