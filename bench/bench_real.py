@@ -14,7 +14,11 @@ tokens, greedy, one torch thread.  For every method and number of rows in flight
   run's measured α (the per-token acceptance that gives the measured mean accepted length
   at the mean draft length k of the steps that drafted) and c (one drafting position /
   one plain target step at the same number of rows), and efficiency = measured decode
-  speedup / S;
+  speedup / S; for a token-tree variant (its steps verified trees), S comes from the
+  acceptance measured per node instead: ``S = E / (1 + n c)``, with ``E`` the measured mean
+  accepted length (1 + the accepted path's nodes per drafting step) and ``n`` the mean
+  nodes per tree, the bound of a verify pass that cost one plain step whatever its width;
+  the efficiency then shows what the wider pass costs;
 - the rows identical to plain at the same number of rows.
 
 Not a test: timings are one run each; the CPU clock is steadier than the wall clock on a
@@ -88,6 +92,14 @@ def solve_alpha(mean_accepted_length: float, k: float) -> float:
 def leviathan_bound(alpha: float, k: float, c: float) -> float:
     """``S = (1 - α^(k+1)) / ((1 - α)(1 + k c))`` (Leviathan et al. 2023, §3)."""
     return leviathan_speedup(alpha, k, c)
+
+
+def tree_bound(mean_accepted_length: float, nodes: float, c: float) -> float:
+    """``S = E / (1 + n c)``: a token tree's bound from its measured acceptance per node
+    (``E``, tokens per drafting step) and drafting cost (``n`` nodes at ``c`` plain steps
+    each), its verify pass taken as one plain step (SpecInfer's premise: a pass flat in its
+    width)."""
+    return mean_accepted_length / (1 + nodes * c)
 
 
 def prompts_of(cfg, tokenizer, rows: range, xsum: Path = XSUM) -> list[list[int]]:
@@ -246,6 +258,9 @@ def main(argv=None) -> int:
                 per_pos = r["propose_s_per_position"] if cpu_clock else r["propose_wall_s_per_position"]
                 c = per_pos / (p[dsec] / p["step_calls"])  # one drafting position / one plain step
                 s_bound = leviathan_bound(alpha, k, c)
+                if r.get("tree_step_share") and r.get("mean_tree_nodes"):  # trees: per-node acceptance
+                    alpha = None
+                    s_bound = tree_bound(r["mean_accepted_length"], r["mean_tree_nodes"], c)
                 eff = dspeed / s_bound
             r.update({"speedup": speed, "decode_speedup": dspeed, "identical": same, "near_ties": ties,
                       "largest_gap": max((c_.gap for c_ in checks if not c_.identical), default=None),
