@@ -338,13 +338,13 @@ def bench_corpus(engine: str, rows: int, rows_per_file: int | None, work: Path, 
           f"{r['overhead_per_unit_s']:.3f} s/unit ({units} units); driver peak RSS {r['driver_peak_rss_mb']:.0f} MB; "
           f"manifest {r['manifest_bytes'] / 1024:.1f} KiB", flush=True)
 
-    time.sleep(SETTLE_S)  # the last job's Ray processes finish exiting before a resume is timed
+    time.sleep(args.settle_s)  # the last job's Ray processes finish exiting before a resume is timed
     again = run_job(engine, flags)
     assert again["rc"] == 0 and again["headline"]["this_run"]["nothing_to_do"], again["stderr"]
     r["resume_complete_s"] = again["wall_s"]
     removed = make_99_percent(out)
     if removed:
-        time.sleep(SETTLE_S)
+        time.sleep(args.settle_s)
         part = run_job(engine, flags)
         assert part["rc"] == 0 and part["headline"]["rows"] == rows, part["stderr"]
         r["resume_99_s"], r["resume_99_rows_redone"] = part["wall_s"], removed
@@ -530,12 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigterm-max-rows", type=int, default=100_000,
                    help="send the mid-run SIGTERM only to single files of at most this many rows")
     p.add_argument("--demo-max-rows", type=int, default=100_000, help="run the demo target only up to this size")
-    p.add_argument("--quick", action="store_true", help="200 and 800 rows, the stub, files of 200 rows, units of 100 rows, 32 rows per batch (minutes: a Ray start per job run)")
+    p.add_argument("--quick", action="store_true", help="200 and 800 rows, the stub, files of 200 rows, units of 100 rows, 32 rows per batch, the SIGTERM at 200 rows only (minutes: a Ray start per job run)")
     p.add_argument("--output", default=None, help="write report.json and report.md here")
     p.add_argument("--work", default=None, help="folder for corpora and outputs (default: a temporary one)")
     args = p.parse_args(argv)
+    args.settle_s = SETTLE_S
     if args.quick:
         args.sizes, args.engines, args.rows_per_file, args.rows_per_batch = "200,800", "stub", 200, 32
+        args.settle_s, args.sigterm_max_rows = 0, 200  # (figures that mean nothing at this size: fewer Ray starts)
         if args.split_rows is None and _has_key("input", "split_rows"):
             args.split_rows = 100  # several units per file: the SIGTERM half-way lands between unit commits
     sizes = [int(s) for s in args.sizes.split(",")]
