@@ -122,9 +122,9 @@ def _sigterm_kept(handler) -> Iterator[None]:
 def _ray_errors_in_one_line() -> None:
     """Ray's driver prints every error the cluster publishes to it whole, on stdout: a raylet
     that died comes with the last 20 lines of its C++ log and state dumps (about 50 lines),
-    in the middle of the job's console and of its JSON summary.  Each such error becomes one
-    WARNING line of the job's log instead, once: its first line, and where Ray's logs are (the
-    job then fails or goes on, and says so itself).  Ray's worker output (``log_to_driver``)
+    in the middle of the job's console and of its JSON summary; so does each worker that dies.
+    Each such error becomes one INFO line of the job's log instead, once: its first line, and
+    where Ray's logs are (the job then fails or goes on, and says so itself in its one line).  Ray's worker output (``log_to_driver``)
     is left as it is.  Ray prints these errors from its private ``print_to_stdstream``; with
     another Ray that has none, nothing changes."""
     import ray._private.worker as ray_worker
@@ -149,7 +149,7 @@ def _ray_errors_in_one_line() -> None:
             if text in said:
                 continue
             said.add(text)
-            log.warning("Ray: %s (the rest is in Ray's logs%s)", text[:400], f", {where}" if where else "")
+            log.info("Ray: %s (the rest is in Ray's logs%s)", text[:400], f", {where}" if where else "")
 
     one_line.specbatch_one_line = True
     ray_worker.print_to_stdstream = one_line
