@@ -146,6 +146,8 @@ def _ray_errors_in_one_line() -> None:
         for message in data.get("lines") or ():
             text = " ".join(str(message).split("\n", 1)[0].split())
             text = text.split(" Last ", 1)[0] if "Raylet is terminated" in text else text
+            text = text.split("Traceback (most recent call last)", 1)[0].rstrip(" :")  # (a task's error: its
+            text = text[: -len(" Error")] if text.endswith(" Error") else text  # traceback is in the log)
             if text in said:
                 continue
             said.add(text)

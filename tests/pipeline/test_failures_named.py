@@ -347,6 +347,10 @@ RAYLET_DIED = ("Raylet is terminated. Termination is unexpected. Possible reason
                + "".join(f"    [state-dump] NodeManager line {i}\n" for i in range(20)))
 
 
+RETRIED = ("Task MapWorker(MapBatches(GenerateActor)).get_location failed. There are 3 retries remaining, so the task "
+           "will be retried. Error: Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: boom")
+
+
 def test_an_error_ray_publishes_to_the_driver_is_one_info_line_not_its_whole_log(monkeypatch, capsys, caplog):
     """A dead raylet's error comes with ~50 lines of its C++ log and state dumps, printed on
     the job's stdout (where its JSON summary goes): the job says it once, in one line of its
@@ -367,9 +371,12 @@ def test_an_error_ray_publishes_to_the_driver_is_one_info_line_not_its_whole_log
                                           ignore_prefix=False)
         ray_worker.print_to_stdstream({"lines": ["an actor's print"], "pid": 1234, "is_err": False},
                                       ignore_prefix=False)
+        ray_worker.print_to_stdstream({"lines": [RETRIED], "pid": "raylet", "is_err": False}, ignore_prefix=False)
     assert capsys.readouterr().out == ""
     warned = [r.getMessage() for r in caplog.records if r.name == "specbatch" and r.levelno == logging.INFO]
-    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert len(warned) == 2 and not any("\n" in w for w in warned), warned
     assert warned[0].startswith("Ray: Raylet is terminated. Termination is unexpected.") and "state-dump" not in warned[0]
     assert "Ray's logs" in warned[0]
+    assert warned[1].startswith("Ray: Task MapWorker(MapBatches(GenerateActor)).get_location failed. There are 3 "
+                                "retries remaining, so the task will be retried. (the rest") and "Traceback" not in warned[1]
     assert printed == [{"lines": ["an actor's print"], "pid": 1234, "is_err": False}]
