@@ -585,12 +585,17 @@ def write_report(runs: list[dict], meta: dict, output: str | None) -> None:
     engines = " and ".join({"stub": "an engine stub", "demo": "the demo target"}[e] for e in dict.fromkeys(r["engine"] for r in runs))
     title = (f"bench/bench_scale.py: the job on {', '.join(f'{s:,}' for s in sizes)} short rows, one file and many, "
              f"plain, 1 new token, {engines} ({meta['machine'].split(', load')[0]})")
-    summary = ["job / engine alone from the dataset start " + ", ".join(f"{r['job_rows_per_s_from_start'] / r['engine_rows_per_s']:.2f} ({r['engine']}, {r['rows'] // 1000}k, {r['layout']})"
-                                                 for r in runs)]
+    marg = [(g, m) for g in growth(runs) for m in g["marginal"]]
+    summary = (["job / engine alone, marginal rate between sizes (the fixed start cancels) "
+                + ", ".join(f"{m['job_vs_engine']:.2f} ({g['engine']}, {g['layout']}, {m['from_rows'] // 1000}k -> "
+                            f"{m['to_rows'] // 1000}k)" for g, m in marg)] if marg else [])
     summary += [f"driver RSS {g['driver_rss_growth_mb']:+.0f} MB from {g['from_rows'] // 1000}k to {g['to_rows'] // 1000}k rows "
                 f"({g['engine']}, {g['layout']})" for g in growth(runs) if "driver_rss_growth_mb" in g]
-    summary += [f"a SIGTERM half-way through one file of {r['rows'] // 1000}k rows lost {r['sigterm_rows_lost']:,} rows"
-                for r in runs if "sigterm_rows_lost" in r and r["rows"] == max(sizes)]
+    summary += [f"a complete {r['rows'] // 1000}k-row output ({r['engine']}, {r['layout']}) resumed in {r['resume_complete_s']:.1f} s"
+                for r in runs if r["rows"] == max(sizes)]
+    summary += [f"a SIGTERM half-way through one file of {r['rows'] // 1000}k rows ({r['engine']}) kept "
+                f"{r['sigterm_units_committed']} committed unit(s), {r['sigterm_rows_committed']:,} rows"
+                for r in runs if "sigterm_rows_lost" in r and r["rows"] == max(x["rows"] for x in runs if "sigterm_rows_lost" in x)]
     (out / "report.json").write_text(json.dumps({"title": title, "meta": meta, "runs": runs, "growth": growth(runs),
                                                  "goals": goals(runs), "summary": summary}, indent=1))
     (out / "report.md").write_text(
