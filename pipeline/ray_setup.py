@@ -124,8 +124,8 @@ def _ray_errors_in_one_line() -> None:
     that died comes with the last 20 lines of its C++ log and state dumps (about 50 lines),
     in the middle of the job's console and of its JSON summary; so does each worker that dies.
     Each such error becomes one INFO line of the job's log instead, once: its first line, and
-    where Ray's logs are (the job then fails or goes on, and says so itself in its one line).  Ray's worker output (``log_to_driver``)
-    is left as it is.  Ray prints these errors from its private ``print_to_stdstream``; with
+    where Ray's logs are (the job then fails or goes on, and says so itself in its one line).
+    Ray's worker output (``log_to_driver``) is left as it is.  Ray prints these errors from its private ``print_to_stdstream``; with
     another Ray that has none, nothing changes."""
     import ray._private.worker as ray_worker
 

@@ -97,6 +97,11 @@ class MethodSpec:
         return getattr(self.proposer, "max_rows", None)
 
     @property
+    def proposes_trees(self) -> bool:
+        """Whether its proposer may answer with a token tree (``num_candidates > 1``)."""
+        return bool(getattr(self.proposer, "proposes_trees", False))
+
+    @property
     def drafts(self) -> bool:
         return self.build is not None
 

@@ -463,7 +463,8 @@ def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -
     """Adaptive draft lengths of the chosen method, to confirm against its fixed ``k``: the
     engine's draft length by expected gain up to ``K`` (greedy jobs: the job applies it to
     greedy rows only), and for a method that drafts token trees the same with trees of
-    ``TREE_CANDIDATES`` branches, sized per row by expected gain; for a method with a per-row schedule, transformers' heuristic
+    ``TREE_CANDIDATES`` branches, sized per row by expected gain; for a method with a per-row
+    schedule, transformers' heuristic
     schedule from its k, and (for a method that takes it) a confidence threshold at ``K``.
     Not modelled: their prediction is the chosen one's scaled by the measured ratio (filled
     in by :func:`_keep_adaptive`)."""
@@ -471,7 +472,7 @@ def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -
     if not do_sample:
         out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch, params=dict(chosen.params),
                              adaptive_draft_length=True))
-        if getattr(METHODS[chosen.method].proposer, "proposes_trees", False):  # token trees: greedy rows only
+        if METHODS[chosen.method].proposes_trees:  # token trees: greedy rows only
             out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch,
                                  params={**chosen.params, "num_candidates": TREE_CANDIDATES}, adaptive_draft_length=True))
     knobs = [(chosen.k, {SCHEDULE_FIELD: "heuristic"})] if METHODS[chosen.method].adaptive else []
