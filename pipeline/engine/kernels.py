@@ -18,6 +18,16 @@ Measured on this project's 2-core AVX-512 machine (SmolLM2-135M, float32, one th
    training, autograd and other devices keep ``F.linear``).  It costs a second copy of each
    linear weight in memory (the model's own weights are kept: tied embeddings, saving and
    ``state_dict`` go on working).
+
+   Which kernel is faster for 1-3 rows depends on the CPU: on the machine of commit d397ec9
+   oneDNN won from one row on (the 49,152 x 576 head: 2.4 ms against 6.3), on a later
+   machine of the same project MKL's matrix-vector path won up to 3 rows (one row: 0.21 ms
+   against 0.31 for a 1536 x 576 layer; a plain decode step of SmolLM2 93.6 ms with oneDNN,
+   67.4 ms with MKL for its one row).  So :func:`pack_linears` measures it: for each
+   weight shape of the model it times both kernels over the model's own weights of that
+   shape at 1, 2 and 3 rows of input, once per process (:func:`small_rows_to_mkl`), and a
+   layer sends inputs of up to that many rows to ``F.linear``; 4 rows and more always go to
+   oneDNN, whose packed layout is made for them.
 2. **Attention with grouped KV heads.**  With an explicit mask and more than one query,
    transformers' SDPA path materialises ``repeat_kv`` (every KV head copied to each of its
    query heads) for every layer and pass, which at 8 rows and an 800-token context is most
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 
 import torch
@@ -50,6 +61,10 @@ ATTENTION_NAME = "specbatch_small_query"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: M (rows of input) the weights are packed for: oneDNN's blocked GEMM layout, not a limit
 PACK_FOR_ROWS = 4
+#: the most rows of input :func:`small_rows_to_mkl` may send to ``F.linear`` (MKL) instead of oneDNN
+MKL_MAX_ROWS = PACK_FOR_ROWS - 1
+#: F.linear must be faster by this factor to take a row count from oneDNN (timing noise)
+MKL_MARGIN = 0.95
 
 
 def enabled() -> bool:
@@ -86,34 +101,93 @@ class PackedLinear(torch.nn.Linear):
         if (input.device.type != "cpu" or w.device.type != "cpu" or input.dtype != w.dtype
                 or w.dtype not in PACKED_DTYPES or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
             return F.linear(input, w, self.bias)
-        key = _weight_key(w)
-        packed = _PACKED.get(self)
-        if packed is None or packed[0] != key:
-            with torch.no_grad():
-                packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS))
-            _PACKED[self] = packed
+        if input.numel() <= _MKL_ROWS.get(_shape_key(w), 0) * w.shape[1]:
+            return F.linear(input, w, self.bias)
         bias = self.bias.detach() if self.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(input, packed[1], bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(input, _packed(self), bias, "none", [], "")
+
+
+def _packed(layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer``'s weight in oneDNN's packed layout (packed again when the weight changed)."""
+    w = layer.weight
+    key = _weight_key(w)
+    packed = _PACKED.get(layer)
+    if packed is None or packed[0] != key:
+        with torch.no_grad():
+            packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS))
+        _PACKED[layer] = packed
+    return packed[1]
+
+
+def _shape_key(w: torch.Tensor) -> tuple:
+    return (tuple(w.shape), w.dtype, torch.get_num_threads())
+
+
+#: per (weight shape, dtype, torch threads): inputs of up to this many rows go to F.linear (MKL)
+_MKL_ROWS: dict[tuple, int] = {}
+
+
+def small_rows_to_mkl(layers: list[torch.nn.Linear], repeats: int = 3) -> int:
+    """How many rows of input (0 .. :data:`MKL_MAX_ROWS`) ``F.linear`` serves faster than
+    oneDNN's packed kernel for these layers (all of one weight shape and dtype): both kernels
+    timed over all of them (their weights read as a pass reads them, not one weight hot in
+    cache), best of ``repeats``, at 1, 2, 3 rows, stopping at the first row count where
+    oneDNN is as fast (``F.linear`` must win by :data:`MKL_MARGIN`).  Measured once per
+    shape, dtype and torch thread count in a process, and remembered.
+
+    Returns:
+        The row count; layers of that shape send inputs of up to that many rows (``numel <=
+        rows * in_features``) to ``F.linear``.
+    """
+    key = _shape_key(layers[0].weight)
+    if key in _MKL_ROWS:
+        return _MKL_ROWS[key]
+    weights = [m.weight.detach() for m in layers]
+    packed = [_packed(m) for m in layers]
+    rows = 0
+    with torch.no_grad():
+        for m in range(1, MKL_MAX_ROWS + 1):
+            x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype)
+
+            def best(run) -> float:
+                run()  # warm
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - t)
+                return min(times)
+
+            mkl = best(lambda: [F.linear(x, w) for w in weights])
+            onednn = best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed])
+            if mkl >= MKL_MARGIN * onednn:
+                break
+            rows = m
+    _MKL_ROWS[key] = rows
+    return rows
 
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Switch every plain ``torch.nn.Linear`` of ``model`` on the CPU to :class:`PackedLinear`.
 
     Subclasses of ``Linear`` (quantized layers and the like) are left alone, and so is a model
-    on another device or of another dtype (its layers keep ``F.linear``).  The packing itself
-    happens at each layer's first call.
+    on another device or of another dtype (its layers keep ``F.linear``).  Each weight shape's
+    kernel for 1-3 rows of input is measured here, once per process
+    (:func:`small_rows_to_mkl`), which packs those layers' weights.
 
     Returns:
         How many layers were switched (0 when the kernels are off or oneDNN is missing).
     """
     if not enabled() or not _onednn_available():
         return 0
-    n = 0
+    by_shape: dict[tuple, list] = {}
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES:
             module.__class__ = PackedLinear
-            n += 1
-    return n
+            by_shape.setdefault(_shape_key(module.weight), []).append(module)
+    for layers in by_shape.values():
+        small_rows_to_mkl(layers)
+    return sum(map(len, by_shape.values()))
 
 
 def small_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
