@@ -1,0 +1,346 @@
+"""Our decode against llama.cpp's on the default job's model, with our decode step's time broken down.
+
+The same model (SmolLM2-135M-Instruct, float32 on both sides: an F32 GGUF for llama.cpp),
+the same token ids (the default job's prompts, chat template included, for XSum articles
+200-215), one thread, greedy, 64 new tokens, one row at a time.  It prints tokens/s on the
+process CPU clock and the wall clock:
+
+- **llama.cpp plain** and **llama.cpp prompt lookup** (``LlamaPromptLookupDecoding``, its
+  ``num_pred_tokens`` 10 by default and 3, ``max_ngram_size`` 2), each through
+  ``Llama.generate`` (its own loop, greedy: ``temp=0``): end to end (the prompt's pass
+  included) and decode only (the tokens after the first over the time after the first);
+- **ours**: plain decoding, and the speculative methods of ``--methods`` (by default the
+  default job's prompt lookup and suffix decoding), through the engine as the job runs it
+  (``pipeline.loading``), end to end and decode only (the engine's steps);
+- **the plain decode step's breakdown** (ours): the step's CPU time split into the
+  attention kernel (SDPA over the KV cache), the attention layers' projections and RoPE, the
+  MLPs, the output layer (``lm_head``), the rest of the model's forward (embedding, norms,
+  residuals, transformers' Python), the runner's batch metadata (positions, mask, cache
+  bookkeeping) and the engine outside the pass (sampling, acceptance, statistics, Python),
+  measured with forward hooks on a second plain run (the hooks' own cost: the second run's
+  step time over the first's);
+- the weights a one-row step reads (every linear layer's, once) over each side's step time:
+  the memory bandwidth each achieves, the physical bound of a one-row decode step;
+- the ratios: our plain decode / llama.cpp's (goal ≥ 0.9×), our plain end to end /
+  llama.cpp's (goal ≥ 1.0×), our best speculative method / llama.cpp's prompt lookup (goal
+  > 1), and the rows whose greedy tokens are identical to llama.cpp's.
+
+Not a test, and not run in CI (it needs llama.cpp, built from source).  Set-up, once::
+
+    pip install llama-cpp-python==0.3.36 sentencepiece  # builds llama.cpp from source: ~25 min on 2 cores;
+                                                        # sentencepiece: its converter imports it
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d out/llama  # its source, for
+    tar xzf out/llama/llama_cpp_python-0.3.36.tar.gz -C out/llama                    # convert_hf_to_gguf.py
+    python bench/bench_llamacpp.py --llama-cpp-src out/llama/llama_cpp_python-0.3.36/vendor/llama.cpp \\
+        --output reports/bench_llamacpp
+
+``--llama-cpp-src`` converts the target to ``out/gguf/<name>-f32.gguf`` once (with
+llama.cpp's ``convert_hf_to_gguf.py --outtype f32``); ``--gguf`` names an existing one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # llama.cpp's OpenMP pool: the one thread we compare
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_real import XSUM, Clocks, _commit, _machine, prompts_of, run_one  # noqa: E402
+
+TITLE = "bench/bench_llamacpp.py: our decode against llama.cpp's (SmolLM2-135M-Instruct, F32, one thread, greedy)"
+#: the parts of our decode step, in the order the breakdown prints them
+PARTS = ("attention kernel (SDPA over the KV cache)", "attention projections + RoPE", "MLP", "output layer (lm_head)",
+         "rest of the model's forward", "runner: batch metadata, cache bookkeeping", "engine outside the pass")
+
+
+def convert(src: Path, hf_dir: Path, out: Path) -> Path:
+    """``out``: ``hf_dir`` as an F32 GGUF, written by llama.cpp's converter in ``src``."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+    tmp = out.with_suffix(".partial")
+    subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+                    "--outfile", str(tmp)], check=True, env=env)
+    tmp.rename(out)
+    return out
+
+
+def llama_cpp_run(llm, prompts: list[list[int]], new_tokens: int, eos: set[int]) -> dict:
+    """Greedy ``Llama.generate`` over each prompt: timings of the first token and the rest, and the ids."""
+    first_cpu = first_wall = rest_cpu = rest_wall = 0.0
+    n_new = n_rest = 0
+    ids = []
+    for p in prompts:
+        llm.reset()  # no prefix reuse across rows (generate() would reuse the shared chat-template prefix)
+        c0, w0 = time.process_time(), time.perf_counter()
+        out: list[int] = []
+        c1 = w1 = None
+        for tok in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=False):
+            if c1 is None:
+                c1, w1 = time.process_time(), time.perf_counter()
+            out.append(int(tok))
+            if tok in eos or len(out) >= new_tokens:
+                break
+        c2, w2 = time.process_time(), time.perf_counter()
+        first_cpu, first_wall = first_cpu + (c1 - c0), first_wall + (w1 - w0)
+        rest_cpu, rest_wall = rest_cpu + (c2 - c1), rest_wall + (w2 - w1)
+        n_new += len(out)
+        n_rest += len(out) - 1
+        ids.append(out)
+    return {"new_tokens": n_new, "cpu_s": first_cpu + rest_cpu, "wall_s": first_wall + rest_wall,
+            "tokens_per_s_cpu": n_new / (first_cpu + rest_cpu), "tokens_per_s_wall": n_new / (first_wall + rest_wall),
+            "decode_tokens_per_s_cpu": n_rest / rest_cpu, "decode_tokens_per_s_wall": n_rest / rest_wall,
+            "prompt_tokens_per_s_cpu": sum(map(len, prompts)) / first_cpu, "token_ids": ids}
+
+
+class Breakdown:
+    """CPU seconds of a plain run's decode steps, split by part (forward hooks on the target)."""
+
+    def __init__(self, engine):
+        from transformers import AttentionInterface
+
+        from pipeline.engine import kernels
+        from pipeline.engine.runner import ModelRunner
+
+        self.t = defaultdict(float)
+        self.steps = 0
+        self._undo = []
+        target = engine.target
+        body = target.model
+        clock = time.process_time
+
+        def timed_module(module, part):
+            start = []
+            h1 = module.register_forward_pre_hook(lambda m, a: start.append(clock()))
+            h2 = module.register_forward_hook(lambda m, a, o: self._add(part, clock() - start.pop()))
+            self._undo += [h1.remove, h2.remove]
+
+        for layer in body.layers:
+            timed_module(layer.self_attn, "self_attn")
+            timed_module(layer.mlp, "MLP")
+        timed_module(target.lm_head, "output layer (lm_head)")
+        timed_module(body, "body")
+        timed_module(target, "model")
+        kernels._register()
+        for name in (kernels.ATTENTION_NAME, "sdpa"):
+            fn = AttentionInterface._global_mapping[name]
+
+            def wrapped(*a, _fn=fn, **kw):
+                c = clock()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    self._add("attention kernel (SDPA over the KV cache)", clock() - c)
+
+            AttentionInterface._global_mapping[name] = wrapped
+            self._undo.append(lambda n=name, f=fn: AttentionInterface._global_mapping.__setitem__(n, f))
+        forward = ModelRunner.forward
+
+        def runner_forward(runner, *a, **kw):
+            c = clock()
+            try:
+                return forward(runner, *a, **kw)
+            finally:
+                self._add("runner", clock() - c)
+
+        ModelRunner.forward = runner_forward
+        self._undo.append(lambda: setattr(ModelRunner, "forward", forward))
+        step = engine.step
+
+        def timed_step(rows):
+            c = clock()
+            try:
+                return step(rows)
+            finally:
+                self.steps += 1
+                self._add("step", clock() - c)
+
+        engine.step = timed_step
+        admit = engine.admit
+
+        def timed_admit(rows):  # the prefill's passes are not the decode step's: kept apart
+            saved = dict(self.t)
+            try:
+                return admit(rows)
+            finally:
+                self.t = defaultdict(float, saved)
+
+        engine.admit = timed_admit
+
+    def _add(self, part, seconds):
+        self.t[part] += seconds
+
+    def close(self):
+        for undo in self._undo:
+            undo()
+
+    def parts(self) -> dict[str, float]:
+        """Seconds per decode step of each part; the parts sum to the step."""
+        t, n = self.t, max(1, self.steps)
+        attn_kernel = t["attention kernel (SDPA over the KV cache)"]
+        split = {
+            PARTS[0]: attn_kernel,
+            PARTS[1]: t["self_attn"] - attn_kernel,
+            PARTS[2]: t["MLP"],
+            PARTS[3]: t["output layer (lm_head)"],
+            PARTS[4]: t["model"] - t["self_attn"] - t["MLP"] - t["output layer (lm_head)"],
+            PARTS[5]: t["runner"] - t["model"],
+            PARTS[6]: t["step"] - t["runner"],
+        }
+        return {k: v / n for k, v in split.items()}
+
+
+def ours_with_breakdown(models, prompts, new_tokens: int) -> tuple[dict, float]:
+    """A plain run at one row with :class:`Breakdown`'s hooks: seconds per step by part, and the step."""
+    from pipeline.engine import GenerationSettings
+    from pipeline.loading import build_engine
+
+    engine = build_engine(models, None, 1, None, time.process_time)
+    engine.generate_batch([prompts[0][:32]], GenerationSettings(max_new_tokens=4, do_sample=False))  # warm-up
+    probe = Breakdown(engine)
+    try:
+        engine.generate_batch(prompts, GenerationSettings(max_new_tokens=new_tokens, do_sample=False), max_batch_size=1)
+    finally:
+        probe.close()
+    return probe.parts(), probe.t["step"] / max(1, probe.steps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
+    ap.add_argument("--gguf", default=None, help="the target as an F32 GGUF (default: out/gguf/<target>-f32.gguf)")
+    ap.add_argument("--llama-cpp-src", default=None, help="a llama.cpp source tree: convert the target with its "
+                    "convert_hf_to_gguf.py when the GGUF is not there yet")
+    ap.add_argument("--methods", default="prompt_lookup,suffix", help="our speculative methods (bench_real's syntax)")
+    ap.add_argument("--lookup-k", default="10,3", help="llama.cpp prompt lookup's num_pred_tokens values")
+    ap.add_argument("--rows", default="200:216", help="XSum rows a:b")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--xsum", default=str(XSUM))
+    ap.add_argument("--output", default=None, help="write report.json / report.md here (e.g. reports/bench_llamacpp)")
+    args = ap.parse_args(argv)
+
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("bench_llamacpp: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)", file=sys.stderr)
+        return 2
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.loading import load_job_models
+
+    torch.set_num_threads(1)
+    a, b = (int(x) for x in args.rows.split(":"))
+    cfg = load_config(args.config, ["method.name=plain", "models.dtype=float32"])
+    hf_dir = Path(cfg.models.target)
+    gguf = Path(args.gguf) if args.gguf else ROOT / "out" / "gguf" / f"{hf_dir.name}-f32.gguf"
+    if not gguf.exists():
+        if not args.llama_cpp_src:
+            print(f"bench_llamacpp: {gguf} is not there; --llama-cpp-src names llama.cpp's source to convert it",
+                  file=sys.stderr)
+            return 2
+        convert(Path(args.llama_cpp_src), hf_dir, gguf)
+    models = load_job_models(cfg, "cpu")
+    prompts = prompts_of(cfg, models.tokenizer, range(a, b), Path(args.xsum))
+    eos = models.target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    print(f"{len(prompts)} XSum articles ({a}-{b - 1}), prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
+          f"{args.new_tokens} new tokens, greedy, float32, one thread, one row at a time", flush=True)
+    n_ctx = 4096  # the longest prompt + 64 new tokens + a draft, with room: Llama keeps a logits row per position
+
+    runs: dict[str, dict] = {}
+
+    def show(label, r):
+        runs[label] = r
+        print(f"  {label:34s} {r['tokens_per_s_cpu']:6.1f} tokens/s CPU, decode {r['decode_tokens_per_s_cpu']:6.1f}",
+              flush=True)
+
+    def ours(label, method_cfg):
+        r = run_one(method_cfg, models, prompts, 1, args.new_tokens, True)
+        # decode only: every new token comes from a step (the prefill covers the prompt but its last token)
+        show(label, r)
+
+    ours("ours plain", cfg)
+    llm = Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1, verbose=False)
+    llm.generate(prompts[0][:32], temp=0.0, top_k=1).__next__()  # warm-up
+    show("llama.cpp plain", llama_cpp_run(llm, prompts, args.new_tokens, eos))
+    del llm
+    for k in (int(x) for x in args.lookup_k.split(",")):
+        # logits_all=True: with a draft model Llama keeps every position's logits, but sizes that
+        # array by logits_all as passed (n_batch rows otherwise: prompts over 512 tokens fail)
+        llm = Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1, verbose=False,
+                    logits_all=True, draft_model=LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=k))
+        show(f"llama.cpp prompt lookup k={k}", llama_cpp_run(llm, prompts, args.new_tokens, eos))
+        del llm
+    for label in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        method, *variant = label.split("@")
+        ours(f"ours {label}", load_config(args.config, [f"method.name={method}", "models.dtype=float32"] + variant))
+    parts, step_s = ours_with_breakdown(models, prompts, args.new_tokens)
+    plain_step_s = runs["ours plain"]["decode_cpu_s"] / runs["ours plain"]["step_calls"]
+
+    ref = runs["llama.cpp plain"]
+    same = sum(x == y for x, y in zip(runs["ours plain"]["token_ids"], ref["token_ids"]))
+    lines = ["| run | tokens/s CPU | decode tokens/s CPU | tokens/s wall | decode tokens/s wall | greedy ids = llama.cpp plain |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, r in runs.items():
+        n_same = sum(x == y for x, y in zip(r["token_ids"], ref["token_ids"]))
+        lines.append(f"| {label} | {r['tokens_per_s_cpu']:.1f} | {r['decode_tokens_per_s_cpu']:.1f} | "
+                     f"{r['tokens_per_s_wall']:.1f} | {r['decode_tokens_per_s_wall']:.1f} | {n_same}/{len(prompts)} |")
+    table = "\n".join(lines)
+    total = sum(parts.values())
+    blines = [f"| part of our plain decode step (one row) | ms per step | share |", "|---|---:|---:|"]
+    blines += [f"| {k} | {1e3 * v:.2f} | {v / total:.0%} |" for k, v in parts.items()]
+    blines.append(f"| the step, with the hooks (without: {1e3 * plain_step_s:.2f}) | {1e3 * step_s:.2f} | 100% |")
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in models.target.modules()
+                       if isinstance(m, torch.nn.Linear))
+    llama_step_s = 1 / ref["decode_tokens_per_s_cpu"]
+    blines.append(f"| the weights a step reads ({weight_bytes / 1e6:.0f} MB of linear layers): ours "
+                  f"{weight_bytes / plain_step_s / 1e9:.1f} GB/s, llama.cpp's {weight_bytes / llama_step_s / 1e9:.1f} GB/s | "
+                  f"{1e3 * llama_step_s:.2f} (llama.cpp's step) | |")
+    breakdown = "\n".join(blines)
+    lookups = [label for label in runs if label.startswith("llama.cpp prompt lookup")]
+    best_ours = max((label for label in runs if label.startswith("ours ") and label != "ours plain"),
+                    key=lambda label: runs[label]["tokens_per_s_cpu"], default=None)
+    best_lookup = max(lookups, key=lambda label: runs[label]["tokens_per_s_cpu"])
+    o = runs["ours plain"]
+    tail = [f"our plain decode / llama.cpp's: {o['decode_tokens_per_s_cpu'] / ref['decode_tokens_per_s_cpu']:.2f}× "
+            "(goal ≥ 0.9×)",
+            f"our plain end to end / llama.cpp's: {o['tokens_per_s_cpu'] / ref['tokens_per_s_cpu']:.2f}× (goal ≥ 1.0×)",
+            f"prompt tokens/s (ours: the time outside the decode steps; llama.cpp: up to its first token): "
+            f"{sum(map(len, prompts)) / (o['cpu_s'] - o['decode_cpu_s']):.0f} against {ref['prompt_tokens_per_s_cpu']:.0f}",
+            f"greedy ids identical to llama.cpp's (our plain): {same}/{len(prompts)}"]
+    if best_ours:
+        tail.insert(2, f"our best speculative ({best_ours[5:]}) / llama.cpp's best prompt lookup ({best_lookup[10:]}), "
+                       f"end to end: {runs[best_ours]['tokens_per_s_cpu'] / runs[best_lookup]['tokens_per_s_cpu']:.2f}× "
+                       "(goal > 1)")
+    print(table + "\n\n" + breakdown + "\n\n" + "\n".join(tail))
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"command": "python bench/bench_llamacpp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "rows": [a, b], "new_tokens": args.new_tokens, "gguf": gguf.name, "commit": _commit(),
+                "machine": _machine(), "load_average": os.getloadavg()}
+        slim = {k: {k2: v for k2, v in r.items() if k2 != "token_ids"} for k, r in runs.items()}
+        (out / "report.json").write_text(json.dumps({"title": TITLE, "meta": meta, "runs": slim, "breakdown_s_per_step": parts,
+                                                     "summary": tail}, indent=1))
+        (out / "report.md").write_text(f"# bench_llamacpp\n\n`{meta['command']}` at {meta['commit']} on "
+                                       f"{meta['machine']}, llama-cpp-python 0.3.36, {gguf.name}, load average "
+                                       f"{', '.join(f'{x:.1f}' for x in meta['load_average'])} at the end\n\n{table}\n\n"
+                                       f"{breakdown}\n\n" + "\n".join(f"- {t}" for t in tail) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
