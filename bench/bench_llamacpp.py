@@ -10,7 +10,7 @@ process CPU clock and the wall clock:
   ``Llama.generate`` (its own loop, greedy: ``temp=0``): end to end (the prompt's pass
   included) and decode only (the tokens after the first over the time after the first);
 - **ours**: plain decoding, and the speculative methods of ``--methods`` (by default the
-  default job's prompt lookup and suffix decoding), through the engine as the job runs it
+  prompt lookup and suffix decoding with the config's settings), through the engine as the job runs it
   (``pipeline.loading``), end to end and decode only (the engine's steps);
 - **the plain decode step's breakdown** (ours): the step's CPU time split into the
   attention kernel (SDPA over the KV cache), the attention layers' projections and RoPE, the
