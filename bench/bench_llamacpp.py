@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_real import XSUM, Clocks, _commit, _machine, prompts_of, run_one  # noqa: E402
+from bench_real import XSUM, _commit, _machine, prompts_of, run_one  # noqa: E402
 
 TITLE = "bench/bench_llamacpp.py: our decode against llama.cpp's (SmolLM2-135M-Instruct, F32, one thread, greedy)"
 #: the parts of our decode step, in the order the breakdown prints them
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
                      f"{r['tokens_per_s_wall']:.1f} | {r['decode_tokens_per_s_wall']:.1f} | {n_same}/{len(prompts)} |")
     table = "\n".join(lines)
     total = sum(parts.values())
-    blines = [f"| part of our plain decode step (one row) | ms per step | share |", "|---|---:|---:|"]
+    blines = ["| part of our plain decode step (one row) | ms per step | share |", "|---|---:|---:|"]
     blines += [f"| {k} | {1e3 * v:.2f} | {v / total:.0%} |" for k, v in parts.items()]
     blines.append(f"| the step, with the hooks (without: {1e3 * plain_step_s:.2f}) | {1e3 * step_s:.2f} | 100% |")
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in models.target.modules()
@@ -315,11 +315,11 @@ def main(argv=None) -> int:
                     key=lambda label: runs[label]["tokens_per_s_cpu"], default=None)
     best_lookup = max(lookups, key=lambda label: runs[label]["tokens_per_s_cpu"])
     o = runs["ours plain"]
-    tail = [f"our plain decode / llama.cpp's: {o['decode_tokens_per_s_cpu'] / ref['decode_tokens_per_s_cpu']:.2f}× "
-            "(goal ≥ 0.9×)",
+    tail = [(f"our plain decode / llama.cpp's: {o['decode_tokens_per_s_cpu'] / ref['decode_tokens_per_s_cpu']:.2f}× "
+             "(goal ≥ 0.9×)"),
             f"our plain end to end / llama.cpp's: {o['tokens_per_s_cpu'] / ref['tokens_per_s_cpu']:.2f}× (goal ≥ 1.0×)",
-            f"prompt tokens/s (ours: the time outside the decode steps; llama.cpp: up to its first token): "
-            f"{sum(map(len, prompts)) / (o['cpu_s'] - o['decode_cpu_s']):.0f} against {ref['prompt_tokens_per_s_cpu']:.0f}",
+            ("prompt tokens/s (ours: the time outside the decode steps; llama.cpp: up to its first token): "
+             f"{sum(map(len, prompts)) / (o['cpu_s'] - o['decode_cpu_s']):.0f} against {ref['prompt_tokens_per_s_cpu']:.0f}"),
             f"greedy ids identical to llama.cpp's (our plain): {same}/{len(prompts)}"]
     if best_ours:
         tail.insert(2, f"our best speculative ({best_ours[5:]}) / llama.cpp's best prompt lookup ({best_lookup[10:]}), "

@@ -158,8 +158,8 @@ def small_rows_to_mkl(layers: list[torch.nn.Linear], repeats: int = 3) -> int:
                     times.append(time.perf_counter() - t)
                 return min(times)
 
-            mkl = best(lambda: [F.linear(x, w) for w in weights])
-            onednn = best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed])
+            mkl = best(lambda x=x: [F.linear(x, w) for w in weights])
+            onednn = best(lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed])
             if mkl >= MKL_MARGIN * onednn:
                 break
             rows = m
