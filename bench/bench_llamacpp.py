@@ -128,9 +128,8 @@ class Breakdown:
 
         for layer in body.layers:
             timed_module(layer.self_attn, "self_attn")
-            timed_module(layer.mlp, "MLP")
-        timed_module(target.lm_head, "output layer (lm_head)")
-        timed_module(body, "body")
+            timed_module(layer.mlp, "mlp")
+        timed_module(target.lm_head, "lm_head")
         timed_module(target, "model")
         kernels._register()
         for name in (kernels.ATTENTION_NAME, "sdpa"):
@@ -141,7 +140,7 @@ class Breakdown:
                 try:
                     return _fn(*a, **kw)
                 finally:
-                    self._add("attention kernel (SDPA over the KV cache)", clock() - c)
+                    self._add("attention", clock() - c)
 
             AttentionInterface._global_mapping[name] = wrapped
             self._undo.append(lambda n=name, f=fn: AttentionInterface._global_mapping.__setitem__(n, f))
@@ -188,17 +187,9 @@ class Breakdown:
     def parts(self) -> dict[str, float]:
         """Seconds per decode step of each part; the parts sum to the step."""
         t, n = self.t, max(1, self.steps)
-        attn_kernel = t["attention kernel (SDPA over the KV cache)"]
-        split = {
-            PARTS[0]: attn_kernel,
-            PARTS[1]: t["self_attn"] - attn_kernel,
-            PARTS[2]: t["MLP"],
-            PARTS[3]: t["output layer (lm_head)"],
-            PARTS[4]: t["model"] - t["self_attn"] - t["MLP"] - t["output layer (lm_head)"],
-            PARTS[5]: t["runner"] - t["model"],
-            PARTS[6]: t["step"] - t["runner"],
-        }
-        return {k: v / n for k, v in split.items()}
+        split = (t["attention"], t["self_attn"] - t["attention"], t["mlp"], t["lm_head"],
+                 t["model"] - t["self_attn"] - t["mlp"] - t["lm_head"], t["runner"] - t["model"], t["step"] - t["runner"])
+        return {part: v / n for part, v in zip(PARTS, split)}
 
 
 def ours_with_breakdown(models, prompts, new_tokens: int) -> tuple[dict, float]:
@@ -268,9 +259,7 @@ def main(argv=None) -> int:
               flush=True)
 
     def ours(label, method_cfg):
-        r = run_one(method_cfg, models, prompts, 1, args.new_tokens, True)
-        # decode only: every new token comes from a step (the prefill covers the prompt but its last token)
-        show(label, r)
+        show(label, run_one(method_cfg, models, prompts, 1, args.new_tokens, True))
 
     ours("ours plain", cfg)
     llm = Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1, verbose=False)

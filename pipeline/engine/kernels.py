@@ -144,20 +144,20 @@ def small_rows_to_mkl(layers: list[torch.nn.Linear], repeats: int = 3) -> int:
         return _MKL_ROWS[key]
     weights = [m.weight.detach() for m in layers]
     packed = [_packed(m) for m in layers]
+
+    def best(run) -> float:
+        run()  # warm
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
     rows = 0
     with torch.no_grad():
         for m in range(1, MKL_MAX_ROWS + 1):
             x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype)
-
-            def best(run) -> float:
-                run()  # warm
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - t)
-                return min(times)
-
             mkl = best(lambda x=x: [F.linear(x, w) for w in weights])
             onednn = best(lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed])
             if mkl >= MKL_MARGIN * onednn:
