@@ -4,6 +4,7 @@ naming the lease's holder, and the output is entirely the winner's config.  A SI
 holder's lease refuses the next run until it goes stale (``output.lease_timeout_s``), then
 the next run takes it over, with a warning, and resumes."""
 
+import contextlib
 import json
 import os
 import signal
@@ -143,15 +144,24 @@ def test_a_run_started_20_s_after_another_is_refused_and_the_first_commits(tiny_
 @pytest.mark.slow
 def test_a_killed_holders_lease_refuses_until_stale_then_is_taken_over(ray_local, tiny_models, tmp_path, capsys,
                                                                          caplog):
-    inp, out = _inputs(tmp_path / "in", 3, 6), tmp_path / "out"
-    args = _args(tiny_models, inp, out, "plain", 24, "--rows-per-batch", "1", "--set", "output.lease_timeout_s=6")
+    # Many small units, so that the holder is still at work when its first commit is seen (with
+    # one unit per file, a fast machine once committed all three and released the lease within
+    # one poll).
+    shards, rows = 3, 20
+    inp, out = _inputs(tmp_path / "in", shards, rows), tmp_path / "out"
+    args = _args(tiny_models, inp, out, "plain", 24, "--rows-per-batch", "1", "--set", "output.lease_timeout_s=6",
+                 "--set", "input.split_rows=2")
     holder = _start(args, tmp_path, "holder")
     try:
         deadline = time.time() + 240
+        held = None
         while not any((out / "_manifest").glob("part-*.json")):
             assert holder.poll() is None and time.time() < deadline, holder.logs[1].read_text()[-3000:]
-            time.sleep(0.1)
-        held = json.loads((out / LEASE).read_text())
+            if held is None and (out / LEASE).exists():  # taken before any work starts
+                with contextlib.suppress(ValueError):  # created, then written: it may be empty a moment
+                    held = json.loads((out / LEASE).read_text())
+            time.sleep(0.05)
+        assert held is not None and holder.poll() is None, "the holder ended before it could be killed"
         os.killpg(holder.pid, signal.SIGKILL)  # no clean-up at all, as a lost node
         holder.wait()
         killed_at = time.time()
@@ -171,7 +181,7 @@ def test_a_killed_holders_lease_refuses_until_stale_then_is_taken_over(ray_local
         assert main("summarize", args) == 0
     headline = json.loads(capsys.readouterr().out)
     assert any(f"took over the stale lease of run {held['run_id']}" in r.getMessage() for r in caplog.records)
-    assert headline["this_run"]["units_skipped"] >= 1 and headline["rows"] == 18
+    assert headline["this_run"]["units_skipped"] >= 1 and headline["rows"] == shards * rows
     ids = pq.read_table(out).column("id").to_pylist()
-    assert sorted(ids) == sorted(f"{s}-{i}" for s in range(3) for i in range(6))  # every row once
+    assert sorted(ids) == sorted(f"{s}-{i}" for s in range(shards) for i in range(rows))  # every row once
     assert not (out / LEASE).exists() and not (out / "_staging").exists()
