@@ -17,8 +17,9 @@ process CPU clock and the wall clock:
   MLPs, the output layer (``lm_head``), the rest of the model's forward (embedding, norms,
   residuals, transformers' Python), the runner's batch metadata (positions, mask, cache
   bookkeeping) and the engine outside the pass (sampling, acceptance, statistics, Python),
-  measured with forward hooks on a second plain run (the hooks' own cost: the second run's
-  step time over the first's);
+  measured on a second plain run by the lean pass's own timers (``pipeline.engine.fused.timing``,
+  when the target takes it) or forward hooks on the model's modules (the timers' own cost:
+  the second run's step time over the first's);
 - the weights a one-row step reads (every linear layer's, once) over each side's step time:
   the memory bandwidth each achieves, the physical bound of a one-row decode step;
 - the ratios: our plain decode / llama.cpp's (goal ≥ 0.9×), our plain end to end /
@@ -105,7 +106,8 @@ def llama_cpp_run(llm, prompts: list[list[int]], new_tokens: int, eos: set[int])
 
 
 class Breakdown:
-    """CPU seconds of a plain run's decode steps, split by part (forward hooks on the target)."""
+    """CPU seconds of a plain run's decode steps, split by part (the lean pass's timers, or
+    forward hooks on the target)."""
 
     def __init__(self, engine):
         from transformers import AttentionInterface
@@ -113,12 +115,23 @@ class Breakdown:
         from pipeline.engine import kernels
         from pipeline.engine.runner import ModelRunner
 
+        from pipeline.engine import fused
+
         self.t = defaultdict(float)
         self.steps = 0
         self._undo = []
         target = engine.target
         body = target.model
         clock = time.process_time
+        #: the target takes the lean pass (pipeline.engine.fused): it times its own parts (hooks
+        #: would send it to the model's forward); else forward hooks on the model's modules
+        self.lean = fused.supports(target)
+        if self.lean:
+            self._timing = fused.timing(clock)
+            self._lean = self._timing.__enter__()
+            self._undo.append(lambda: self._timing.__exit__(None, None, None))
+            self._wrap_runner_and_engine(engine, clock)
+            return
 
         def timed_module(module, part):
             start = []
@@ -144,6 +157,11 @@ class Breakdown:
 
             AttentionInterface._global_mapping[name] = wrapped
             self._undo.append(lambda n=name, f=fn: AttentionInterface._global_mapping.__setitem__(n, f))
+        self._wrap_runner_and_engine(engine, clock)
+
+    def _wrap_runner_and_engine(self, engine, clock):
+        from pipeline.engine.runner import ModelRunner
+
         forward = ModelRunner.forward
 
         def runner_forward(runner, *a, **kw):
@@ -170,10 +188,13 @@ class Breakdown:
 
         def timed_admit(rows):  # the prefill's passes are not the decode step's: kept apart
             saved = dict(self.t)
+            lean = dict(self._lean.seconds) if self.lean else None
             try:
                 return admit(rows)
             finally:
                 self.t = defaultdict(float, saved)
+                if lean is not None:
+                    self._lean.seconds.update(lean)
 
         engine.admit = timed_admit
 
@@ -187,13 +208,19 @@ class Breakdown:
     def parts(self) -> dict[str, float]:
         """Seconds per decode step of each part; the parts sum to the step."""
         t, n = self.t, max(1, self.steps)
+        if self.lean:  # the lean pass's own parts; the model's forward is the runner's pass less its metadata
+            lean = self._lean.seconds
+            model = sum(lean.values())
+            split = (lean["attention kernel"], lean["attention projections + RoPE"], lean["MLP"], lean["output layer"],
+                     lean["rest"], t["runner"] - model, t["step"] - t["runner"])
+            return {part: v / n for part, v in zip(PARTS, split)}
         split = (t["attention"], t["self_attn"] - t["attention"], t["mlp"], t["lm_head"],
                  t["model"] - t["self_attn"] - t["mlp"] - t["lm_head"], t["runner"] - t["model"], t["step"] - t["runner"])
         return {part: v / n for part, v in zip(PARTS, split)}
 
 
 def ours_with_breakdown(models, prompts, new_tokens: int) -> tuple[dict, float]:
-    """A plain run at one row with :class:`Breakdown`'s hooks: seconds per step by part, and the step."""
+    """A plain run at one row with :class:`Breakdown`'s timers: seconds per step by part, and the step."""
     from pipeline.engine import GenerationSettings
     from pipeline.loading import build_engine
 
@@ -291,7 +318,7 @@ def main(argv=None) -> int:
     total = sum(parts.values())
     blines = ["| part of our plain decode step (one row) | ms per step | share |", "|---|---:|---:|"]
     blines += [f"| {k} | {1e3 * v:.2f} | {v / total:.0%} |" for k, v in parts.items()]
-    blines.append(f"| the step, with the hooks (without: {1e3 * plain_step_s:.2f}) | {1e3 * step_s:.2f} | 100% |")
+    blines.append(f"| the step, with the timers (without: {1e3 * plain_step_s:.2f}) | {1e3 * step_s:.2f} | 100% |")
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in models.target.modules()
                        if isinstance(m, torch.nn.Linear))
     llama_step_s = 1 / ref["decode_tokens_per_s_cpu"]

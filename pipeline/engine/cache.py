@@ -84,7 +84,7 @@ class SlotLayer(CacheLayerMixin):
         if step is None:
             raise RuntimeError("SlotCache.step() must be called before a forward pass")
         self._grow(step.kv_len)
-        slots = torch.where(step.write < 0, self.capacity, step.write)  # padding -> scratch slot
+        slots = step.slots(self.capacity)
         rows = step.rows.view(-1, 1)
         self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
@@ -110,15 +110,23 @@ class _Step:
     """Where one forward pass writes: ``rows`` ``(b,)`` slot rows, ``write`` ``(b, q)`` the
     slot (= position) of each token, ``-1`` for padding, ``kv_len`` the slots read."""
 
-    __slots__ = ("rows", "write", "kv_len", "first")
+    __slots__ = ("rows", "write", "kv_len", "first", "_slots")
 
     def __init__(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int, slots: list[int]):
         self.rows = rows
         self.write = write
         self.kv_len = kv_len
+        self._slots: tuple[int, torch.Tensor] | None = None
         # the first slot when the rows are consecutive slots (their keys are then a view)
         consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         self.first = slots[0] if consecutive else None
+
+    def slots(self, capacity: int) -> torch.Tensor:
+        """``write`` with padding sent to the scratch slot ``capacity`` (made once per pass,
+        not once per layer)."""
+        if self._slots is None or self._slots[0] != capacity:
+            self._slots = (capacity, torch.where(self.write < 0, capacity, self.write))
+        return self._slots[1]
 
 
 class SlotCache(Cache):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import fused, kernels
 from .cache import SlotCache
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
@@ -177,6 +177,7 @@ class ModelRunner:
         self.dtype = _float_dtype(model)
         kernels.pack_linears(model)  # CPU: oneDNN packed linear layers (pipeline.engine.kernels)
         self.small_query = kernels.uses_small_query_attention(model)
+        self.fused = fused.supports(model)  # a Llama on the CPU: the lean pass (pipeline.engine.fused)
 
     # ------------------------------------------------------------------ inputs
     def inputs(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int], trees=None):
@@ -304,6 +305,9 @@ class ModelRunner:
         self.cache.step(slots, write, kv_len)
         feed = {"input_ids": inputs} if inputs.dim() == 2 else {"inputs_embeds": inputs}
         try:
+            if (self.fused and model is self.model and kwargs.keys() <= {"output_hidden_states"} and inputs.dim() == 2
+                    and not torch.is_grad_enabled() and not fused.has_hooks(model)):
+                return _Output(*fused.forward(model, inputs, position_ids, mask, self.cache, logits_to_keep, **kwargs))
             with kernels.attention_implementation(model, self.small_query and mask is not None):
                 return model(**feed, position_ids=position_ids, attention_mask=mask, cache=self.cache,
                              use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
@@ -330,8 +334,9 @@ def tree_layout(parents: list[int], device=None) -> tuple[torch.Tensor, torch.Te
 
 
 class _Output:
-    def __init__(self, logits):
+    def __init__(self, logits, hidden_states=None):
         self.logits = logits
+        self.hidden_states = hidden_states
 
 
 def _float_dtype(model) -> torch.dtype:

@@ -1,0 +1,294 @@
+"""A lean forward pass for Llama-architecture models on the CPU: the same math as
+transformers' ``LlamaForCausalLM``, without its per-module Python and with fused projections.
+
+Why.  A plain decoding step of SmolLM2-135M (30 layers, one row, one thread) spent about
+20 ms of its 70 in transformers' eager model code rather than in arithmetic: per layer seven
+``nn.Linear`` calls, two RMSNorm modules, the attention-function dispatch, keyword plumbing
+and decorators (``bench/bench_llamacpp.py`` measures the breakdown).  llama.cpp decodes the
+same model at 45.7 ms a token.  This pass runs, per decoder layer::
+
+    h = rms_norm(x);  q, k, v = split(h @ W_qkv^T);  q, k = rope(q, k)
+    k, v = cache.update(k, v, layer)          # the SlotCache, exactly as the model would
+    x = x + o_proj(sdpa(q, k, v, mask, enable_gqa=True))
+    h = rms_norm(x);  g, u = split(h @ W_gate_up^T);  x = x + down_proj(silu(g) * u)
+
+then the final norm and the output layer over the kept positions only.  ``W_qkv`` and
+``W_gate_up`` are the model's own weights concatenated once (re-made if a weight changes in
+place), and go through :mod:`pipeline.engine.kernels`' packed linear kernels like every other
+layer: one matrix product reads the three (two) weights where the model makes three (two).
+RMSNorm, RoPE (the model's own rotary module, so every RoPE type it supports), the mask and
+the cache are the model's: the output equals the model's forward up to floating-point
+summation order (float64: within 1e-12; tests/engine/test_fused.py).
+
+Where.  :meth:`pipeline.engine.runner.ModelRunner.forward` takes this path for its own model
+when :func:`supports` holds (a ``LlamaForCausalLM`` with SDPA attention, full attention in
+every layer, SiLU, no projection biases, no tensor-parallel slicing, on the CPU, with the CPU
+kernels on: ``SPECBATCH_CPU_KERNELS``; ``SPECBATCH_FUSED=0`` turns this pass alone off) and
+the pass asks for nothing else: no autograd (``torch.no_grad`` or ``inference_mode``, as the
+engine runs), token ids in, logits and hidden states (``output_hidden_states``,
+as the eagle head's and MTP's target passes ask) out, no forward hooks on the model other
+than transformers' own (early exit's capture hook takes the model's forward).  Anything else
+runs the model's forward, as before.
+
+Memory: a second copy of the attention and MLP input projections (``W_qkv``, ``W_gate_up``:
+about half the model's weights), besides the packed copies of :mod:`pipeline.engine.kernels`.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+
+#: the model classes this pass implements (their forward is the reference)
+SUPPORTED_CLASSES = ("LlamaForCausalLM",)
+
+#: per model, its fused projections (kept outside the module: saving or copying the model never meets them)
+_FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, _Fused]" = weakref.WeakKeyDictionary()
+
+
+def enabled() -> bool:
+    """Whether the lean pass is on: the CPU kernels are (``SPECBATCH_CPU_KERNELS``) and
+    ``SPECBATCH_FUSED`` is not ``0`` (default on; ``0`` measures what it buys)."""
+    return kernels.enabled() and os.environ.get("SPECBATCH_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def supports(model) -> bool:
+    """Whether :func:`forward` computes ``model``'s forward (see the module docstring)."""
+    if type(model).__name__ not in SUPPORTED_CLASSES or not enabled():
+        return False
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return False
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return False
+    w = model.lm_head.weight
+    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.float64)
+
+
+#: per model, its modules (listed once: walking the module tree on every pass cost about 1 ms)
+_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def has_hooks(model) -> bool:
+    """Whether ``model`` or any of its modules has forward hooks (which this pass would not
+    call), global ones included, other than transformers' own: it installs output-capturing
+    hooks on the layers at the first ``output_hidden_states`` call, which record only while
+    such a call runs."""
+    from torch.nn.modules import module as nn_module
+
+    modules = _MODULES.get(model)
+    if modules is None:
+        modules = _MODULES[model] = list(model.modules())
+    sets = [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks]
+    sets += [hooks for m in modules for hooks in (m._forward_hooks, m._forward_pre_hooks) if hooks]
+    return any(not getattr(h, "__module__", "").startswith("transformers.") for hooks in sets for h in hooks.values())
+
+
+class _Fused:
+    """The fused input projections of every decoder layer of one model."""
+
+    def __init__(self, model):
+        self.layers = list(model.model.layers)
+        self._build()
+
+    @staticmethod
+    def _projections(layer) -> tuple[torch.nn.Module, ...]:
+        a, m = layer.self_attn, layer.mlp
+        return a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+
+    def _build(self) -> None:
+        self.qkv, self.gate_up, self._watch = [], [], []
+        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, whatever mode the first pass ran in
+            for layer in self.layers:
+                mods = self._projections(layer)
+                q, k, v, g, u = (m.weight.detach() for m in mods)
+                self.qkv.append(_linear(torch.cat([q, k, v])))
+                self.gate_up.append(_linear(torch.cat([g, u])))
+                self._watch += [(m._parameters, m.weight, _stamp(m.weight)) for m in mods]
+                self.splits, self.inter = (q.shape[0], k.shape[0], v.shape[0]), g.shape[0]
+        kernels.pack_linears(torch.nn.ModuleList(self.qkv + self.gate_up))
+
+    def current(self) -> "_Fused":
+        """Itself, re-made first if a source weight was replaced or changed in place since it
+        was built (a dict lookup and two integers per weight: cheap enough for every pass)."""
+        for params, w, stamp in self._watch:
+            if params["weight"] is not w or _stamp(w) != stamp:
+                self._build()
+                break
+        return self
+
+
+def _stamp(w: torch.Tensor) -> tuple[int, int]:
+    """The weight's storage and in-place version (an inference tensor has none: it cannot change)."""
+    try:
+        return w.data_ptr(), w._version
+    except RuntimeError:
+        return w.data_ptr(), -1
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    m = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    m.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    return m
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``, op for op."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Timer:
+    """CPU seconds of :func:`forward`'s parts, summed over its calls while :func:`timing` is
+    active (``bench/bench_llamacpp.py``'s breakdown of a decoding step)."""
+
+    #: the parts, keys of :attr:`seconds`
+    PARTS = ("attention kernel", "attention projections + RoPE", "MLP", "output layer", "rest")
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = 0
+        self._last = 0.0
+
+    def start(self) -> None:
+        self._last = self.clock()
+
+    def lap(self, part: str) -> None:
+        now = self.clock()
+        self.seconds[part] += now - self._last
+        self._last = now
+
+
+_TIMER: Timer | None = None
+
+
+class timing:
+    """``with timing(time.process_time) as t:`` times every :func:`forward` call inside by part
+    (:class:`Timer`); the timing itself costs a clock read per part and layer."""
+
+    def __init__(self, clock):
+        self.timer = Timer(clock)
+
+    def __enter__(self) -> Timer:
+        global _TIMER
+        _TIMER = self.timer
+        return self.timer
+
+    def __exit__(self, *exc) -> None:
+        global _TIMER
+        _TIMER = None
+
+
+def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
+            logits_to_keep: int = 1, output_hidden_states: bool | int | list[int] | None = None
+            ) -> tuple[torch.Tensor, tuple | None]:
+    """``model``'s logits for one pass on the runner's cache.
+
+    Args:
+        model: a model for which :func:`supports` holds, in eval mode.
+        input_ids: ``(b, Q)`` int64.
+        position_ids: ``(b, Q)`` int64, each token's position.
+        mask: the runner's additive ``(b, 1, Q, kv_len)`` mask, or ``None`` for an ordinary
+            causal pass from position 0 (SDPA's causal kernel).
+        cache: the runner's :class:`~pipeline.engine.cache.SlotCache`, its step declared.
+        logits_to_keep: the trailing positions whose logits are returned (0: all).
+        output_hidden_states: as transformers takes it: ``True`` (all), an index or a list of
+            indices (negative ones count from the end) into the ``L + 1`` hidden states
+            (0: the embeddings, ``i``: after decoder layer ``i``, the last after the final norm).
+
+    Returns:
+        ``(logits, hidden_states)``: ``(b, logits_to_keep or Q, V)`` logits in the model's
+        dtype; ``None``, or a tuple of ``L + 1`` ``(b, Q, H)`` tensors, ``None`` where not
+        selected (transformers' ``hidden_states``).
+    """
+    timer = _TIMER
+    if timer is not None:
+        timer.calls += 1
+        timer.start()
+    fused = _FUSED.get(model)
+    if fused is None:
+        fused = _FUSED[model] = _Fused(model)
+    fused = fused.current()
+    base = model.model
+    x = base.embed_tokens(input_ids)
+    cos, sin = base.rotary_emb(x, position_ids=position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    b, q_len = input_ids.shape
+    nq, nk, _ = fused.splits
+    attn = fused.layers[0].self_attn
+    d, scale = attn.head_dim, attn.scaling
+    causal = mask is None and q_len > 1
+    n_layers = len(fused.layers)
+    keep = _selected(output_hidden_states, n_layers + 1)
+    states = None if keep is None else [x if 0 in keep else None]
+    for i, layer in enumerate(fused.layers):
+        h = _rms_norm(layer.input_layernorm, x)
+        if timer is not None:
+            timer.lap("rest")
+        qkv = fused.qkv[i](h)
+        qk = qkv[..., :nq + nk].view(b, q_len, -1, d).transpose(1, 2)  # the query heads, then the key heads
+        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on both at once
+        q, k = qk[:, : nq // d], qk[:, nq // d:]
+        v = qkv[..., nq + nk:].view(b, q_len, -1, d).transpose(1, 2)
+        keys, values = cache.update(k, v, i)
+        if timer is not None:
+            timer.lap("attention projections + RoPE")
+        gqa = q.shape[1] != keys.shape[1]
+        if causal:
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[..., : keys.shape[2]],
+                                               scale=scale, enable_gqa=gqa)
+        if timer is not None:
+            timer.lap("attention kernel")
+        o = layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
+        if timer is not None:
+            timer.lap("attention projections + RoPE")
+        x = x + o
+        h = _rms_norm(layer.post_attention_layernorm, x)
+        if timer is not None:
+            timer.lap("rest")
+        gu = fused.gate_up[i](h)
+        h = layer.mlp.down_proj(F.silu(gu[..., :fused.inter]) * gu[..., fused.inter:])
+        if timer is not None:
+            timer.lap("MLP")
+        x = x + h
+        if states is not None:
+            states.append(x if i + 1 in keep else None)
+    if states is not None and n_layers in keep:  # the last hidden state is the final norm's output
+        states[-1] = _rms_norm(base.norm, x)
+    if logits_to_keep:
+        x = x[:, -logits_to_keep:]
+    x = _rms_norm(base.norm, x)
+    if timer is not None:
+        timer.lap("rest")
+    logits = model.lm_head(x)
+    if timer is not None:
+        timer.lap("output layer")
+    return logits, None if states is None else tuple(states)
+
+
+def _selected(output_hidden_states, count: int) -> set[int] | None:
+    """The hidden-state indices ``output_hidden_states`` selects out of ``count`` (None: none)."""
+    if output_hidden_states is None or output_hidden_states is False:
+        return None
+    if output_hidden_states is True:
+        return set(range(count))
+    picks = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
+    return {i % count for i in picks if -count <= i < count}

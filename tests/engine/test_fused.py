@@ -1,0 +1,187 @@
+"""The lean Llama pass (pipeline/engine/fused.py) against the model's own forward, through the
+runner: prefill, ragged decoding rows, a token tree; logits and the KV cache written, in
+float64 (to rounding) and float32; which models and passes take it; weights changed in
+place; forward hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.engine import fused, kernels
+from pipeline.engine.runner import ModelRunner
+
+from tiny_models import build, prompt_of
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="the CPU kernels are off (SPECBATCH_CPU_KERNELS=0)")
+
+
+def _passes(runner: ModelRunner):
+    """A prefill of two rows of different lengths, a ragged decoding pass (one row feeding 3
+    tokens, the other 1), a pass with a token tree on one row; the logits of each."""
+    a, b = prompt_of(9, seed=1)[0], prompt_of(5, seed=2)[0]
+    out = [runner.forward([0], [a], [0], logits_to_keep=0).logits,
+           runner.forward([1], [b], [0], logits_to_keep=0).logits,
+           runner.forward([0, 1], [torch.tensor([3, 4, 5]), torch.tensor([6])], [9, 5], logits_to_keep=3).logits,
+           runner.forward([1, 0], [torch.tensor([7, 8, 9, 10, 11]), torch.tensor([12])], [6, 12], logits_to_keep=5,
+                          trees=[[-1, 0, -1, 2], None]).logits]
+    return out
+
+
+def _cache(runner: ModelRunner):
+    return [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
+
+
+def _run(model, use_fused: bool, calls: list | None = None):
+    runner = ModelRunner(model, 2)
+    assert runner.fused, "a Llama with SDPA on the CPU takes the lean pass"
+    runner.fused = use_fused
+    with torch.inference_mode():
+        logits = _passes(runner)
+    return logits, _cache(runner)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    real = fused.forward
+    monkeypatch.setattr(fused, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_the_lean_pass_gives_the_models_logits_and_cache(counted, dtype, tol):
+    model = build("llama", layers=3).to(dtype)
+    want, want_cache = _run(model, False)
+    assert not counted
+    got, got_cache = _run(model, True)
+    assert len(counted) == 4  # every pass took it
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    assert len(got_cache) == len(want_cache) == 3
+    for (gk, gv), (wk, wv) in zip(got_cache, want_cache):
+        torch.testing.assert_close(gk, wk, rtol=tol, atol=tol)
+        torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
+
+
+def test_a_weight_changed_in_place_is_fused_again(counted):
+    model = build("llama")
+    _run(model, True)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(1.5)
+        model.model.layers[0].mlp.up_proj.weight.add_(0.01)
+    want, _ = _run(model, False)
+    got, _ = _run(model, True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("change", ["eager", "attention_bias", "qwen2", "sliding"])
+def test_models_it_does_not_implement_take_their_own_forward(change):
+    if change == "eager":
+        model = build("llama", attn_implementation="eager")
+    elif change == "attention_bias":
+        model = build("llama", attention_bias=True)
+    elif change == "sliding":
+        model = build("llama", layer_types=["sliding_attention", "full_attention"])
+    else:
+        model = build("qwen2")
+    assert not fused.supports(model)
+
+
+def test_forward_hooks_take_the_models_forward(counted):
+    model = build("llama")
+    runner = ModelRunner(model, 1)
+    p = prompt_of(6, seed=3)[0]
+    with torch.inference_mode():
+        runner.forward([0], [p], [0])
+        assert len(counted) == 1
+        seen = []
+        handle = model.model.layers[0].register_forward_hook(lambda *a: seen.append(1))
+        runner.forward([0], [torch.tensor([2])], [6])
+        handle.remove()
+        assert len(counted) == 1 and seen == [1]  # the hook ran: the model's forward
+        runner.forward([0], [torch.tensor([3])], [7])
+        assert len(counted) == 2
+
+
+@pytest.mark.parametrize("select", [True, -1, [0, 2], [1, -1], 5])
+def test_hidden_states_are_the_models(counted, select):
+    """transformers' ``output_hidden_states``: all, by index, negative indices; its hooks stay
+    installed after such a call and the lean pass goes on being taken."""
+    model = build("llama", layers=3)
+    out = {}
+    for use in (False, True):
+        runner = ModelRunner(model, 2)
+        runner.fused = use
+        with torch.inference_mode():
+            runner.forward([0], [prompt_of(7, seed=4)[0]], [0])
+            runner.forward([1], [prompt_of(4, seed=5)[0]], [0])
+            out[use] = runner.forward([0, 1], [torch.tensor([5, 6]), torch.tensor([7])], [7, 4], logits_to_keep=2,
+                                      output_hidden_states=select)
+    assert len(counted) == 3
+    want, got = out[False], out[True]
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    assert len(got.hidden_states) == len(want.hidden_states) == 4
+    for g, w in zip(got.hidden_states, want.hidden_states):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert sum(h is not None for h in got.hidden_states) >= (0 if select == 5 else 1)
+
+
+def test_its_timers_split_every_pass_into_its_parts():
+    import time
+
+    model = build("llama")
+    runner = ModelRunner(model, 2)
+    with torch.inference_mode(), fused.timing(time.perf_counter) as timer:
+        _passes(runner)
+    assert timer.calls == 4 and set(timer.seconds) == set(fused.Timer.PARTS)
+    assert all(v > 0 for v in timer.seconds.values()), timer.seconds
+    with torch.inference_mode():
+        runner.forward([0], [torch.tensor([1])], [13])
+    assert timer.calls == 4  # no longer timing
+
+
+def test_a_weight_replaced_is_fused_again(counted):
+    model = build("llama")
+    _run(model, True)
+    proj = model.model.layers[0].self_attn.v_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * -1.0)
+    want, _ = _run(model, False)
+    got, _ = _run(model, True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_pass_with_autograd_takes_the_models_forward(counted):
+    """The fused weights are copies: gradients through them would never reach the model's."""
+    model = build("llama")
+    with torch.inference_mode():  # the fused weights are made here first
+        ModelRunner(model, 1).forward([0], [prompt_of(5, seed=6)[0]], [0])
+    assert len(counted) == 1
+    runner = ModelRunner(model, 1)
+    logits = runner.forward([0], [prompt_of(5, seed=6)[0]], [0]).logits
+    assert len(counted) == 1 and logits.requires_grad
+    logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    with torch.no_grad():  # made in inference mode, they serve outside it
+        runner.forward([0], [torch.tensor([5])], [5])
+    assert len(counted) == 2
+
+
+def test_a_global_forward_hook_takes_the_models_forward(counted):
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = build("llama")
+    runner = ModelRunner(model, 1)
+    seen = []
+    handle = register_module_forward_hook(lambda *a: seen.append(1))
+    try:
+        with torch.inference_mode():
+            runner.forward([0], [prompt_of(5, seed=7)[0]], [0])
+    finally:
+        handle.remove()
+    assert not counted and seen
