@@ -9,8 +9,10 @@ process CPU clock and the wall clock:
   ``num_pred_tokens`` 10 by default and 3, ``max_ngram_size`` 2), each through
   ``Llama.generate`` (its own loop, greedy: ``temp=0``): end to end (the prompt's pass
   included) and decode only (the tokens after the first over the time after the first);
-- **ours**: plain decoding, and the speculative methods of ``--methods`` (by default the
-  prompt lookup and suffix decoding with the config's settings), through the engine as the job runs it
+- **ours**: plain decoding (the lean Llama pass, ``pipeline.engine.fused``, and right after it
+  through transformers' forward, ``SPECBATCH_FUSED=0``: what the lean pass buys), and the
+  speculative methods of ``--methods`` (by default the prompt lookup and suffix decoding with
+  the config's settings), through the engine as the job runs it
   (``pipeline.loading``), end to end and decode only (the engine's steps);
 - **the plain decode step's breakdown** (ours): the step's CPU time split into the
   attention kernel (SDPA over the KV cache), the attention layers' projections and RoPE, the
@@ -59,6 +61,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_real import XSUM, _commit, _machine, prompts_of, run_one  # noqa: E402
 
 TITLE = "bench/bench_llamacpp.py: our decode against llama.cpp's (SmolLM2-135M-Instruct, F32, one thread, greedy)"
+#: the run of our plain decoding through transformers' forward (``SPECBATCH_FUSED=0``), beside the lean pass's
+MODEL_FORWARD = "ours plain, transformers' forward"
 #: the parts of our decode step, in the order the breakdown prints them
 PARTS = ("attention kernel (SDPA over the KV cache)", "attention projections + RoPE", "MLP", "output layer (lm_head)",
          "rest of the model's forward", "runner: batch metadata, cache bookkeeping", "engine outside the pass")
@@ -289,6 +293,11 @@ def main(argv=None) -> int:
         show(label, run_one(method_cfg, models, prompts, 1, args.new_tokens, True))
 
     ours("ours plain", cfg)
+    os.environ["SPECBATCH_FUSED"] = "0"  # the same, through transformers' forward: what the lean pass buys
+    try:
+        ours(MODEL_FORWARD, cfg)
+    finally:
+        os.environ.pop("SPECBATCH_FUSED")
     llm = Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1, verbose=False)
     llm.generate(prompts[0][:32], temp=0.0, top_k=1).__next__()  # warm-up
     show("llama.cpp plain", llama_cpp_run(llm, prompts, args.new_tokens, eos))
@@ -327,13 +336,15 @@ def main(argv=None) -> int:
                   f"{1e3 * llama_step_s:.2f} (llama.cpp's step) | |")
     breakdown = "\n".join(blines)
     lookups = [label for label in runs if label.startswith("llama.cpp prompt lookup")]
-    best_ours = max((label for label in runs if label.startswith("ours ") and label != "ours plain"),
+    best_ours = max((label for label in runs if label.startswith("ours ") and label not in ("ours plain", MODEL_FORWARD)),
                     key=lambda label: runs[label]["tokens_per_s_cpu"], default=None)
     best_lookup = max(lookups, key=lambda label: runs[label]["tokens_per_s_cpu"])
     o = runs["ours plain"]
     tail = [(f"our plain decode / llama.cpp's: {o['decode_tokens_per_s_cpu'] / ref['decode_tokens_per_s_cpu']:.2f}× "
              "(goal ≥ 0.9×)"),
             f"our plain end to end / llama.cpp's: {o['tokens_per_s_cpu'] / ref['tokens_per_s_cpu']:.2f}× (goal ≥ 1.0×)",
+            (f"our plain decode, the lean pass / transformers' forward: "
+             f"{o['decode_tokens_per_s_cpu'] / runs[MODEL_FORWARD]['decode_tokens_per_s_cpu']:.2f}× (run one after the other)"),
             ("prompt tokens/s (ours: the time outside the decode steps; llama.cpp: up to its first token): "
              f"{sum(map(len, prompts)) / (o['cpu_s'] - o['decode_cpu_s']):.0f} against {ref['prompt_tokens_per_s_cpu']:.0f}"),
             f"greedy ids identical to llama.cpp's (our plain): {same}/{len(prompts)}"]
