@@ -116,10 +116,7 @@ class Breakdown:
     def __init__(self, engine):
         from transformers import AttentionInterface
 
-        from pipeline.engine import kernels
-        from pipeline.engine.runner import ModelRunner
-
-        from pipeline.engine import fused
+        from pipeline.engine import fused, kernels
 
         self.t = defaultdict(float)
         self.steps = 0
