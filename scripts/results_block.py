@@ -20,7 +20,8 @@ Report kinds it knows (anything else is listed by its title and link only):
 - ``bench/bench_real.py --output`` (``{"meta", "runs", "summary"}``): its summary lines;
 - ``bench/eval_tune.py`` (``eval.json``): the tuned config against the best fixed default.
 
-Each line says the commit the report's JSON records (``meta.commit``: written by
+The folders of ``INDEX_ONLY`` (diagnostics, not headline speedups) get an index entry and no
+README line.  Each line says the commit the report's JSON records (``meta.commit``: written by
 ``jobs/report.py``, ``bench/bench_real.py`` and ``bench/eval_tune.py``; added from git log
 for the older reports) and whether the engine's CPU kernels were off (``meta.cpu_kernels``:
 every figure measured before d397ec9 used PyTorch's default CPU kernels).
@@ -145,6 +146,11 @@ def _line(path: Path, root: Path) -> str | None:
     return f"- [{title}]({rel}) ({_when(data)})" + (f": {text}." if text else ".")
 
 
+#: report folders of diagnostics rather than headline speedups (bench/bench_interleaved.py's A/B of
+#: draft-length settings): listed in reports/README.md's index, not in the README's block
+INDEX_ONLY = ("bench_interleaved",)
+
+
 def _paths(reports: Path) -> list[Path]:
     """Every report JSON under ``reports``, in the block's order (:data:`ORDER` first)."""
     def key(path: Path) -> tuple:
@@ -155,8 +161,10 @@ def _paths(reports: Path) -> list[Path]:
 
 
 def block(reports: Path = REPORTS) -> str:
-    """The block, markers included (links relative to the folder above ``reports``)."""
-    lines = [ln for ln in (_line(p, reports.parent) for p in _paths(reports)) if ln]
+    """The block, markers included (links relative to the folder above ``reports``); the
+    folders of :data:`INDEX_ONLY` are left to the index."""
+    paths = [p for p in _paths(reports) if p.relative_to(reports).parts[0] not in INDEX_ONLY]
+    lines = [ln for ln in (_line(p, reports.parent) for p in paths) if ln]
     head = ("Speedups over plain decoding on the same rows, greedy (tokens/s end to end; decode: the target's "
             "prefill left out). \"Before the CPU kernels\": PyTorch's default CPU kernels, before d397ec9. Commands, "
             "configs and machines: [reports/README.md](reports/README.md).")

@@ -300,7 +300,11 @@ def test_the_results_block_copes_with_a_new_report_folder(tmp_path):
     (reports / "odd" / "report.json").write_text('{"something": "else"}')
     (reports / "broken").mkdir()
     (reports / "broken" / "report.json").write_text("not json")
+    (reports / "bench_interleaved" / "batch1").mkdir(parents=True)  # a diagnostic: the index only
+    (reports / "bench_interleaved" / "batch1" / "report.json").write_text(json.dumps({
+        "title": "bench/bench_interleaved.py: an A/B", "meta": {"commit": "def5678"}, "runs": {}, "summary": ["x"]}))
     block = rb.block(reports)
+    assert "bench_interleaved" not in block and "def5678" in rb.index(reports)
     assert "best speculative / plain at 1 row: 1.31×" in block and "`abc1234`" in block
     assert "(reports/bench_real/report.md)" in block and "reports/odd/report.json" in block
     assert "broken" not in block
