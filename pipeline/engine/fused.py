@@ -39,7 +39,6 @@ copies (:mod:`pipeline.engine.kernels`).
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -57,7 +56,7 @@ _FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, _Fused]" = weakref.WeakKeyDi
 def enabled() -> bool:
     """Whether the lean pass is on: the CPU kernels are (``SPECBATCH_CPU_KERNELS``) and
     ``SPECBATCH_FUSED`` is not ``0`` (default on; ``0`` measures what it buys)."""
-    return kernels.enabled() and os.environ.get("SPECBATCH_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+    return kernels.enabled() and kernels.env_on("SPECBATCH_FUSED")
 
 
 def supports(model) -> bool:

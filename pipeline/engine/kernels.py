@@ -67,9 +67,15 @@ MKL_MAX_ROWS = PACK_FOR_ROWS - 1
 MKL_MARGIN = 0.95
 
 
+def env_on(name: str) -> bool:
+    """Whether the switch ``name`` in the environment is on (default on; ``0``, ``false``,
+    ``no`` or ``off`` turn it off)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
     """Whether the CPU kernels are on (``SPECBATCH_CPU_KERNELS``, default on)."""
-    return os.environ.get("SPECBATCH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_on("SPECBATCH_CPU_KERNELS")
 
 
 def _onednn_available() -> bool:
