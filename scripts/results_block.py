@@ -148,7 +148,7 @@ def _line(path: Path, root: Path) -> str | None:
 
 #: report folders of diagnostics rather than headline speedups (bench/bench_interleaved.py's A/B of
 #: draft-length settings): listed in reports/README.md's index, not in the README's block
-INDEX_ONLY = ("bench_interleaved",)
+INDEX_ONLY = ("bench_attention", "bench_interleaved")
 
 
 def _paths(reports: Path) -> list[Path]:

@@ -11,7 +11,7 @@ What.  Per decoder layer::
 
     h = rms_norm(x);  q, k, v = split(h @ W_qkv^T);  q, k = rope(q, k)
     k, v = cache.update(k, v, layer)          # the SlotCache, exactly as the model would
-    x = x + o_proj(sdpa(q, k, v, mask, enable_gqa=True))
+    x = x + o_proj(sdpa(q, k, v, mask))        # grouped-query heads, folded in a verification pass
     h = rms_norm(x);  g, u = split(h @ W_gate_up^T);  x = x + down_proj(silu(g) * u)
 
 then the final norm and the output layer over the kept positions only.  ``W_qkv`` and
@@ -48,6 +48,13 @@ from . import kernels
 
 #: the model classes this pass implements (their forward is the reference)
 SUPPORTED_CLASSES = ("LlamaForCausalLM",)
+
+#: Passes of 2 to this many query tokens per row (verification passes) fold each key/value head's
+#: query heads into the query length for SDPA instead of its grouped-query kernel (``enable_gqa``),
+#: which costs up to twice as much from two query tokens on (bench/bench_attention.py: SmolLM2's
+#: 9 query and 3 key/value heads, 8 rows, 600 cached positions).  One token costs the same both
+#: ways, and a long prefill a few percent more folded (its tiled mask is large).
+FOLD_MAX_QUERY = 16
 
 #: per model, its fused projections (kept outside the module: saving or copying the model never meets them)
 _FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, _Fused]" = weakref.WeakKeyDictionary()
@@ -239,6 +246,7 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
     n_layers = len(fused.layers)
     keep = _selected(output_hidden_states, n_layers + 1)
     states = None if keep is None else [x if 0 in keep else None]
+    folded_mask = None  # the mask for the folded query heads: made at the first layer (every layer's keys are as long)
     for i, layer in enumerate(fused.layers):
         h = _rms_norm(layer.input_layernorm, x)
         if timer is not None:
@@ -251,12 +259,20 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
         keys, values = cache.update(k, v, i)
         if timer is not None:
             timer.lap("attention projections + RoPE")
-        gqa = q.shape[1] != keys.shape[1]
+        group = q.shape[1] // keys.shape[1]
         if causal:
-            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
+        elif group == 1 or not 1 < q_len <= FOLD_MAX_QUERY:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[..., : keys.shape[2]],
-                                               scale=scale, enable_gqa=gqa)
+                                               scale=scale, enable_gqa=group > 1)
+        else:
+            # A verification pass: each key/value head's ``group`` query heads folded into the query
+            # length, one kernel call per key/value head (see FOLD_MAX_QUERY).  Query row ``g * Q + i``
+            # is head ``g``'s token ``i``: the mask is tiled ``group`` times along the query axis.
+            if folded_mask is None and mask is not None:
+                folded_mask = mask[..., : keys.shape[2]].repeat(1, 1, group, 1)
+            o = F.scaled_dot_product_attention(q.reshape(b, -1, group * q_len, d), keys, values,
+                                               attn_mask=folded_mask, scale=scale).view(b, -1, q_len, d)
         if timer is not None:
             timer.lap("attention kernel")
         o = layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))

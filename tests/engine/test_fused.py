@@ -65,6 +65,30 @@ def test_the_lean_pass_gives_the_models_logits_and_cache(counted, dtype, tol):
         torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 1), (6, 2)])
+def test_every_grouping_of_query_heads_gives_the_models_logits(heads, kv_heads, monkeypatch):
+    """Verification passes fold each key/value head's query heads into the query length
+    (fused.FOLD_MAX_QUERY); a prefill, one-token passes and a model without grouped heads do not."""
+    model = build("llama", layers=2, hidden=48, num_attention_heads=heads, num_key_value_heads=kv_heads).double()
+    want, want_cache = _run(model, False)
+    widths = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(fused.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: widths.append((q.shape[1], q.shape[2], "enable_gqa" in kw)) or
+                        real(q, k, v, **kw))
+    got, got_cache = _run(model, True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for (gk, gv), (wk, wv) in zip(got_cache, want_cache):
+        torch.testing.assert_close(gk, wk, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gv, wv, rtol=1e-12, atol=1e-12)
+    group = heads // kv_heads
+    # per layer: the two prefills (9 and 5 tokens), the ragged pass (3 tokens), the tree pass (5)
+    want_calls = [(heads, 9, True), (heads, 5, True)] + ([(heads, 3, True), (heads, 5, True)] if group == 1 else
+                                                         [(kv_heads, 3 * group, False), (kv_heads, 5 * group, False)])
+    assert widths == [c for c in want_calls for _ in range(2)]
+
+
 def test_a_weight_changed_in_place_is_fused_again(counted):
     model = build("llama")
     _run(model, True)

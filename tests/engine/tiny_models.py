@@ -22,8 +22,9 @@ NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def _llama(vocab=VOCAB, hidden=32, layers=2, seed=0, **kw):
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **{**NO_SPECIAL, **kw})
+                      max_position_embeddings=256, **{**NO_SPECIAL, **heads, **kw})
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
