@@ -70,6 +70,10 @@ class RowState:
         context_bound: the budget was cut by the context (finish reason ``context``).
         k: the draft length its schedule asks for now.
         rope_regime: the RoPE regime its target cache was computed in (LongRoPE).
+        trimmed_drafted, trimmed_accepted: the draft-length policy's own evidence beside
+            ``stats`` (which counts verified drafts only), by draft position: at the position
+            after a trimmed draft's last verified token, whether the token cut there equals
+            the target's (:meth:`pipeline.engine.loop.StepEngine.step`).
     """
 
     index: int
@@ -88,6 +92,8 @@ class RowState:
     generated: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: each committed block
+    trimmed_drafted: list[int] = dataclasses.field(default_factory=list)
+    trimmed_accepted: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def length(self) -> int:

@@ -148,6 +148,14 @@ class DraftLengthPolicy:
             if i < accepted:
                 self.accepted[i] += 1
 
+    def observe_position(self, position: int, accepted: bool) -> None:
+        """A draft reached ``position`` (0-based) and was (``accepted``) or was not kept
+        there: one observation of that position alone (a trimmed draft's cut token judged
+        against the target's)."""
+        if position < self.k_max:
+            self.drafted[position] += 1
+            self.accepted[position] += int(accepted)
+
     # ------------------------------------------------------------------ model
     @property
     def measured(self) -> bool:

@@ -44,6 +44,19 @@ from .verify import ArgmaxVerification, ShapedVerification, Verdict, Verificatio
 DEFAULT_MAX_BATCH_SIZE = 16
 
 
+def _evidence(row: RowState) -> tuple[list[int], list[int]]:
+    """The row's drafts by position, verified (its statistics) and trimmed (their first
+    token cut, judged against the target's: :meth:`StepEngine._observe_trimmed`), for the
+    draft-length policy's estimate of its acceptance."""
+    drafted, accepted = row.stats.drafted_per_position, row.stats.accepted_per_position
+    if not row.trimmed_drafted:
+        return drafted, accepted
+    n = max(len(drafted), len(row.trimmed_drafted))
+    at = lambda xs, j: xs[j] if j < len(xs) else 0
+    return ([at(drafted, j) + at(row.trimmed_drafted, j) for j in range(n)],
+            [at(accepted, j) + at(row.trimmed_accepted, j) for j in range(n)])
+
+
 class StepEngine:
     """The step API of speculative decoding: rows enter slots, every step advances every row
     in flight by propose -> verify -> accept -> commit.  :class:`~pipeline.engine.scheduler.Scheduler`
@@ -250,7 +263,7 @@ class StepEngine:
         reach = None
         if policy is not None:
             pooled = policy.pooled_reach()
-            reach = [policy.row_reach(r.stats.drafted_per_position, r.stats.accepted_per_position, pooled) for r in rows]
+            reach = [policy.row_reach(*_evidence(r), pooled) for r in rows]
             ks = policy.plan(reach, ks)
         # the rows of a step share their settings (the scheduler groups them): one way to verify
         argmax = self.spec.assistant_ensemble_weight is None and not any(r.shaper.active or r.shaper.do_sample
@@ -258,19 +271,25 @@ class StepEngine:
         candidates = self.spec.num_candidates if argmax else 1
         drafts = self._propose(rows, ks, candidates)
         t1 = self.clock()
+        cut: list[int | None] = [None] * len(rows)
         if policy is not None and any(ks):
             policy.observe_propose(ks, t1 - t0)
             if not rows[0].settings.do_sample:
                 # Greedy only: a draft's length may depend on its tokens (a confidence threshold
                 # stops it), and cutting sampled drafts by it would bias the accepted tokens.
-                drafts = self._trim(policy, reach, drafts)
+                proposed, drafts = drafts, self._trim(policy, reach, drafts)
+                # the first token each linear draft lost: its fate is known once the target has spoken
+                cut = [int(p.tokens[len(d)]) if p.parents is None and len(d) < len(p) else None
+                       for p, d in zip(proposed, drafts)]
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
         if self.policy is not None:
             self.policy.observe_verify(len(rows), step.keep, self.clock() - t1)
         t2 = self.clock()
-        for r, d, v in zip(rows, drafts, verdicts):
+        for r, d, v, c in zip(rows, drafts, verdicts, cut):
             self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
+            if c is not None:
+                self._observe_trimmed(r, len(d), len(v.path) == len(d) and c == v.token)
         t3 = self.clock()
         share = 1.0 / len(rows)
         for r in rows:
@@ -278,6 +297,19 @@ class StepEngine:
             r.stats.draft_time_s += (t1 - t0) * share
             r.stats.verify_time_s += (t2 - t1) * share
             r.stats.wall_time_s += (t3 - t0) * share
+
+    def _observe_trimmed(self, row: RowState, position: int, accepted: bool) -> None:
+        """Evidence the draft-length policy gets for free: a greedy draft trimmed to ``position``
+        tokens had its next token cut; it would have been accepted there iff the verified
+        tokens all were and the target's own next token is the one cut.  Without it, a row
+        whose estimate fell below break-even would never draft again: its estimate moves only
+        with drafts verified (prompt lookup at one row lost to a fixed k this way).  Counted
+        in the row's and the pooled evidence of the policy, never in the row's statistics."""
+        for counts in (row.trimmed_drafted, row.trimmed_accepted):
+            counts.extend([0] * (position + 1 - len(counts)))
+        row.trimmed_drafted[position] += 1
+        row.trimmed_accepted[position] += int(accepted)
+        self.policy.observe_position(position, accepted)
 
     def _propose(self, rows: list[RowState], ks: list[int], candidates: int) -> list[Draft]:
         """Every row's draft of up to ``ks[i]`` tokens (a token tree of up to ``candidates``

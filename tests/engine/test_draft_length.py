@@ -201,3 +201,33 @@ def test_a_probe_asks_one_row_at_a_time_in_turn():
             assert sum(ks) == 1
             probed.append(ks.index(1))
     assert len(probed) >= 3 and len(set(probed)) == len(probed)
+
+
+def test_a_trimmed_drafts_cut_token_is_judged_against_the_targets():
+    """A greedy draft trimmed away still tells the policy whether its first token was right:
+    the target's next token decides it, for free.  Every draft trimmed to nothing here: each
+    counts once at position 1, accepted exactly when its first token is the output's next one
+    (and the row's statistics, which count verified drafts, see none)."""
+    target = build("llama", seed=0)
+    prompt = prompt_of(6, seed=3).repeat(1, 4)  # repeated: prompt lookup finds matches
+    settings = GenerationSettings(max_new_tokens=40)
+    plain = SpeculativeEngine(target).generate(prompt, settings).token_ids
+    engine = SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=3),
+                               adaptive_draft_length=True)
+    proposed = []
+    propose = engine.proposer.propose
+
+    def recording(requests):
+        drafts = propose(requests)
+        proposed.extend((r.sequence.shape[1], int(d.tokens[0])) for r, d in zip(requests, drafts) if len(d))
+        return drafts
+
+    engine.proposer.propose = recording
+    engine.policy.trim = lambda reach, lengths: 0
+    out = engine.generate(prompt, settings)
+    assert out.token_ids == plain
+    text = prompt[0].tolist() + out.token_ids
+    hits = sum(text[length] == token for length, token in proposed)
+    assert len(proposed) > 10 and 0 < hits
+    assert engine.policy.drafted[0] == len(proposed) and engine.policy.accepted[0] == hits
+    assert engine.policy.drafted[1:] == [0, 0] and out.stats.draft_steps == 0
