@@ -8,8 +8,8 @@ of ``K`` positions and ``Q`` query tokens per row (a draft of ``Q - 1`` tokens),
 median milliseconds of one layer's attention kernel both ways, measured in turn (``--repeats``
 rounds of ``--calls`` calls each, so the machine's drift falls on both alike), their ratio,
 and the saving per pass (``layers x`` the difference).  Then, unless ``--no-pass``, the
-default job's engine's ``t(n, B) / t(1, B)`` (:func:`pipeline.engine.profile.profile_engine`
-on XSum articles 200-207): how much a draft of ``n - 1`` tokens costs the target.  Not a test::
+default job's engine's ``t(n, B) / t(1, B)`` (:func:`pipeline.engine.profile.verification_costs`
+on XSum articles 200-207, the widths timed in turn in each of 7 rounds): how much a draft of ``n - 1`` tokens costs the target.  Not a test::
 
     python bench/bench_attention.py [--output reports/bench_attention]
 """
@@ -63,18 +63,32 @@ def kernels(batches, widths, cache_len: int, repeats: int, calls: int, heads=(9,
     return rows
 
 
-def pass_costs(batches, widths) -> dict[int, dict[int, float]]:
+def pass_costs(batches, widths, repeats: int = 7) -> dict[int, dict[int, float]]:
+    """``t(n, B)`` seconds, median of ``repeats`` rounds in each of which every width is timed
+    once in turn (:func:`pipeline.engine.profile.verification_costs`, one sample per call), so
+    that the machine's drift falls on every width alike."""
+    import statistics as st
+
     from bench_real import XSUM, prompts_of
 
     from pipeline.config import load_config
-    from pipeline.engine.profile import profile_engine
+    from pipeline.engine.profile import _Rows, _settings, verification_costs
     from pipeline.loading import build_engine, load_job_models
 
     cfg = load_config(str(ROOT / "configs" / "summarize.yaml"), ["models.dtype=float32"])
     models = load_job_models(cfg, "cpu")
     prompts = prompts_of(cfg, models.tokenizer, range(200, 208), Path(XSUM))
     engine = build_engine(models, cfg.method.speculation_settings(), max(batches), False, time.process_time)
-    return profile_engine(engine, prompts, list(batches), widths=list(widths), repeats=5).verify_s
+    rows = _Rows(engine, prompts, max(batches), _settings(engine, None, 1 + max(widths)))
+    out = {}
+    for b in batches:
+        batch = rows.first(b)
+        samples = {n: [] for n in widths}
+        for _ in range(repeats):
+            for n, t in verification_costs(engine, batch, list(widths), repeats=1).items():
+                samples[n].append(t)
+        out[b] = {n: st.median(v) for n, v in samples.items()}
+    return out
 
 
 def main(argv=None) -> int:
