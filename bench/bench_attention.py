@@ -67,8 +67,6 @@ def pass_costs(batches, widths, repeats: int = 7) -> dict[int, dict[int, float]]
     """``t(n, B)`` seconds, median of ``repeats`` rounds in each of which every width is timed
     once in turn (:func:`pipeline.engine.profile.verification_costs`, one sample per call), so
     that the machine's drift falls on every width alike."""
-    import statistics as st
-
     from bench_real import XSUM, prompts_of
 
     from pipeline.config import load_config
@@ -87,7 +85,7 @@ def pass_costs(batches, widths, repeats: int = 7) -> dict[int, dict[int, float]]
         for _ in range(repeats):
             for n, t in verification_costs(engine, batch, list(widths), repeats=1).items():
                 samples[n].append(t)
-        out[b] = {n: st.median(v) for n, v in samples.items()}
+        out[b] = {n: statistics.median(v) for n, v in samples.items()}
     return out
 
 

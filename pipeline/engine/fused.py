@@ -269,7 +269,7 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
             # A verification pass: each key/value head's ``group`` query heads folded into the query
             # length, one kernel call per key/value head (see FOLD_MAX_QUERY).  Query row ``g * Q + i``
             # is head ``g``'s token ``i``: the mask is tiled ``group`` times along the query axis.
-            if folded_mask is None and mask is not None:
+            if folded_mask is None:  # a pass of 2+ tokens without a mask took the causal kernel above
                 folded_mask = mask[..., : keys.shape[2]].repeat(1, 1, group, 1)
             o = F.scaled_dot_product_attention(q.reshape(b, -1, group * q_len, d), keys, values,
                                                attn_mask=folded_mask, scale=scale).view(b, -1, q_len, d)
