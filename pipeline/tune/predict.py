@@ -149,8 +149,9 @@ class Candidate:
 
     ``predicted_*`` come from :func:`predict_seconds` over the pilot rows, times the
     calibration against the pilot runs (``model_tokens_per_s``: without it);
-    ``measured_*`` from a confirmation run on the first pilot rows (``None`` until
-    confirmed), whose own prediction is ``confirm_predicted_tokens_per_s``."""
+    ``measured_*`` from the confirmation runs on the first pilot rows (``None`` until
+    confirmed; the median of its interleaved rounds, ``round_s``), whose own prediction is
+    ``confirm_predicted_tokens_per_s``."""
 
     method: str
     k: int
@@ -162,6 +163,8 @@ class Candidate:
     confirm_predicted_tokens_per_s: float | None = None
     measured_s: float | None = None
     measured_tokens_per_s: float | None = None
+    #: seconds of each confirmation round, the prompts' build time included (``measured_s``: their median)
+    round_s: list[float] = field(default_factory=list)
     same_output: int | None = None
     compared_rows: int | None = None
     params: dict = field(default_factory=dict)

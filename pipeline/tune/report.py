@@ -135,7 +135,16 @@ def _candidate_row(rank: int | str, c: Candidate, result: TuneResult) -> str:
     e = "–" if adaptive else f"{model.expected_tokens(c.k):.2f}"
     return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {e} | "
             f"{'–' if adaptive else f'{c.model_tokens_per_s:.1f}'} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
-            f"{_fmt(c.measured_tokens_per_s)} | {_fmt(ratio, '.2f')} | {same} |")
+            f"{_measured(c)} | {_fmt(ratio, '.2f')} | {same} |")
+
+
+def _measured(c: Candidate) -> str:
+    """The median tokens/s, with the range over the rounds when there were several."""
+    if not c.measured_tokens_per_s or len(c.round_s) < 2:
+        return _fmt(c.measured_tokens_per_s)
+    tokens = c.measured_tokens_per_s * c.measured_s  # the same every round
+    rates = sorted(tokens / s for s in c.round_s)
+    return f"{c.measured_tokens_per_s:.1f} ({rates[0]:.1f}–{rates[-1]:.1f})"
 
 
 def summary(result: TuneResult) -> dict[str, Any]:
@@ -210,7 +219,9 @@ def markdown(result: TuneResult) -> str:
               "step.", "",
               f"The model's figures are scaled by {result.calibration:.3f}, the pilot runs' measured time over the "
               "model's prediction of them (same rows, same minutes); confirmation runs decode the first "
-              f"{result.options.confirm_rows} pilot rows, and their prediction is for those rows.", "",
+              f"{result.options.confirm_rows} pilot rows, and their prediction is for those rows. They ran in "
+              f"{result.options.confirm_rounds} interleaved rounds (the order rotated by one per round); measured is "
+              "the median round, with the range over the rounds.", "",
               "| rank | candidate | rows/batch | E(k) | model tokens/s | predicted tokens/s | predicted, confirmation "
               "rows | measured, confirmation rows | measured / predicted | same output as pilot |",
               "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -323,5 +334,5 @@ def _cand(c: Candidate) -> dict[str, Any]:
             "rows_per_batch": c.rows_per_batch, "predicted_s": c.predicted_s,
             "predicted_tokens_per_s": c.predicted_tokens_per_s, "model_tokens_per_s": c.model_tokens_per_s,
             "confirm_predicted_tokens_per_s": c.confirm_predicted_tokens_per_s, "measured_s": c.measured_s,
-            "measured_tokens_per_s": c.measured_tokens_per_s, "same_output": c.same_output,
+            "measured_tokens_per_s": c.measured_tokens_per_s, "round_s": c.round_s, "same_output": c.same_output,
             "compared_rows": c.compared_rows, "params": c.params, "adaptive_draft_length": c.adaptive_draft_length}

@@ -9,10 +9,13 @@ pilot sample of its own input, on the configured hardware, and predict its speed
        size B; each proposer's cost and the loop's bookkeeping per step (real steps)
     -> predict every (method, k, B) (:mod:`pipeline.tune.predict`), rank them
     -> confirm the top candidates (and the best plain one) on the pilot rows, as the actor
-       runs them; the fastest measured wins
-    -> confirm the adaptive draft lengths of the winner against its fixed k: the engine's
-       draft length by expected gain up to K (greedy jobs), and a method's per-row schedule;
-       one replaces the fixed k only when measured ADAPTIVE_MARGIN faster
+       runs them, in interleaved rounds (each round runs every candidate once, the order
+       rotated by one per round, so that a change of the machine's speed meets them all);
+       the fastest median wins
+    -> confirm the adaptive draft lengths of the winner against its fixed k the same way
+       (the winner runs again in those rounds): the engine's draft length by expected gain
+       up to K (greedy jobs), and a method's per-row schedule; one replaces the fixed k only
+       when its median is ADAPTIVE_MARGIN faster
     -> the tuned config (the input config with ``method`` and ``compute`` filled in) and
        ``tune_report.md`` (:mod:`pipeline.tune.report`)
 
@@ -28,6 +31,7 @@ import copy
 import dataclasses
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +120,9 @@ class TuneOptions:
         repeats: timings per profiled figure (median kept).
         confirm: top candidates confirmed on the pilot rows (the best plain one is added).
         confirm_rows: the first pilot rows a confirmation run decodes (short runs).
+        confirm_rounds: interleaved rounds of confirmation runs; a candidate's measured
+            figure is the median of its rounds (each round builds its engines afresh, so a
+            job-wide suffix tree never learns the rows it is timed on).
         adaptive: also measure the chosen method with adaptive draft lengths: the engine's
             draft length by expected gain up to ``K`` (greedy jobs), and for a method with a
             per-row schedule transformers' heuristic schedule and a confidence threshold of
@@ -131,6 +138,7 @@ class TuneOptions:
     repeats: int = 3
     confirm: int = 3
     confirm_rows: int = 32
+    confirm_rounds: int = 3
     adaptive: bool = True
     clock: str = "wall"
 
@@ -268,8 +276,10 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     options = options or TuneOptions()
     if options.clock not in CLOCKS:
         raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {options.clock!r}")
-    if min(options.rows, options.repeats, options.pilot_batch_size, options.confirm_rows) < 1 or options.confirm < 0:
-        raise ConfigError("--rows, --repeats, --pilot-batch-size and --confirm-rows must be >= 1 and --confirm >= 0")
+    if min(options.rows, options.repeats, options.pilot_batch_size, options.confirm_rows,
+           options.confirm_rounds) < 1 or options.confirm < 0:
+        raise ConfigError("--rows, --repeats, --pilot-batch-size, --confirm-rows and --confirm-rounds must be >= 1 "
+                          "and --confirm >= 0")
     if not options.batch_sizes or any(b < 1 for b in options.batch_sizes):
         raise ConfigError(f"batch sizes must be positive integers, got {list(options.batch_sizes)}")
     clock = CLOCKS[options.clock]
@@ -369,12 +379,11 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     for cand in confirmed:
         cand.confirm_predicted_tokens_per_s = sum(r.new_tokens for r in part) / (
             factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
-        bench.run(cand)
+    bench.run_rounds(confirmed, options.confirm_rounds)
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
     if options.adaptive and chosen.method != PLAIN and chosen.measured_tokens_per_s:
         variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max, generation.do_sample)
-        for v in variants:
-            bench.run(v)
+        bench.run_rounds([chosen] + variants, options.confirm_rounds)
         confirmed += variants
         chosen = _keep_adaptive(chosen, variants, notes)
     stage("confirm")
@@ -439,20 +448,36 @@ class _Confirmation:
     reference: list[list[int]] | None  # greedy outputs to compare with (None when sampling)
     log: Callable[[str], None]
 
+    def run_rounds(self, cands: list[Candidate], rounds: int) -> None:
+        """Measure ``cands`` in ``rounds`` interleaved rounds: round ``r`` runs them all, starting
+        from the ``r``-th (mod their number), so that each candidate takes each place in turn
+        and a drift of the machine's speed is shared out instead of landing on whichever ran
+        last.  Each candidate's figures become the median of all its rounds so far."""
+        for r in range(rounds):
+            shift = r % max(1, len(cands))
+            for cand in cands[shift:] + cands[:shift]:
+                self.run(cand)
+
     def run(self, cand: Candidate) -> None:
-        """Fill ``cand``'s measured figures (and its same-output count when greedy)."""
+        """One more round of ``cand`` (a fresh engine, so nothing learnt in an earlier round
+        carries over): appends its seconds to ``cand.round_s``, sets its measured figures to
+        the median round, and its same-output count (greedy: every round must match)."""
         choice = dataclasses.replace(self.choices[cand.method], params=dict(cand.params))
         engine = _engine(choice, cand.k, cand.batch_size, self.loaded, self.clock, cand.adaptive_draft_length)
         seconds, results = measure_candidate(engine, self.prompts, self.settings, cand.batch_size,
                                              cand.rows_per_batch, self.clock)
-        cand.measured_s = seconds + self.build_s
-        cand.measured_tokens_per_s = sum(r.stats.new_tokens for r in results if r.error is None) / cand.measured_s
+        cand.round_s.append(seconds + self.build_s)
+        cand.measured_s = statistics.median(cand.round_s)
+        tokens = sum(r.stats.new_tokens for r in results if r.error is None)
+        cand.measured_tokens_per_s = tokens / cand.measured_s
         if self.reference is not None:
+            same = sum(r.token_ids == ref for r, ref in zip(results, self.reference))
             cand.compared_rows = len(self.reference)
-            cand.same_output = sum(r.token_ids == ref for r, ref in zip(results, self.reference))
+            cand.same_output = same if cand.same_output is None else min(cand.same_output, same)
         predicted = cand.confirm_predicted_tokens_per_s
-        self.log(f"confirm {cand.label}: predicted {f'{predicted:.1f}' if predicted else '(not modelled)'}, "
-                 f"measured {cand.measured_tokens_per_s:.1f} tokens/s")
+        self.log(f"confirm {cand.label} (round {len(cand.round_s)}): predicted "
+                 f"{f'{predicted:.1f}' if predicted else '(not modelled)'}, measured {tokens / cand.round_s[-1]:.1f} "
+                 f"tokens/s (median so far {cand.measured_tokens_per_s:.1f})")
 
 
 #: the branches of the token-tree variant the tuner confirms (``method.num_candidates``)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,8 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     spec.loader.exec_module(tune_job)
     out = tmp_path / "tune"
     rc = tune_job.main(["--config", str(cfg), "--rows", "11", "--batch-sizes", "1", "2", "--max-draft", "2",
-                        "--repeats", "1", "--confirm", "2", "--pilot-batch-size", "4", "--out", str(out)])
+                        "--repeats", "1", "--confirm", "2", "--confirm-rounds", "2", "--pilot-batch-size", "4",
+                        "--out", str(out)])
     assert rc == 0
     headline = json.loads(capsys.readouterr().out)
     data = json.loads((out / "tune_report.json").read_text())
@@ -173,8 +175,9 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     assert len(confirmed) - len(fixed) in (0, 2, 4)
     trees = [c for c in confirmed if c["params"].get("num_candidates", 1) > 1]
     assert len(trees) == (len(confirmed) > len(fixed)) and all(c["adaptive_draft_length"] for c in trees)
-    for c in confirmed:  # confirmation runs are lossless and measured
+    for c in confirmed:  # confirmation runs are lossless and measured, in 2 rounds (4 for a chosen drafter)
         assert c["same_output"] == c["compared_rows"] == 10 and c["measured_tokens_per_s"] > 0
+        assert len(c["round_s"]) in (2, 4) and c["measured_s"] == pytest.approx(statistics.median(c["round_s"]))
     chosen = next(c for c in confirmed if c["label"] == headline["chosen"])
     best = max(fixed, key=lambda c: c["measured_tokens_per_s"])
     assert chosen is best or (chosen not in fixed and chosen["measured_tokens_per_s"] > 1.05 * best["measured_tokens_per_s"])
@@ -235,7 +238,7 @@ def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_p
 
     path = _job(tmp_path, tiny_models, rows=6)
     result = tune(load_config(path), TuneOptions(rows=6, batch_sizes=(1, 2), methods=("draft_model",), max_draft=3,
-                                                 repeats=1, confirm=1), raw_config=read_raw_config(str(path), None),
+                                                 repeats=1, confirm=1, confirm_rounds=1), raw_config=read_raw_config(str(path), None),
                   log=lambda line: None)
     fixed, gain, trees, heuristic, threshold = result.confirmed
     assert (fixed.method, gain.method, trees.method, heuristic.method, threshold.method) == ("draft_model",) * 5
@@ -256,3 +259,44 @@ def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_p
     assert result.tuned_config["compute"]["adaptive_draft_length"] is result.chosen.adaptive_draft_length
     assert method["num_assistant_tokens_schedule"] == result.chosen.params["num_assistant_tokens_schedule"]
     assert method["assistant_confidence_threshold"] == result.chosen.params["assistant_confidence_threshold"]
+
+
+def test_confirmation_rounds_are_interleaved_so_a_slowdown_meets_every_candidate(monkeypatch):
+    """Another process starts after the first confirmation run and slows the machine 1.5x.
+    Measured one after the other, the candidate that ran first wins although it is 10 %
+    slower; in rotated rounds (B A, A B, B A) both medians fall in the slow time, and the
+    faster one wins.  Each round builds its engine afresh (nothing learnt carries over)."""
+    from types import SimpleNamespace
+
+    from pipeline.tune import tuner
+    from pipeline.tune.predict import Candidate
+
+    built: list[str] = []
+    speed = {"A": 0.9, "B": 1.0}  # seconds per run on a quiet machine: A is the faster
+
+    def fake_measure(engine, prompts, settings, batch_size, rows_per_batch, clock):
+        seconds = speed[engine] * (1.0 if len(built) == 1 else 1.5)
+        return seconds, [SimpleNamespace(error=None, token_ids=[7], stats=SimpleNamespace(new_tokens=10))]
+
+    def fake_engine(choice, k, batch_size, loaded, clock, adaptive=False):
+        built.append(choice.params["tag"])
+        return choice.params["tag"]
+
+    monkeypatch.setattr(tuner, "measure_candidate", fake_measure)
+    monkeypatch.setattr(tuner, "_engine", fake_engine)
+
+    def confirm(rounds: int) -> tuple[Candidate, Candidate]:
+        built.clear()
+        bench = tuner._Confirmation(None, lambda: 0.0, {"prompt_lookup": tuner.MethodChoice("prompt_lookup", 3)},
+                                    [[1]], [None], 0.0, [[7]], lambda line: None)
+        b, a = (Candidate("prompt_lookup", 3, 4, 16, params={"tag": t}) for t in "BA")
+        bench.run_rounds([b, a], rounds)
+        return a, b
+
+    a, b = confirm(1)
+    assert built == ["B", "A"] and b.measured_tokens_per_s > a.measured_tokens_per_s  # the slowdown decided
+    a, b = confirm(3)
+    assert built == ["B", "A", "A", "B", "B", "A"]
+    assert a.round_s == [1.35, 1.35, 1.35] and b.round_s == [1.0, 1.5, 1.5]
+    assert a.measured_tokens_per_s == pytest.approx(10 / 1.35) and b.measured_tokens_per_s == pytest.approx(10 / 1.5)
+    assert a.same_output == a.compared_rows == 1
