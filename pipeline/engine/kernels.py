@@ -57,8 +57,19 @@ import torch.nn.functional as F
 SMALL_QUERY = 16
 #: the attention implementation name registered with transformers
 ATTENTION_NAME = "specbatch_small_query"
-#: dtypes oneDNN's packed linear kernels serve on the CPU
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+def _bf16_packable() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on an AVX2-only CPU ``_reorder_linear_weight`` raises)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+#: dtypes oneDNN's packed linear kernels serve on this CPU (bfloat16 only where the CPU has
+#: the instructions: elsewhere a bfloat16 linear stays ``F.linear``)
+PACKED_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _bf16_packable() else ())
 #: M (rows of input) the weights are packed for: oneDNN's blocked GEMM layout, not a limit
 PACK_FOR_ROWS = 4
 #: the most rows of input :func:`small_rows_to_mkl` may send to ``F.linear`` (MKL) instead of oneDNN

@@ -166,6 +166,8 @@ class TuneResult:
     num_actors: int = 1
     calibration: float = 1.0
     mismatches: dict[str, int] = field(default_factory=dict)
+    #: the chosen fixed k measured again in the adaptive variants' rounds (what they were compared with)
+    adaptive_reference: Candidate | None = None
 
     @property
     def seconds_per_row(self) -> float:
@@ -381,11 +383,14 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
             factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
     bench.run_rounds(confirmed, options.confirm_rounds)
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
+    again = None
     if options.adaptive and chosen.method != PLAIN and chosen.measured_tokens_per_s:
         variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max, generation.do_sample)
-        bench.run_rounds([chosen] + variants, options.confirm_rounds)
+        # the fixed k again, in the variants' rounds (a copy: the chosen keeps the figures it was chosen by)
+        again = dataclasses.replace(chosen, round_s=[], same_output=None, compared_rows=None)
+        bench.run_rounds([again] + variants, options.confirm_rounds)
         confirmed += variants
-        chosen = _keep_adaptive(chosen, variants, notes)
+        chosen = _keep_adaptive(chosen, variants, notes, reference=again)
     stage("confirm")
 
     raw = copy.deepcopy(raw_config) if raw_config is not None else cfg.model_dump(mode="json")
@@ -397,7 +402,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
                       confirmed=confirmed, models=models, choices=choices, pilots=pilots, profiles=profiles,
                       pilot=pilot, pilot_rows=rows, tuned_config=tuned, timings=timings, wall_timings=wall_timings,
                       machine=machine, notes=notes, num_actors=cfg.compute.num_actors, calibration=factor,
-                      mismatches=mismatches)
+                      mismatches=mismatches, adaptive_reference=again)
 
 
 def _mismatches(pilots: dict[str, PilotRun], notes: list[str]) -> dict[str, int]:
@@ -507,22 +512,27 @@ def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -
                   for k, extra in knobs]
 
 
-def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str]) -> Candidate:
-    """The measured variant when it is ``ADAPTIVE_MARGIN`` faster than ``chosen``, else ``chosen``."""
+def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str],
+                   reference: Candidate | None = None) -> Candidate:
+    """The measured variant when it is ``ADAPTIVE_MARGIN`` faster than ``reference`` (``chosen``
+    measured again in the variants' rounds; default ``chosen`` itself), else ``chosen``."""
+    reference = reference or chosen
     for v in variants:
-        scale = v.measured_tokens_per_s / chosen.measured_tokens_per_s
+        scale = v.measured_tokens_per_s / reference.measured_tokens_per_s
         v.predicted_tokens_per_s = chosen.predicted_tokens_per_s * scale
         v.predicted_s = chosen.predicted_s / scale
         if chosen.confirm_predicted_tokens_per_s:
             v.confirm_predicted_tokens_per_s = chosen.confirm_predicted_tokens_per_s * scale
     best = max(variants, key=lambda v: v.measured_tokens_per_s)
-    if best.measured_tokens_per_s > (1 + ADAPTIVE_MARGIN) * chosen.measured_tokens_per_s:
-        notes.append(f"{best.label} measured {best.measured_tokens_per_s / chosen.measured_tokens_per_s:.2f}x "
-                     f"{chosen.label}: chosen (its prediction is {chosen.label}'s scaled by that ratio)")
+    ratio = best.measured_tokens_per_s / reference.measured_tokens_per_s
+    again = "" if reference is chosen else f" (measured again in the same rounds: {reference.measured_tokens_per_s:.1f} tokens/s)"
+    if ratio > 1 + ADAPTIVE_MARGIN:
+        notes.append(f"{best.label} measured {ratio:.2f}x {chosen.label}{again}: chosen (its prediction is "
+                     f"{chosen.label}'s scaled by that ratio)")
         return best
     tried = "; ".join(v.label for v in variants)
     notes.append(f"adaptive draft lengths ({tried}) measured no gain of {100 * ADAPTIVE_MARGIN:.0f} % over "
-                 f"{chosen.label} (best {best.measured_tokens_per_s / chosen.measured_tokens_per_s:.2f}x): left out")
+                 f"{chosen.label}{again} (best {ratio:.2f}x): left out")
     return chosen
 
 
