@@ -57,6 +57,8 @@ import torch.nn.functional as F
 SMALL_QUERY = 16
 #: the attention implementation name registered with transformers
 ATTENTION_NAME = "specbatch_small_query"
+
+
 def _bf16_packable() -> bool:
     """Whether oneDNN packs bfloat16 weights on this CPU (it needs AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT; on an AVX2-only CPU ``_reorder_linear_weight`` raises)."""

@@ -512,11 +512,9 @@ def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -
                   for k, extra in knobs]
 
 
-def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str],
-                   reference: Candidate | None = None) -> Candidate:
+def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str], reference: Candidate) -> Candidate:
     """The measured variant when it is ``ADAPTIVE_MARGIN`` faster than ``reference`` (``chosen``
-    measured again in the variants' rounds; default ``chosen`` itself), else ``chosen``."""
-    reference = reference or chosen
+    measured again in the variants' rounds), else ``chosen``."""
     for v in variants:
         scale = v.measured_tokens_per_s / reference.measured_tokens_per_s
         v.predicted_tokens_per_s = chosen.predicted_tokens_per_s * scale
@@ -525,7 +523,7 @@ def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str
             v.confirm_predicted_tokens_per_s = chosen.confirm_predicted_tokens_per_s * scale
     best = max(variants, key=lambda v: v.measured_tokens_per_s)
     ratio = best.measured_tokens_per_s / reference.measured_tokens_per_s
-    again = "" if reference is chosen else f" (measured again in the same rounds: {reference.measured_tokens_per_s:.1f} tokens/s)"
+    again = f" (measured again in the same rounds: {reference.measured_tokens_per_s:.1f} tokens/s)"
     if ratio > 1 + ADAPTIVE_MARGIN:
         notes.append(f"{best.label} measured {ratio:.2f}x {chosen.label}{again}: chosen (its prediction is "
                      f"{chosen.label}'s scaled by that ratio)")
