@@ -102,13 +102,14 @@ def tree_bound(mean_accepted_length: float, nodes: float, c: float) -> float:
     return mean_accepted_length / (1 + nodes * c)
 
 
-def prompts_of(cfg, tokenizer, rows: range, xsum: Path = XSUM) -> list[list[int]]:
-    """The job's prompts (template, chat template) for XSum articles ``rows``, as token ids."""
+def prompts_of(cfg, tokenizer, rows: range, xsum: Path = XSUM, article_chars: int | None = None) -> list[list[int]]:
+    """The job's prompts (template, chat template) for XSum articles ``rows``, as token ids;
+    each article cut to its first ``article_chars`` characters when given (None: whole)."""
     from pipeline.prompts import PromptBuilder
 
     builder = PromptBuilder(tokenizer, cfg.task)
     lines = Path(xsum).read_text().splitlines()
-    return [builder.build(json.loads(lines[i])["article"])[1] for i in rows]
+    return [builder.build(json.loads(lines[i])["article"][:article_chars])[1] for i in rows]
 
 
 def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) -> dict:
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-rows", type=int, default=None,
                     help="run B rows in flight on max(min_rows, 2B) of the rows only (the GPU check's budget)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--article-chars", type=int, default=None,
+                    help="cut each article to its first N characters (default: whole; gpu_check's CPU quick mode: short prefills)")
     ap.add_argument("--xsum", default=str(XSUM), help="the XSum JSONL (default: ../shared/data/xsum_helm_1000/xsum_0shot.jsonl)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the models' device)")
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
             continue
         models = load_job_models(cfg, args.device)
         if prompts is None:
-            prompts, target = prompts_of(cfg, models.tokenizer, range(a, b), args.xsum), models.target
+            prompts, target = prompts_of(cfg, models.tokenizer, range(a, b), args.xsum, args.article_chars), models.target
             print(f"{len(prompts)} XSum articles ({a}-{b - 1}), prompt tokens {min(map(len, prompts))}-"
                   f"{max(map(len, prompts))}, {args.new_tokens} new tokens, greedy, {args.device} "
                   f"{cfg.models.dtype}, {args.threads} thread(s), {clock_name} clock", flush=True)

@@ -7,7 +7,7 @@
 # H100/H200-class device (each batch size runs on max(16, 2B) of the 64 rows).
 #
 #   bash bench/gpu_check.sh                      # on the GPU (CUDA_VISIBLE_DEVICES picks it)
-#   bash bench/gpu_check.sh --device cpu --quick # a few rows and tokens on the CPU: what the test runs
+#   bash bench/gpu_check.sh --device cpu --quick # 2 rows, 400-character articles, 4 tokens on the CPU: what the test runs
 #
 # Tables land in out/gpu_check/<dtype>/report.md (and .json).
 set -euo pipefail
@@ -30,7 +30,7 @@ if [ "$device" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cu
     exit 2
 fi
 if [ "$quick" = 1 ]; then
-    args=(--rows 200:202 --new-tokens 4 --batch-sizes 1,2)
+    args=(--rows 200:202 --new-tokens 4 --batch-sizes 1,2 --article-chars 400)
 else
     args=(--rows 200:264 --new-tokens 64 --batch-sizes 1,2,4,8,16,32,64 --min-rows 16 --threads 4)
 fi

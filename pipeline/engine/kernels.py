@@ -28,6 +28,15 @@ Measured on this project's 2-core AVX-512 machine (SmolLM2-135M, float32, one th
    shape at 1, 2 and 3 rows of input, once per process (:func:`small_rows_to_mkl`), and a
    layer sends inputs of up to that many rows to ``F.linear``; 4 rows and more always go to
    oneDNN, whose packed layout is made for them.
+
+   oneDNN packs bfloat16 only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT.  On an
+   AVX2-only CPU ``F.linear`` in bfloat16 runs at a fraction of float32's speed (a 145 x 576
+   by 576 x 1536 product: 30 ms against 3.8 ms in float32, one thread), which makes a
+   bfloat16 prefill about 8 times slower than a float32 one.  There a bfloat16 layer computes
+   an input of :data:`BF16_UPCAST_MIN_ROWS` rows or more in float32 (input and weight
+   widened exactly, the sum in float32 as bfloat16's kernel sums too, the result rounded to
+   bfloat16: another summation order), and fewer rows (decoding, verification) keep
+   ``F.linear``, which is faster there than widening the weight.
 2. **Attention with grouped KV heads.**  With an explicit mask and more than one query,
    transformers' SDPA path materialises ``repeat_kv`` (every KV head copied to each of its
    query heads) for every layer and pass, which at 8 rows and an 800-token context is most
@@ -72,6 +81,9 @@ def _bf16_packable() -> bool:
 #: dtypes oneDNN's packed linear kernels serve on this CPU (bfloat16 only where the CPU has
 #: the instructions: elsewhere a bfloat16 linear stays ``F.linear``)
 PACKED_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _bf16_packable() else ())
+#: bfloat16 where oneDNN cannot pack it: inputs of at least this many rows are computed in float32
+#: (measured on an AVX2 CPU: 8 rows break even for a 1536 x 576 weight, 16 for SmolLM2's head)
+BF16_UPCAST_MIN_ROWS = 32
 #: M (rows of input) the weights are packed for: oneDNN's blocked GEMM layout, not a limit
 PACK_FOR_ROWS = 4
 #: the most rows of input :func:`small_rows_to_mkl` may send to ``F.linear`` (MKL) instead of oneDNN
@@ -118,8 +130,13 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         w = self.weight
         if (input.device.type != "cpu" or w.device.type != "cpu" or input.dtype != w.dtype
-                or w.dtype not in PACKED_DTYPES or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
+                or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
             return F.linear(input, w, self.bias)
+        if w.dtype not in PACKED_DTYPES:  # bfloat16 on a CPU oneDNN cannot pack it for
+            if w.dtype != torch.bfloat16 or input.numel() < BF16_UPCAST_MIN_ROWS * w.shape[1]:
+                return F.linear(input, w, self.bias)
+            bias = self.bias.detach().float() if self.bias is not None else None
+            return F.linear(input.float(), w.detach().float(), bias).to(torch.bfloat16)
         if input.numel() <= _MKL_ROWS.get(_shape_key(w), 0) * w.shape[1]:
             return F.linear(input, w, self.bias)
         bias = self.bias.detach() if self.bias is not None else None
@@ -192,7 +209,9 @@ def pack_linears(model: torch.nn.Module) -> int:
     Subclasses of ``Linear`` (quantized layers and the like) are left alone, and so is a model
     on another device or of another dtype (its layers keep ``F.linear``).  Each weight shape's
     kernel for 1-3 rows of input is measured here, once per process
-    (:func:`small_rows_to_mkl`), which packs those layers' weights.
+    (:func:`small_rows_to_mkl`), which packs those layers' weights.  bfloat16 layers on a CPU
+    where oneDNN cannot pack bfloat16 are switched too: they widen long inputs to float32
+    (:data:`BF16_UPCAST_MIN_ROWS`) and keep no packed copy.
 
     Returns:
         How many layers were switched (0 when the kernels are off or oneDNN is missing).
@@ -201,11 +220,13 @@ def pack_linears(model: torch.nn.Module) -> int:
         return 0
     by_shape: dict[tuple, list] = {}
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES:
+        if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+                and module.weight.dtype in PACKED_DTYPES + (torch.bfloat16,)):
             module.__class__ = PackedLinear
             by_shape.setdefault(_shape_key(module.weight), []).append(module)
     for layers in by_shape.values():
-        small_rows_to_mkl(layers)
+        if layers[0].weight.dtype in PACKED_DTYPES:  # (unpackable bfloat16 is widened, see BF16_UPCAST_MIN_ROWS)
+            small_rows_to_mkl(layers)
     return sum(map(len, by_shape.values()))
 
 

@@ -50,3 +50,24 @@ def test_either_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measu
             torch.testing.assert_close(got, real_linear(x, w, b), rtol=1e-5, atol=1e-5)
             rows = x.numel() // 24
             assert (len(calls) == 1) == (rows <= rows_to_mkl), (shape, rows_to_mkl, calls)
+
+
+def test_bfloat16_where_onednn_cannot_pack_it_widens_long_inputs_and_keeps_short_ones_on_f_linear(monkeypatch):
+    monkeypatch.setattr(kernels, "PACKED_DTYPES", (torch.float32,))  # an AVX2-only CPU, whatever this one is
+    model = _model(2, 43).to(torch.bfloat16)
+    assert kernels.pack_linears(model) == 3
+    assert not any(m in kernels._PACKED for m in model)  # nothing packed, nothing measured
+    calls = []
+    real_linear = kernels.F.linear
+    monkeypatch.setattr(kernels.F, "linear", lambda *a, **k: calls.append(a[0].dtype) or real_linear(*a, **k))
+    w, b = model[0].weight.detach(), model[0].bias.detach()
+    with torch.inference_mode():
+        for rows in (1, kernels.BF16_UPCAST_MIN_ROWS - 1, kernels.BF16_UPCAST_MIN_ROWS, 100):
+            x = torch.randn(rows, 24, dtype=torch.bfloat16)
+            calls.clear()
+            got = model[0](x)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 43)
+            widened = rows >= kernels.BF16_UPCAST_MIN_ROWS
+            assert calls == [torch.float32 if widened else torch.bfloat16]
+            exact = real_linear(x.double(), w.double(), b.double())  # the exact sum, rounded once
+            assert (got.double() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # within bfloat16's rounding
