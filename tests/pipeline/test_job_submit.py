@@ -112,9 +112,11 @@ def _nodes(ray_bin, port, env) -> str:
     return r.stdout
 
 
-@pytest.mark.parametrize("actors", [1, 2])
-def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path, actors):
-    """With 2 actors, the actor pool holds both CPUs of the cluster, one per node."""
+def test_ray_job_submit_summarize(ray_head, tiny_models, tmp_path):
+    """With 2 actors, the actor pool holds both CPUs of the cluster, one per node (one actor
+    was a second run of the same path, about a minute of the suite: the cluster tests of
+    tests/cluster run one-actor jobs on a cluster)."""
+    actors = 2
     write_jsonl(tmp_path / "in" / "prompts.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:5])])
     out = tmp_path / "out"
     config = {
