@@ -125,6 +125,7 @@ class StepEngine:
             ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer)
         )
         self._hook = getattr(self.proposer, "target_forward", None)
+        self._move = getattr(self.proposer, "move", None)  # TreeState: state from the target's passes, moved with a tree's path
         if self._hook is not None and self.layout.longrope_switch is not None:
             raise ValueError(
                 f"method {self.spec.method!r} reuses the target's own passes, which a LongRoPE target recomputes when "
@@ -133,8 +134,8 @@ class StepEngine:
         if self.spec.num_candidates > 1:
             why = None
             if not getattr(self.proposer, "proposes_trees", False):
-                why = "its proposer drafts no token trees (prompt_lookup, suffix and draft_model do)"
-            elif self._hook is not None:
+                why = "its proposer drafts no token trees (prompt_lookup, suffix, draft_model and eagle do)"
+            elif self._hook is not None and self._move is None:
                 why = "it runs the target's passes itself, without a tree attention mask"
             elif self.layout.longrope_switch is not None:
                 why = "a LongRoPE target's factors follow the pass's slots, not the nodes' positions"
@@ -179,8 +180,11 @@ class StepEngine:
         one): ``tokens[i]`` ``(q_i,)`` int64 from position ``starts[i]``; returns ``(b,
         logits_to_keep, V)`` logits of the last positions of every row.  ``trees``: per row
         ``None`` or a token tree's ``parents`` over its tokens (:meth:`ModelRunner.forward`;
-        never through a hook: the engine refuses trees with one)."""
+        through a hook only when the proposer keeps its state along a tree's path,
+        :class:`~pipeline.engine.proposers.base.TreeState`: the engine refuses trees otherwise)."""
         if self._hook is not None:
+            if trees is not None:
+                return self._hook(self._runner, slots, tokens, starts, logits_to_keep, trees=trees)
             return self._hook(self._runner, slots, tokens, starts, logits_to_keep)
         return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, trees=trees).logits
 
@@ -367,16 +371,22 @@ class StepEngine:
 
     def _settle(self, row: RowState, draft: Draft, verdict: Verdict, tree_off: bool) -> None:
         """After verification: the accepted path's cache entries moved to their slots (a tree),
-        the proposer rolled back to the accepted part of its first branch, the block committed
-        and the measurements recorded."""
+        the proposer rolled back to the accepted part of its first branch (or, when its state
+        came from the target's pass and moved with the path, :class:`TreeState`, to the whole
+        path), the block committed and the measurements recorded."""
         n, path = len(draft), verdict.path
-        on_first = len(path)
+        on_first = kept = len(path)
         if draft.parents is not None:
             first = draft.first_branch()
             on_first = next((i for i, (a, b) in enumerate(zip(path, first)) if a != b), min(len(path), len(first)))
             moves = [(row.length + j, row.length + i) for i, j in enumerate(path) if j != i]
             if moves:
-                self._runner.cache.move(row.slot, [a for a, _ in moves], [b for _, b in moves])
+                src, dst = [a for a, _ in moves], [b for _, b in moves]
+                self._runner.cache.move(row.slot, src, dst)
+                if self._move is not None:
+                    self._move(row.slot, src, dst)
+            if self._move is None:
+                kept = on_first
             if draft.is_tree:
                 row.stats.tree_steps += 1
                 row.stats.tree_nodes += n
@@ -388,7 +398,7 @@ class StepEngine:
             if tree_off and n:
                 row.stats.tree_off_steps += 1
         if self.proposer is not None:
-            self.proposer.rollback(row.slot, row.length + on_first)
+            self.proposer.rollback(row.slot, row.length + kept)
         tokens = draft.tokens[path].tolist() if path else []
         self._commit(row, tokens, verdict.token, depth)
         if self.policy is not None and fb:

@@ -78,8 +78,8 @@ class SpeculationSettings:
             continuations a row's draft may branch into, verified in one target pass with a
             tree attention mask (1, the default: one linear draft).  Methods whose proposer
             offers trees (``prompt_lookup``: several n-gram matches; ``suffix``: its trees'
-            other frequent continuations; ``draft_model``: the
-            drafter's top candidates at each draft position); greedy rows without logits
+            other frequent continuations; ``draft_model`` and ``eagle``:
+            the drafter's or the draft head's top candidates at each draft position); greedy rows without logits
             processors only (sampled rows verify one linear draft; ``RowStats.tree_off_steps``
             counts those steps).
     """

@@ -495,3 +495,62 @@ def test_float32_with_the_cpu_kernels_and_a_head_loaded_under_inference_mode(tmp
     if kernels.enabled() and kernels._onednn_available():
         assert any(type(m) is kernels.PackedLinear for m in engine.proposer.head.modules())
         assert not any(p.is_inference() for p in engine.proposer.head.parameters())
+
+
+# ---------------------------------------------------------------------------- token trees
+def _features_checked(monkeypatch, target, head):
+    """Wraps the proposer's ``propose``: before each step, every row's stored features of its
+    committed positions are compared with a fresh target pass over its sequence; returns the
+    list of (slot, largest difference) and the count of path moves."""
+    seen, moves = [], []
+    original_propose, original_move = EagleProposer.propose, EagleProposer.move
+
+    def propose(self, requests):
+        for r in requests:
+            f, L = self.feats[r.slot], r.sequence.shape[1]
+            if f.data is None or f.end < L - 1 or L < 2:
+                continue
+            with torch.no_grad():
+                out = target(r.sequence, output_hidden_states=True)
+                fresh = self.head.project(out.hidden_states)[0, f.start : L - 1]
+            seen.append((r.slot, float((f.get(f.start, L - 1) - fresh).abs().max())))
+        return original_propose(self, requests)
+
+    def move(self, slot, src, dst):
+        moves.append((slot, src, dst))
+        return original_move(self, slot, src, dst)
+
+    monkeypatch.setattr(EagleProposer, "propose", propose)
+    monkeypatch.setattr(EagleProposer, "move", move)
+    return seen, moves
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_trees_equal_plain_and_a_path_through_a_leaf_moves_its_features(target, heads, references, batch,
+                                                                         monkeypatch):
+    """``num_candidates = 4``: the head's chain plus its next likeliest tokens at each
+    position as leaves.  Greedy rows equal plain, single-row and batched, budgets ending
+    mid-tree; steps whose accepted path took a leaf moved the path's features, and at every
+    step each row's features of its committed positions equal a fresh target pass's."""
+    rows, expected = references
+    seen, moves = _features_checked(monkeypatch, target, heads["trained"])
+    engine = _engine(target, heads["trained"], 4, batch, num_candidates=4)
+    results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
+    assert [r.token_ids for r in results] == expected
+    for r in results:
+        check_stats(r, 4)
+    assert sum(r.stats.tree_steps for r in results) > 0
+    assert moves, "no accepted path took a leaf: the test did not reach what it tests"
+    assert seen and max(d for _, d in seen) < 1e-9
+
+
+def test_without_the_move_a_path_through_a_leaf_leaves_wrong_features(target, heads, references, monkeypatch):
+    """Teeth for the test above: with the features' move switched off, some row drafts from
+    a feature that is not its committed position's (outputs stay plain greedy's: drafts only)."""
+    rows, expected = references
+    seen, moves = _features_checked(monkeypatch, target, heads["trained"])
+    monkeypatch.setattr(EagleProposer, "move", lambda self, slot, src, dst: moves.append(src))
+    engine = _engine(target, heads["trained"], 4, 1, num_candidates=4)
+    results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
+    assert [r.token_ids for r in results] == expected
+    assert moves and max(d for _, d in seen) > 1e-6

@@ -198,6 +198,22 @@ def tree_from_branches(branches: list[list[int]], device) -> Draft:
     return draft if draft.is_tree else Draft(draft.tokens)
 
 
+def with_leaves(chain: Draft, leaves: list[tuple[int, int, int]]) -> Draft:
+    """A linear draft ``chain`` with side leaves: ``(rank, position, token)`` says that at draft
+    position ``position`` (0-based) the proposer's ``rank``-th alternative to the chain's token
+    there is ``token``, a sibling of it (a child of the chain's node ``position - 1``, or of
+    the root).  The chain stays the first branch (nodes ``0 .. len(chain) - 1``); the leaves
+    follow, likeliest first, shallow before deep.  A static top-k expansion as in EAGLE-2 (Li
+    et al. 2024, arXiv 2406.16858) and SpecInfer; no leaves: ``chain`` itself."""
+    if not leaves:
+        return chain
+    extra = sorted(leaves)
+    tokens = torch.cat([chain.tokens, torch.tensor([t for _, _, t in extra], dtype=torch.long,
+                                                   device=chain.tokens.device)])
+    parents = list(range(-1, len(chain) - 1)) + [pos - 1 for _, pos, _ in extra]
+    return Draft(tokens, None, parents)
+
+
 class Finish(Protocol):
     """Optional hook of a proposer that learns from finished rows (``suffix``'s job-wide
     tree).  When a proposer has ``finish``, the engine calls it once per row that leaves its
@@ -209,15 +225,30 @@ class Finish(Protocol):
 
 class TargetForward(Protocol):
     """Optional hook of a proposer that needs more from the target than its logits
-    (hidden states for MTP layers, the shared cache for early exit).  When a proposer has
-    ``target_forward``, the loop runs every target pass (prefill and verification)
-    through it instead of :meth:`ModelRunner.forward`.
+    (hidden states for MTP layers and draft heads, the shared cache for early exit).  When a
+    proposer has ``target_forward``, the loop runs every target pass (prefill and
+    verification) through it instead of :meth:`ModelRunner.forward`.  A proposer that also
+    has ``proposes_trees`` and :class:`TreeState`'s ``move`` is passed ``trees`` (as
+    :meth:`ModelRunner.forward` takes them); any other is never asked for a tree.
     """
 
     def target_forward(self, runner, slots: list[int], tokens: list[torch.Tensor], starts: list[int],
-                       logits_to_keep: int) -> torch.Tensor:
+                       logits_to_keep: int, trees=None) -> torch.Tensor:
         """Run the target on each row's ``tokens`` (positions from ``starts``); return
         ``(b, logits_to_keep, V)`` logits of the last positions of every row."""
+
+
+class TreeState(Protocol):
+    """Optional hook of a proposer that keeps per-position state from the target's passes
+    (``target_forward``: a draft head's features) and drafts token trees.  The target pass
+    of a tree step writes node ``j``'s state at position ``L + j`` (its slot in the pass, as
+    the target's cache does); when the accepted path leaves the first branch, the loop calls
+    :meth:`move` with the moves it makes in the target's cache, and then rolls the proposer
+    back to the whole accepted path (not only its part on the first branch)."""
+
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """The state of positions ``src`` now belongs at ``dst`` (``dst[i] < src[i]``, in
+        increasing order), as :meth:`SlotCache.move` moves cache entries."""
 
 
 def draft_tokens(

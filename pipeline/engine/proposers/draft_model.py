@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..runner import ModelRunner, model_layout, prefill, text_config
-from .base import Draft, DraftRequest, Drafting, draft_tokens
+from .base import Draft, DraftRequest, Drafting, draft_tokens, with_leaves
 
 
 class _Logits:
@@ -221,12 +221,7 @@ class DraftModelProposer:
             active = still
         drafts = drafting.drafts()
         for i, extra in leaves.items():
-            chain = drafts[i]
-            extra.sort()  # the likeliest alternatives first, shallow before deep
-            tokens = torch.cat([chain.tokens, torch.tensor([t for _, _, t in extra], dtype=torch.long,
-                                                           device=chain.tokens.device)])
-            parents = list(range(-1, len(chain) - 1)) + [pos - 1 for _, pos, _ in extra]
-            drafts[i] = Draft(tokens, None, parents)
+            drafts[i] = with_leaves(drafts[i], extra)
         return drafts
 
 

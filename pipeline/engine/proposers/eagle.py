@@ -20,6 +20,15 @@ State per row (slot), never recomputed for committed tokens:
   counted in ``n``, so whatever verification accepts they are rewritten (the next catch-up
   pass writes those slots before any query reads them).  Rollback to ``V`` valid tokens
   keeps features ``j < V`` and real entries ``j < V - 1``.
+
+Token trees (``num_candidates = c > 1``, greedy rows; EAGLE-2's top-k expansion, Li et al.
+2024, arXiv 2406.16858, kept static as in :mod:`.draft_model`): the head drafts its greedy
+chain, and at each draft position its next ``c - 1`` likeliest tokens join the tree as
+leaves, siblings of the chain's token there, at no head pass.  The target's pass over the
+tree writes node ``j``'s feature at position ``L + j`` (its slot in the pass); when the
+accepted path takes a leaf, :meth:`EagleProposer.move` moves the path's features to their
+positions as the loop moves the target's cache entries, and the rollback keeps the whole
+accepted path.  The head's real entries never depend on a draft, so they need no move.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import torch
 from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, is_draft_head, load_draft_head, \
     read_draft_head_config
 from ..runner import ModelLayout, ModelRunner, text_config
-from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens
+from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, with_leaves
 from .mtp import Positions, store_hidden
 
 try:  # the engine's CPU kernels (oneDNN packed linears, small-query attention), when present
@@ -56,6 +65,7 @@ class EagleProposer:
 
     adaptive = True
     max_rows = None
+    proposes_trees = True
 
     def __init__(self, target, head: DraftHead, draft_vocab_size: int | None = None):
         if draft_vocab_size is not None:
@@ -85,14 +95,20 @@ class EagleProposer:
             self.feats[s] = Positions()
             self.length[s] = self.offset[s] = 0
 
-    def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
-        """The target pass, keeping the head's feature ``p`` of every position it ran."""
-        out = runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep,
+    def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int, trees=None) -> torch.Tensor:
+        """The target pass, keeping the head's feature ``p`` of every position it ran (of a
+        token tree: node ``j``'s at position ``starts[b] + 1 + j``, its slot in the pass)."""
+        out = runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, trees=trees,
                              output_hidden_states=self.feature_layers)
         with torch.no_grad():
             p = self.head.project(out.hidden_states)
         store_hidden(self.feats, slots, tokens, starts, p)
         return out.logits
+
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """A tree step accepted a path off its first branch: the features of the target
+        positions ``src`` (the path's nodes in the pass) now belong at ``dst``."""
+        self.feats[slot].move(src, dst)
 
     def rollback(self, slot: int, valid_length: int) -> None:
         self.feats[slot].crop(valid_length)
@@ -128,7 +144,8 @@ class EagleProposer:
         for r in reqs:
             self.length[r.slot] = r.sequence.shape[1] - 1
             self.feats[r.slot].drop_before(self.length[r.slot])
-        chosen = self._choose(g, rows, reqs, drafting)
+        leaves: dict[int, list[tuple[int, int, int]]] = {}  # request -> (rank, position, token): tree leaves
+        chosen = self._choose(g, rows, reqs, drafting, leaves)
         # draft positions 2 .. k: the head chained on its own output (speculative entries)
         position = 1
         while True:
@@ -140,16 +157,29 @@ class EagleProposer:
             g, chosen = g[keep], chosen[keep]
             starts = [r.sequence.shape[1] - 3 + position - self.offset[r.slot] for r in reqs]
             g = self._pass([r.slot for r in reqs], list(g.unsqueeze(1)), list(chosen.view(-1, 1)), starts)[:, -1]
-            chosen = self._choose(g, rows, reqs, drafting)
-        return drafting.drafts()
+            chosen = self._choose(g, rows, reqs, drafting, leaves)
+        drafts = drafting.drafts()
+        for i, extra in leaves.items():
+            drafts[i] = with_leaves(drafts[i], extra)
+        return drafts
 
-    def _choose(self, g: torch.Tensor, rows: list[int], reqs: list[DraftRequest], drafting: Drafting) -> torch.Tensor:
+    def _choose(self, g: torch.Tensor, rows: list[int], reqs: list[DraftRequest], drafting: Drafting,
+                leaves: dict[int, list[tuple[int, int, int]]]) -> torch.Tensor:
         """Each row's next draft token from the head's output ``g`` ``(b, H)``; appended to
-        ``drafting``; returns ``(b,)`` int64 target ids."""
+        ``drafting``; returns ``(b,)`` int64 target ids.  A row asked for a tree
+        (``candidates = c > 1``: greedy, no processors) adds the head's next ``c - 1``
+        likeliest tokens at this position to ``leaves``."""
         logits = self.head.logits(g)  # (b, N)
         if not any(r.shaper.active or r.shaper.do_sample or r.want_probs for r in reqs):
             chosen = self.vocab_ids[logits.argmax(-1)]
             qs = [None] * len(reqs)
+            c = max(r.candidates for r in reqs)
+            if c > 1:
+                top = self.vocab_ids[logits.topk(min(c, logits.shape[-1]), dim=-1).indices].tolist()  # (b, c) target ids
+                for j, (i, r) in enumerate(zip(rows, reqs)):
+                    if r.candidates > 1:
+                        others = [t for t in top[j] if t != int(chosen[j])][: r.candidates - 1]
+                        leaves.setdefault(i, []).extend((rank, drafting.count(i), t) for rank, t in enumerate(others))
         else:  # q through the row's logits processors: full width, -inf outside the draft vocabulary
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             full[:, self.vocab_ids] = logits

@@ -186,6 +186,18 @@ class Positions:
             raise RuntimeError(f"MTP state out of step: need [{a}, {b}), holding [{self.start}, {self.end})")
         return self.data[a - self.start : b - self.start]
 
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """The vectors of positions ``src`` now belong at positions ``dst`` (a token tree's
+        accepted path, :meth:`SlotCache.move`'s moves)."""
+        if not src:
+            return
+        if min(src + dst) < self.start or max(src + dst) >= self.end:
+            raise RuntimeError(f"state out of step: moving positions {src} to {dst}, holding [{self.start}, {self.end})")
+        a = torch.tensor(src, dtype=torch.long, device=self.data.device) - self.start
+        b = torch.tensor(dst, dtype=torch.long, device=self.data.device) - self.start
+        self.data = self.data.clone()
+        self.data[b] = self.data[a]
+
     def crop(self, end: int) -> None:
         if self.data is not None and end < self.end:
             self.data = self.data[: max(0, end - self.start)]
