@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (issue 20): SmolLM2-135M-Instruct, the default job's prompt and chat template, XSum articles
 # 200-263, 64 new tokens, greedy; bfloat16 and float32; 1 to 64 rows in flight; plain against every method
-# (draft_model, prompt_lookup, suffix, eagle, and prompt lookup's token trees of 4 candidates; wall clock on a GPU).
+# (draft_model, prompt_lookup, suffix, eagle, and prompt lookup's and eagle's token trees of 4 candidates; wall clock on a GPU).
 # Prints each table and whether every row is identical to plain or
 # differs first at a measured near-tie; exits 1 if a row differs elsewhere. Budget: under 8 minutes on one
 # H100/H200-class device (each batch size runs on max(16, 2B) of the 64 rows).
@@ -34,7 +34,7 @@ if [ "$quick" = 1 ]; then
 else
     args=(--rows 200:264 --new-tokens 64 --batch-sizes 1,2,4,8,16,32,64 --min-rows 16 --threads 4)
 fi
-methods=plain,draft_model,prompt_lookup,suffix,eagle,prompt_lookup@method.num_candidates=4
+methods=plain,draft_model,prompt_lookup,suffix,eagle,prompt_lookup@method.num_candidates=4,eagle@method.num_candidates=4
 status=0
 for dtype in bfloat16 float32; do
     echo "== SmolLM2-135M-Instruct, $dtype, $device"

@@ -26,7 +26,8 @@ def test_gpu_check_runs_on_the_cpu_in_quick_mode(tmp_path):
     for dtype in ("bfloat16", "float32"):
         report = json.loads((tmp_path / dtype / "report.json").read_text())
         assert report["meta"]["dtype"] == dtype and report["meta"]["batch_sizes"] == [1, 2]
-        assert {"plain", "prompt_lookup", "suffix", "prompt_lookup@method.num_candidates=4"} <= set(report["runs"])
+        assert {"plain", "prompt_lookup", "suffix", "prompt_lookup@method.num_candidates=4",
+                "eagle@method.num_candidates=4"} <= set(report["runs"])
         for method, by_b in report["runs"].items():
             for b, r in by_b.items():
                 assert r["identical"] + r["near_ties"] == r["rows"] == 2, (dtype, method, b)

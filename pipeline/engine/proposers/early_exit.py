@@ -154,6 +154,9 @@ class EarlyExitProposer(DraftModelProposer):
             whose layers cannot be split (checked by a probe when the engine binds).
     """
 
+    #: no token trees: its target_forward runs the target's passes without a tree attention mask (the loop refuses them)
+    proposes_trees = False
+
     def __init__(self, target, layers: int, confidence_threshold: float = 0.0):
         self.views = _Views(target, layers)
         super().__init__(target, text_config(target).vocab_size, confidence_threshold, method="early_exit")
