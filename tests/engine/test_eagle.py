@@ -498,10 +498,10 @@ def test_float32_with_the_cpu_kernels_and_a_head_loaded_under_inference_mode(tmp
 
 
 # ---------------------------------------------------------------------------- token trees
-def _features_checked(monkeypatch, target, head):
+def _features_checked(monkeypatch, target):
     """Wraps the proposer's ``propose``: before each step, every row's stored features of its
     committed positions are compared with a fresh target pass over its sequence; returns the
-    list of (slot, largest difference) and the count of path moves."""
+    list of (slot, largest difference) and the list of path moves (slot, src, dst)."""
     seen, moves = [], []
     original_propose, original_move = EagleProposer.propose, EagleProposer.move
 
@@ -533,7 +533,7 @@ def test_trees_equal_plain_and_a_path_through_a_leaf_moves_its_features(target, 
     mid-tree; steps whose accepted path took a leaf moved the path's features, and at every
     step each row's features of its committed positions equal a fresh target pass's."""
     rows, expected = references
-    seen, moves = _features_checked(monkeypatch, target, heads["trained"])
+    seen, moves = _features_checked(monkeypatch, target)
     engine = _engine(target, heads["trained"], 4, batch, num_candidates=4)
     results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
     assert [r.token_ids for r in results] == expected
@@ -548,7 +548,7 @@ def test_without_the_move_a_path_through_a_leaf_leaves_wrong_features(target, he
     """Teeth for the test above: with the features' move switched off, some row drafts from
     a feature that is not its committed position's (outputs stay plain greedy's: drafts only)."""
     rows, expected = references
-    seen, moves = _features_checked(monkeypatch, target, heads["trained"])
+    seen, moves = _features_checked(monkeypatch, target)
     monkeypatch.setattr(EagleProposer, "move", lambda self, slot, src, dst: moves.append(src))
     engine = _engine(target, heads["trained"], 4, 1, num_candidates=4)
     results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
