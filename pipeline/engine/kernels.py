@@ -16,18 +16,25 @@ Measured on this project's 2-core AVX-512 machine (SmolLM2-135M, float32, one th
    :func:`pack_linears` switches every ``torch.nn.Linear`` of a model to it (float32 and
    bfloat16 on the CPU; the packed copy is repacked if the weight changes in place;
    training, autograd and other devices keep ``F.linear``).  It costs a second copy of each
-   linear weight in memory (the model's own weights are kept: tied embeddings, saving and
-   ``state_dict`` go on working).
+   linear weight in memory, and a third where the transposed kernel below wins (the model's
+   own weights are kept: tied embeddings, saving and ``state_dict`` go on working).
 
    Which kernel is faster for 1-3 rows depends on the CPU: on the machine of commit d397ec9
    oneDNN won from one row on (the 49,152 x 576 head: 2.4 ms against 6.3), on a later
    machine of the same project MKL's matrix-vector path won up to 3 rows (one row: 0.21 ms
    against 0.31 for a 1536 x 576 layer; a plain decode step of SmolLM2 93.6 ms with oneDNN,
-   67.4 ms with MKL for its one row).  So :func:`pack_linears` measures it: for each
-   weight shape of the model it times both kernels over the model's own weights of that
-   shape at 1, 2 and 3 rows of input, once per process (:func:`small_rows_to_mkl`), and a
-   layer sends inputs of up to that many rows to ``F.linear``; 4 rows and more always go to
-   oneDNN, whose packed layout is made for them.
+   67.4 ms with MKL for its one row).  A third kernel streams the weight the other way:
+   MKL's product with a transposed copy of the weight (``x @ W^T`` with ``W^T`` stored
+   ``(in, out)``, contiguous), which reads it row by row in the output's direction and needs
+   no horizontal sums.  On this project's AVX2 machine it is the fastest at one row for most
+   of SmolLM2's shapes (one row, every weight of a shape read once as a pass reads it: the
+   49,152 x 576 head 4.4 ms against 6.4 with oneDNN and 8.2 with ``F.linear``; the 3,072 x 576
+   gate/up projection 0.33 ms against 0.44 and 0.55), and slower from two rows on.  So
+   :func:`pack_linears` measures it: for each weight shape of the model it times the three
+   kernels over the model's own weights of that shape at 1, 2 and 3 rows of input, once per
+   process (:func:`small_row_kernels`), and a layer sends inputs of that many rows to the
+   winner; 4 rows and more always go to oneDNN, whose packed layout is made for them.  The
+   transposed copy (float32 only) is kept only for the shapes where it won a row count.
 
    oneDNN packs bfloat16 only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT.  On an
    AVX2-only CPU ``F.linear`` in bfloat16 runs at a fraction of float32's speed (a 145 x 576
@@ -86,10 +93,15 @@ PACKED_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _bf16_packable() else (
 BF16_UPCAST_MIN_ROWS = 32
 #: M (rows of input) the weights are packed for: oneDNN's blocked GEMM layout, not a limit
 PACK_FOR_ROWS = 4
-#: the most rows of input :func:`small_rows_to_mkl` may send to ``F.linear`` (MKL) instead of oneDNN
-MKL_MAX_ROWS = PACK_FOR_ROWS - 1
-#: F.linear must be faster by this factor to take a row count from oneDNN (timing noise)
-MKL_MARGIN = 0.95
+#: the most rows of input :func:`small_row_kernels` may send to a kernel other than oneDNN
+SMALL_MAX_ROWS = PACK_FOR_ROWS - 1
+#: the kernels a row count of 1 .. SMALL_MAX_ROWS may go to: oneDNN's packed kernel, ``F.linear``
+#: (MKL's matrix-vector path) and MKL's product with a transposed copy of the weight
+KERNELS = ("onednn", "mkl", "transposed")
+#: dtypes the transposed kernel is measured for (MKL's float32 product; bfloat16 has no such path)
+TRANSPOSED_DTYPES = (torch.float32,)
+#: another kernel must be faster than the one it would replace by this factor to take a row count (timing noise)
+MARGIN = 0.95
 
 
 def env_on(name: str) -> bool:
@@ -123,8 +135,9 @@ def _weight_key(w: torch.Tensor) -> tuple:
 
 
 class PackedLinear(torch.nn.Linear):
-    """A ``torch.nn.Linear`` whose CPU inference runs oneDNN with a packed copy of its weight
-    (see the module docstring).  Same parameters, same ``state_dict``; instances are made by
+    """A ``torch.nn.Linear`` whose CPU inference runs oneDNN with a packed copy of its weight,
+    or for 1-3 rows of input the kernel measured fastest for its weight's shape (see the
+    module docstring).  Same parameters, same ``state_dict``; instances are made by
     :func:`pack_linears` (``__class__`` swap), never constructed directly."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
@@ -137,49 +150,73 @@ class PackedLinear(torch.nn.Linear):
                 return F.linear(input, w, self.bias)
             bias = self.bias.detach().float() if self.bias is not None else None
             return F.linear(input.float(), w.detach().float(), bias).to(torch.bfloat16)
-        if input.numel() <= _MKL_ROWS.get(_shape_key(w), 0) * w.shape[1]:
-            return F.linear(input, w, self.bias)
         bias = self.bias.detach() if self.bias is not None else None
+        rows = input.numel() // w.shape[1]
+        if rows <= SMALL_MAX_ROWS:
+            kernel = _SMALL_ROWS.get(_shape_key(w), ("onednn",) * SMALL_MAX_ROWS)[rows - 1] if rows else "mkl"
+            if kernel == "mkl":
+                return F.linear(input, w, self.bias)
+            if kernel == "transposed":
+                x = input.reshape(rows, w.shape[1])
+                wt = _transposed(self)
+                y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+                return y.view(*input.shape[:-1], w.shape[0])
         return torch.ops.mkldnn._linear_pointwise(input, _packed(self), bias, "none", [], "")
 
 
 def _packed(layer: torch.nn.Linear) -> torch.Tensor:
     """``layer``'s weight in oneDNN's packed layout (packed again when the weight changed)."""
+    return _copy(_PACKED, layer, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS))
+
+
+def _transposed(layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer``'s weight transposed, ``(in, out)`` contiguous (made again when the weight changed)."""
+    return _copy(_TRANSPOSED, layer, lambda w: w.t().contiguous())
+
+
+def _copy(store: "weakref.WeakKeyDictionary", layer: torch.nn.Linear, make) -> torch.Tensor:
     w = layer.weight
     key = _weight_key(w)
-    packed = _PACKED.get(layer)
-    if packed is None or packed[0] != key:
+    kept = store.get(layer)
+    if kept is None or kept[0] != key:
         with torch.no_grad():
-            packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS))
-        _PACKED[layer] = packed
-    return packed[1]
+            kept = (key, make(w.detach()))
+        store[layer] = kept
+    return kept[1]
+
+
+#: each PackedLinear's transposed weight where its shape's measurement chose that kernel, ``(weight key, tensor)``
+_TRANSPOSED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _shape_key(w: torch.Tensor) -> tuple:
     return (tuple(w.shape), w.dtype, torch.get_num_threads())
 
 
-#: per (weight shape, dtype, torch threads): inputs of up to this many rows go to F.linear (MKL)
-_MKL_ROWS: dict[tuple, int] = {}
+#: per (weight shape, dtype, torch threads): the kernel (one of :data:`KERNELS`) for inputs of 1, 2, 3 rows
+_SMALL_ROWS: dict[tuple, tuple[str, ...]] = {}
 
 
-def small_rows_to_mkl(layers: list[torch.nn.Linear], repeats: int = 3) -> int:
-    """How many rows of input (0 .. :data:`MKL_MAX_ROWS`) ``F.linear`` serves faster than
-    oneDNN's packed kernel for these layers (all of one weight shape and dtype): both kernels
-    timed over all of them (their weights read as a pass reads them, not one weight hot in
-    cache), best of ``repeats``, at 1, 2, 3 rows, stopping at the first row count where
-    oneDNN is as fast (``F.linear`` must win by :data:`MKL_MARGIN`).  Measured once per
-    shape, dtype and torch thread count in a process, and remembered.
+def small_row_kernels(layers: list[torch.nn.Linear], repeats: int = 3) -> tuple[str, ...]:
+    """Which kernel of :data:`KERNELS` serves inputs of 1 .. :data:`SMALL_MAX_ROWS` rows fastest
+    for these layers (all of one weight shape and dtype): each kernel timed over all of them
+    (their weights read as a pass reads them, not one weight hot in cache), best of
+    ``repeats``, at each row count.  oneDNN is the default, and another kernel takes a row
+    count only when faster by :data:`MARGIN`; the transposed kernel is tried for
+    :data:`TRANSPOSED_DTYPES` only, and its copies are dropped again where it won no row
+    count.  Measured once per shape, dtype and torch thread count in a process, and
+    remembered.
 
     Returns:
-        The row count; layers of that shape send inputs of up to that many rows (``numel <=
-        rows * in_features``) to ``F.linear``.
+        ``SMALL_MAX_ROWS`` kernel names, the one for inputs of ``i + 1`` rows at ``i``
+        (``numel == rows * in_features``).
     """
     key = _shape_key(layers[0].weight)
-    if key in _MKL_ROWS:
-        return _MKL_ROWS[key]
+    if key in _SMALL_ROWS:
+        return _SMALL_ROWS[key]
     weights = [m.weight.detach() for m in layers]
     packed = [_packed(m) for m in layers]
+    transposed = [_transposed(m) for m in layers] if weights[0].dtype in TRANSPOSED_DTYPES else None
 
     def best(run) -> float:
         run()  # warm
@@ -190,17 +227,25 @@ def small_rows_to_mkl(layers: list[torch.nn.Linear], repeats: int = 3) -> int:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    rows = 0
+    chosen = []
     with torch.no_grad():
-        for m in range(1, MKL_MAX_ROWS + 1):
+        for m in range(1, SMALL_MAX_ROWS + 1):
             x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype)
-            mkl = best(lambda x=x: [F.linear(x, w) for w in weights])
-            onednn = best(lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed])
-            if mkl >= MKL_MARGIN * onednn:
-                break
-            rows = m
-    _MKL_ROWS[key] = rows
-    return rows
+            times = {"onednn": best(lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                                 for p in packed]),
+                     "mkl": best(lambda x=x: [F.linear(x, w) for w in weights])}
+            if transposed is not None:
+                times["transposed"] = best(lambda x=x: [torch.mm(x, wt) for wt in transposed])
+            kernel = "onednn"
+            for other in ("mkl", "transposed"):
+                if other in times and times[other] < MARGIN * times[kernel]:
+                    kernel = other
+            chosen.append(kernel)
+    if "transposed" not in chosen:
+        for layer in layers:
+            _TRANSPOSED.pop(layer, None)
+    _SMALL_ROWS[key] = tuple(chosen)
+    return _SMALL_ROWS[key]
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -209,7 +254,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     Subclasses of ``Linear`` (quantized layers and the like) are left alone, and so is a model
     on another device or of another dtype (its layers keep ``F.linear``).  Each weight shape's
     kernel for 1-3 rows of input is measured here, once per process
-    (:func:`small_rows_to_mkl`), which packs those layers' weights.  bfloat16 layers on a CPU
+    (:func:`small_row_kernels`), which packs those layers' weights.  bfloat16 layers on a CPU
     where oneDNN cannot pack bfloat16 are switched too: they widen long inputs to float32
     (:data:`BF16_UPCAST_MIN_ROWS`) and keep no packed copy.
 
@@ -226,7 +271,7 @@ def pack_linears(model: torch.nn.Module) -> int:
             by_shape.setdefault(_shape_key(module.weight), []).append(module)
     for layers in by_shape.values():
         if layers[0].weight.dtype in PACKED_DTYPES:  # (unpackable bfloat16 is widened, see BF16_UPCAST_MIN_ROWS)
-            small_rows_to_mkl(layers)
+            small_row_kernels(layers)
     return sum(map(len, by_shape.values()))
 
 

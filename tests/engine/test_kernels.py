@@ -1,5 +1,6 @@
-"""The CPU kernels' linear layers: oneDNN's packed kernel or MKL's F.linear by rows of input,
-the split measured once per weight shape (pipeline/engine/kernels.py)."""
+"""The CPU kernels' linear layers: oneDNN's packed kernel, MKL's F.linear or MKL's product with a
+transposed copy of the weight by rows of input, the choice measured once per weight shape
+(pipeline/engine/kernels.py)."""
 
 import pytest
 import torch
@@ -20,36 +21,66 @@ def test_pack_linears_measures_each_weight_shape_once_and_packs_every_layer():
     model = _model(0, 37)  # a shape no other test uses: measured here
     keys = {kernels._shape_key(m.weight) for m in model}
     for k in keys:
-        kernels._MKL_ROWS.pop(k, None)
+        kernels._SMALL_ROWS.pop(k, None)
     assert kernels.pack_linears(model) == 3
     assert all(type(m) is kernels.PackedLinear for m in model)
     for k in keys:
-        assert 0 <= kernels._MKL_ROWS[k] <= kernels.MKL_MAX_ROWS
+        chosen = kernels._SMALL_ROWS[k]
+        assert len(chosen) == kernels.SMALL_MAX_ROWS and set(chosen) <= set(kernels.KERNELS)
     assert all(m in kernels._PACKED for m in model)  # measuring packed them
-    kernels._MKL_ROWS[kernels._shape_key(model[0].weight)] = 99  # a remembered answer is not measured again
-    assert kernels.small_rows_to_mkl([model[0], model[2]]) == 99
+    for m in model:  # a transposed copy is kept exactly where its shape chose that kernel
+        assert (m in kernels._TRANSPOSED) == ("transposed" in kernels._SMALL_ROWS[kernels._shape_key(m.weight)])
+    kernels._SMALL_ROWS[kernels._shape_key(model[0].weight)] = ("mkl",) * 3  # a remembered answer is not measured again
+    assert kernels.small_row_kernels([model[0], model[2]]) == ("mkl",) * 3
     assert kernels.pack_linears(model) == 0  # already packed
 
 
-@pytest.mark.parametrize("rows_to_mkl", [0, 1, 3])
-def test_either_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measurement_said(monkeypatch, rows_to_mkl):
+def _calls(monkeypatch):
+    """Which kernel each call of a PackedLinear took: a list the patched kernels append to."""
+    calls = []
+    real = {"mkl": kernels.F.linear, "transposed_mm": torch.mm, "transposed_addmm": torch.addmm}
+    monkeypatch.setattr(kernels.F, "linear", lambda *a, **k: calls.append("mkl") or real["mkl"](*a, **k))
+    monkeypatch.setattr(kernels.torch, "mm", lambda *a, **k: calls.append("transposed") or real["transposed_mm"](*a, **k))
+    monkeypatch.setattr(kernels.torch, "addmm",
+                        lambda *a, **k: calls.append("transposed") or real["transposed_addmm"](*a, **k))
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(kernels.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a, **k: calls.append("onednn") or onednn(*a, **k), raising=False)
+    return calls, real["mkl"]
+
+
+@pytest.mark.parametrize("chosen", [("onednn",) * 3, ("mkl", "mkl", "onednn"), ("transposed", "onednn", "mkl"),
+                                    ("transposed",) * 3])
+def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measurement_said(monkeypatch, chosen):
     model = _model(1, 41)
     reference = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
     kernels.pack_linears(model)
-    calls = []
-    real_linear = kernels.F.linear
-    monkeypatch.setattr(kernels.F, "linear", lambda *a, **k: calls.append(a[0].shape) or real_linear(*a, **k))
     for m in model:
-        monkeypatch.setitem(kernels._MKL_ROWS, kernels._shape_key(m.weight), rows_to_mkl)
+        monkeypatch.setitem(kernels._SMALL_ROWS, kernels._shape_key(m.weight), chosen)
+    calls, real_linear = _calls(monkeypatch)
     with torch.inference_mode():
-        for shape in [(1, 24), (2, 24), (1, 3, 24), (4, 24), (2, 5, 24)]:
-            x = torch.randn(*shape)
-            calls.clear()
-            got = model[0](x)
-            w, b = reference[0]
-            torch.testing.assert_close(got, real_linear(x, w, b), rtol=1e-5, atol=1e-5)
-            rows = x.numel() // 24
-            assert (len(calls) == 1) == (rows <= rows_to_mkl), (shape, rows_to_mkl, calls)
+        for i in (0, 1):  # with a bias and without
+            for shape in [(1, 24), (2, 24), (1, 3, 24), (4, 24), (2, 5, 24)]:
+                x = torch.randn(*shape[:-1], model[i].in_features)
+                calls.clear()
+                got = model[i](x)
+                w, b = reference[i]
+                torch.testing.assert_close(got, real_linear(x, w, b), rtol=1e-5, atol=1e-5)
+                rows = x.numel() // model[i].in_features
+                assert calls == [chosen[rows - 1] if rows <= kernels.SMALL_MAX_ROWS else "onednn"], (shape, calls)
+
+
+def test_the_transposed_copy_follows_a_weight_changed_in_place(monkeypatch):
+    model = _model(3, 45)
+    kernels.pack_linears(model)
+    layer = model[0]
+    monkeypatch.setitem(kernels._SMALL_ROWS, kernels._shape_key(layer.weight), ("transposed",) * 3)
+    x = torch.randn(1, 24)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(2.0)  # in place: same storage, a new version
+        got = layer(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_where_onednn_cannot_pack_it_widens_long_inputs_and_keeps_short_ones_on_f_linear(monkeypatch):
