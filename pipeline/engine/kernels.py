@@ -153,7 +153,7 @@ class PackedLinear(torch.nn.Linear):
         bias = self.bias.detach() if self.bias is not None else None
         rows = input.numel() // w.shape[1]
         if rows <= SMALL_MAX_ROWS:
-            kernel = _SMALL_ROWS.get(_shape_key(w), ("onednn",) * SMALL_MAX_ROWS)[rows - 1] if rows else "mkl"
+            kernel = _SMALL_ROWS.get(_shape_key(w), KERNELS[:1] * SMALL_MAX_ROWS)[rows - 1] if rows else "mkl"
             if kernel == "mkl":
                 return F.linear(input, w, self.bias)
             if kernel == "transposed":
@@ -236,8 +236,8 @@ def small_row_kernels(layers: list[torch.nn.Linear], repeats: int = 3) -> tuple[
                      "mkl": best(lambda x=x: [F.linear(x, w) for w in weights])}
             if transposed is not None:
                 times["transposed"] = best(lambda x=x: [torch.mm(x, wt) for wt in transposed])
-            kernel = "onednn"
-            for other in ("mkl", "transposed"):
+            kernel = KERNELS[0]  # oneDNN unless another wins by the margin
+            for other in KERNELS[1:]:
                 if other in times and times[other] < MARGIN * times[kernel]:
                     kernel = other
             chosen.append(kernel)
