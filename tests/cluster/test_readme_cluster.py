@@ -9,8 +9,9 @@ Changed from the page, and only this: the output goes to the test's folder inste
 config when the real models were not fetched).
 
 ``ray stop`` stops every Ray process of the machine, so the test runs only when no other Ray
-is running here and the default ports (6379, 8265) are free; otherwise it skips, saying so
-(tests/cluster runs before the pipeline tests start their embedded Ray).  Slow (~1 min).
+is running here and the default ports (6379, 8265) are free; otherwise it skips, saying so.
+The file is marked ``machine_wide``: the suite runs it first, while its other workers wait
+(tests/conftest.py).  Slow (~1 min).
 """
 
 import os
@@ -31,7 +32,7 @@ SECTION = "## On a Ray cluster"
 OUTPUT_IN_README = '--output "$PWD/out/cluster/"'
 RAY_PROCESSES = ("gcs_server", "raylet", "dashboard.py", "ray::", "default_worker.py", "ray_client_server")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]
 
 
 def readme_cluster_block() -> str:

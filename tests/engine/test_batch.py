@@ -244,6 +244,7 @@ def test_statistics_are_exact_per_row_in_a_batch():
 
 # ---------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize("method, load", [("draft_model", "off"), ("prompt_lookup", "off"), ("draft_model", "random")])
+@pytest.mark.slow
 def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, load, monkeypatch):
     """The chi-square test of test_sampling.py with batch size 4: each counted row shares
     its batch with rows of other prompts, and draws only from its own generator.  With

@@ -192,6 +192,7 @@ def _sample_in_batches_of_4(engine, settings=ts.SETTINGS, prompt=ts.PROMPT, runs
     return samples, drafted, accepted
 
 
+@pytest.mark.slow
 def test_sampling_at_batch_4_follows_the_target_distribution(v16):
     """Chi-square of the first two tokens (both from one verification of a two-token draft
     with q zero outside a 12-id draft vocabulary) against the exact target distribution."""

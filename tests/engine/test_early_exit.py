@@ -145,6 +145,7 @@ def test_early_exit_setting_belongs_to_early_exit(layerskip):
                           drafter=layerskip)
 
 
+@pytest.mark.slow
 def test_sampling_follows_target_distribution():
     """The chi-square test of test_sampling.py, with the early exit as the drafter."""
     target = build("llama", vocab=ts.V, hidden=32, layers=3, seed=11, initializer_range=0.3)

@@ -108,6 +108,7 @@ def exact_mixture_two_token_distribution(target, drafter, weight) -> dict[tuple[
     return dist
 
 
+@pytest.mark.slow
 def test_output_follows_the_mixture_distribution():
     target = build("llama", vocab=ts.V, hidden=32, seed=11, initializer_range=0.3)
     drafter = perturbed_copy(target, 1.0, seed=12)

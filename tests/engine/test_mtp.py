@@ -127,6 +127,7 @@ def test_incremental_drafts_equal_transformers_mtp_from_scratch(loaded, arch):
                 seqs[row] = torch.cat([seq, draft.tokens[:a].view(1, -1), bonus], dim=1)
 
 
+@pytest.mark.slow
 def test_sampling_follows_target_distribution(tmp_path):
     """Chi-square test of the first two tokens (both from one verification of a
     two-token MTP draft) against the exact target distribution, as in test_sampling."""

@@ -170,6 +170,7 @@ def test_bad_drafters_are_clear_errors(gemma_pair, tmp_path):
         SpeculativeEngine(target, SpeculationSettings(method="mtp_assistant"), drafter=other)
 
 
+@pytest.mark.slow
 def test_sampling_follows_target_distribution(tmp_path):
     """Chi-square test of the first two tokens (one verification of a two-token draft)
     against the exact target distribution, as in test_sampling."""

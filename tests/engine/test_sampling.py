@@ -81,6 +81,7 @@ def sample_first_two_tokens(engine, settings: dict = SETTINGS, prompt=PROMPT) ->
 
 
 @pytest.mark.parametrize("method", ["plain", "draft_model", "prompt_lookup"])
+@pytest.mark.slow
 def test_first_two_tokens_follow_target_distribution(tiny_vocab_pair, method):
     target, drafter = tiny_vocab_pair
     exact = exact_two_token_distribution(target)
@@ -133,6 +134,7 @@ def test_sampling_is_reproducible_per_seed(tiny_vocab_pair):
     assert runs[0] != runs[2]
 
 
+@pytest.mark.slow
 def test_wrong_verifier_is_detected(tiny_vocab_pair, monkeypatch):
     """The test has teeth: a verifier that accepts every draft token fails it."""
     import pipeline.engine.verify as verify

@@ -108,6 +108,7 @@ def test_preparing_output_at_a_silent_endpoint_fails_within_the_bound(silent_end
     assert f"(endpoint {silent_endpoint})" in str(e.value) and "failed after" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_store_that_hangs_mid_run_fails_the_run_within_the_bound_and_a_rerun_resumes(
         ray_local, tiny_models, moto_s3, monkeypatch):
     client = moto_s3["client"]

@@ -172,6 +172,7 @@ def test_an_unexpected_error_is_one_line_and_a_log_file(tmp_path, capsys, monkey
     assert "Traceback" in text and "with a second line" in text and "def broken" not in err[0]
 
 
+@pytest.mark.slow
 def test_an_actor_that_dies_loading_its_model_is_one_line_with_the_cause(tiny_models, tmp_path):
     """Readable weights of a model of another size pass the driver's checks; the actors die
     loading them: one line with Ray's error and its root cause, the traceback in a log file

@@ -36,6 +36,7 @@ def _alive_generate_actors(ray):
             if "GenerateActor" in a["ActorClassName"] and a["State"] == "ALIVE"}
 
 
+@pytest.mark.slow
 def test_actor_killed_mid_run_is_restarted_and_every_row_is_written_once(ray_local, tiny_models, tmp_path):
     """Kill the actor's process (SIGKILL to the PID from Ray's actor table) after the first
     shard is committed; Ray restarts it, resubmits the lost batch; the run completes."""
@@ -83,6 +84,7 @@ class _CrashingActor(GenerateActor):
         return super().generate_rows(rows)
 
 
+@pytest.mark.slow
 def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, tiny_models, tmp_path, monkeypatch):
     """Bounded retries, then the run fails (no hang) and publishes no ``_SUCCESS``.  (Batches
     in flight on the same actor die with it, so shard a may or may not have been committed.)"""
@@ -185,6 +187,7 @@ def _outage_at_commit(monkeypatch, proxy, index, seconds=None):
     return calls
 
 
+@pytest.mark.slow
 def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypatch, caplog):
     client, proxy = s3
     _outage_at_commit(monkeypatch, proxy, 1, seconds=6.0)
@@ -199,6 +202,7 @@ def test_storage_outage_mid_run_is_retried(ray_local, tiny_models, s3, monkeypat
     assert _ids(client, "out/retried/") == EXPECTED
 
 
+@pytest.mark.slow
 def test_persistent_outage_fails_clearly_and_a_rerun_completes_only_the_missing_shards(
         ray_local, tiny_models, s3, monkeypatch):
     client, proxy = s3

@@ -118,6 +118,7 @@ def test_chat_preprocess_and_postprocess_equal_the_job(ray_local, chat_models, j
     assert out["ids"]["error"] is None and out["ids"]["prompt_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_partitioned_parquet_with_one_actor_per_cpu_equals_the_job(ray_local, tiny_models, tmp_path):
     """``read_parquet`` (its read tasks need a CPU) + a filter + a pool of as many actors as
     the cluster has CPUs: finishes; the partition column is kept; rows equal the job's."""

@@ -73,6 +73,7 @@ def test_a_plan_the_cluster_cannot_hold_is_refused_with_the_numbers(ray_local, t
     assert "waiting for the cluster to grow" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_more_actors_than_cpus(tiny_models, inputs, tmp_path):
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)

@@ -45,6 +45,7 @@ def _ids(day):
 EXPECTED_IDS = sorted(f"s{i}-{j}" for i in range(3) for j in range(2))
 
 
+@pytest.mark.slow
 def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_models, inputs, tmp_path, monkeypatch):
     out = tmp_path / "out"
     day = out / f"date={DATE}"

@@ -232,6 +232,7 @@ def _cli(args, timeout=120):
                           env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_the_issue_example_plain_then_draft_model(ray_local, tiny_models, tmp_path):
     """Run plain (max 4 tokens); the same input and output with draft_model (max 8) is
     refused with exit 2, before any model loads, naming both changes; a partly overlapping

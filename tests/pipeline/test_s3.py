@@ -40,6 +40,7 @@ def _opts(endpoint):
     return json.dumps({"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}})
 
 
+@pytest.mark.slow
 def test_s3_in_s3_out(ray_local, tiny_models, s3_server, bucket):
     opts = _opts(s3_server)
     cfg = job_config(tiny_models, "s3://prompts/in/*.jsonl", "s3://prompts/out/run1",

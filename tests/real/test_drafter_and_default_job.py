@@ -36,6 +36,7 @@ def test_drafter_checkpoint_is_small_and_shares_the_tokenizer(smollm2):
     assert f"{summary['parameters']:,}" in card and "acceptance rate" in card
 
 
+@pytest.mark.slow
 def test_drafter_is_lossless_and_accepted(smollm2):
     """draft_model decoding with the shipped drafter equals plain greedy, and some of its drafts are
     accepted (an untrained drafter of this vocabulary agrees with the target on about 1 token in 100:

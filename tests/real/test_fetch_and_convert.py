@@ -45,6 +45,7 @@ def test_second_run_does_nothing():
     assert r.returncode == 0 and r.stdout.count(": ok") == 2
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_and_converted_checkpoint_are_the_same_model():
     """models.gguf_file loads SmolLM2 straight from the GGUF; every weight, the tokenizer and the
     chat template equal the converted checkpoint's."""
@@ -68,6 +69,7 @@ def test_smollm2_gguf_and_converted_checkpoint_are_the_same_model():
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_gemma3_converted_weights_and_vocabulary_equal_the_gguf():
     """Gemma 3 from GGUF is slow to load on 2 cores (262k-token vocabulary), so this compares the
     converted checkpoint with the GGUF file read directly: tensors dequantized by the gguf

@@ -51,6 +51,7 @@ def test_smollm2_chat_prompt(smollm2):
 
 
 @pytest.mark.parametrize("which", ["short", "longer_than_the_window"])
+@pytest.mark.slow
 def test_gemma3_base_prompt(gemma3, which):
     model, tok = gemma3
     task = load_config(REPO / "configs" / "real" / "gemma3-spec-bench-prompt_lookup.yaml").task
@@ -62,6 +63,7 @@ def test_gemma3_base_prompt(gemma3, which):
     _check(model, tok, ids)
 
 
+@pytest.mark.slow
 def test_gemma3_as_draft_model_and_early_exit_past_the_window(gemma3):
     """The issue's regression: Gemma 3 270M (five sliding layers of 512 to one global) as a
     draft model (the target a copy of itself, so every draft is accepted and the verifier
