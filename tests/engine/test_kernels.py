@@ -43,6 +43,12 @@ def _calls(monkeypatch):
     monkeypatch.setattr(kernels.torch, "mm", lambda *a, **k: calls.append("transposed") or real["transposed_mm"](*a, **k))
     monkeypatch.setattr(kernels.torch, "addmm",
                         lambda *a, **k: calls.append("transposed") or real["transposed_addmm"](*a, **k))
+    real_rowdot = kernels.rowdot
+
+    def rowdot(w):
+        dot = real_rowdot(w)
+        return None if dot is None else (lambda *a: calls.append("inductor") or dot(*a))
+    monkeypatch.setattr(kernels, "rowdot", rowdot)
     onednn = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(kernels.torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a, **k: calls.append("onednn") or onednn(*a, **k), raising=False)
@@ -50,13 +56,14 @@ def _calls(monkeypatch):
 
 
 @pytest.mark.parametrize("chosen", [("onednn",) * 3, ("mkl", "mkl", "onednn"), ("transposed", "onednn", "mkl"),
-                                    ("transposed",) * 3])
+                                    ("transposed",) * 3, ("inductor", "transposed", "onednn")])
 def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measurement_said(monkeypatch, chosen):
     model = _model(1, 41)
     reference = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
     kernels.pack_linears(model)
     for m in model:
         monkeypatch.setitem(kernels._SMALL_ROWS, kernels._shape_key(m.weight), chosen)
+        kernels.rowdot(m.weight)  # compiled before torch's kernels are patched (inductor reads them)
     calls, real_linear = _calls(monkeypatch)
     with torch.inference_mode():
         for i in (0, 1):  # with a bias and without
@@ -102,3 +109,48 @@ def test_bfloat16_where_onednn_cannot_pack_it_widens_long_inputs_and_keeps_short
             assert calls == [torch.float32 if widened else torch.bfloat16]
             exact = real_linear(x.double(), w.double(), b.double())  # the exact sum, rounded once
             assert (got.double() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # within bfloat16's rounding
+
+
+def test_the_inductor_kernel_computes_one_row_and_is_offered_only_for_large_float32_weights(monkeypatch):
+    big = torch.nn.Linear(512, kernels.INDUCTOR_MIN_ELEMENTS // 512, bias=False).eval()  # just large enough
+    small = torch.nn.Linear(24, 47, bias=False).eval()  # a shape no other test uses
+    offered = []
+    real_rowdot = kernels.rowdot
+    monkeypatch.setattr(kernels, "rowdot", lambda w: offered.append(tuple(w.shape)) or real_rowdot(w))
+    for m in (big, small):
+        kernels._SMALL_ROWS.pop(kernels._shape_key(m.weight), None)
+        kernels.pack_linears(m)
+        assert "inductor" not in kernels._SMALL_ROWS[kernels._shape_key(m.weight)][1:]  # one row only
+    assert offered and set(offered) == {tuple(big.weight.shape)}
+    dot = real_rowdot(big.weight)
+    assert dot is not None  # this machine compiles C++ (torch.compile needs it too)
+    torch.manual_seed(5)
+    x = torch.randn(512)
+    with torch.inference_mode():
+        torch.testing.assert_close(dot(big.weight.detach(), x), big.weight.detach() @ x, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # and outside inference mode, with another weight of that shape
+        w = torch.randn_like(big.weight)
+        torch.testing.assert_close(dot(w, x), w @ x, rtol=1e-5, atol=1e-5)
+    kernels._SMALL_ROWS.pop(kernels._shape_key(big.weight), None)
+    monkeypatch.setenv("SPECBATCH_INDUCTOR", "0")
+    offered.clear()
+    assert "inductor" not in kernels.small_row_kernels([big])
+    assert not offered
+
+
+def test_a_shape_whose_inductor_kernel_cannot_be_compiled_falls_back_to_onednn(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    layer = torch.nn.Linear(24, 49).eval()
+    kernels.pack_linears(layer)
+    key = kernels._shape_key(layer.weight)
+    monkeypatch.setitem(kernels._SMALL_ROWS, key, ("inductor", "onednn", "onednn"))
+    monkeypatch.delitem(kernels._ROWDOT, key, raising=False)
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    assert kernels.rowdot(layer.weight) is None and kernels._ROWDOT[key] is None
+    calls, real_linear = _calls(monkeypatch)
+    x = torch.randn(1, 24)
+    with torch.inference_mode():
+        got = layer(x)
+    assert calls == ["onednn"]
+    torch.testing.assert_close(got, real_linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
