@@ -45,8 +45,8 @@ def _calls(monkeypatch):
                         lambda *a, **k: calls.append("transposed") or real["transposed_addmm"](*a, **k))
     real_rowdot = kernels.rowdot
 
-    def rowdot(w):
-        dot = real_rowdot(w)
+    def rowdot(w, rows=1):
+        dot = real_rowdot(w, rows)
         return None if dot is None else (lambda *a: calls.append("inductor") or dot(*a))
     monkeypatch.setattr(kernels, "rowdot", rowdot)
     onednn = torch.ops.mkldnn._linear_pointwise
@@ -56,14 +56,16 @@ def _calls(monkeypatch):
 
 
 @pytest.mark.parametrize("chosen", [("onednn",) * 3, ("mkl", "mkl", "onednn"), ("transposed", "onednn", "mkl"),
-                                    ("transposed",) * 3, ("inductor", "transposed", "onednn")])
+                                    ("transposed",) * 3, ("inductor", "inductor", "transposed")])
 def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measurement_said(monkeypatch, chosen):
     model = _model(1, 41)
     reference = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
     kernels.pack_linears(model)
     for m in model:
         monkeypatch.setitem(kernels._SMALL_ROWS, kernels._shape_key(m.weight), chosen)
-        kernels.rowdot(m.weight)  # compiled before torch's kernels are patched (inductor reads them)
+        for rows in range(1, kernels.SMALL_MAX_ROWS + 1):
+            if chosen[rows - 1] == "inductor":
+                kernels.rowdot(m.weight, rows)  # compiled before torch's kernels are patched (inductor reads them)
     calls, real_linear = _calls(monkeypatch)
     with torch.inference_mode():
         for i in (0, 1):  # with a bias and without
@@ -111,26 +113,26 @@ def test_bfloat16_where_onednn_cannot_pack_it_widens_long_inputs_and_keeps_short
             assert (got.double() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # within bfloat16's rounding
 
 
-def test_the_inductor_kernel_computes_one_row_and_is_offered_only_for_large_float32_weights(monkeypatch):
+def test_the_inductor_kernel_computes_small_inputs_and_is_offered_only_for_large_float32_weights(monkeypatch):
     big = torch.nn.Linear(512, kernels.INDUCTOR_MIN_ELEMENTS // 512, bias=False).eval()  # just large enough
     small = torch.nn.Linear(24, 47, bias=False).eval()  # a shape no other test uses
     offered = []
     real_rowdot = kernels.rowdot
-    monkeypatch.setattr(kernels, "rowdot", lambda w: offered.append(tuple(w.shape)) or real_rowdot(w))
+    monkeypatch.setattr(kernels, "rowdot", lambda w, rows=1: offered.append((tuple(w.shape), rows)) or real_rowdot(w, rows))
     for m in (big, small):
         kernels._SMALL_ROWS.pop(kernels._shape_key(m.weight), None)
         kernels.pack_linears(m)
-        assert "inductor" not in kernels._SMALL_ROWS[kernels._shape_key(m.weight)][1:]  # one row only
-    assert offered and set(offered) == {tuple(big.weight.shape)}
-    dot = real_rowdot(big.weight)
-    assert dot is not None  # this machine compiles C++ (torch.compile needs it too)
+    assert sorted(offered) == [(tuple(big.weight.shape), rows) for rows in range(1, kernels.SMALL_MAX_ROWS + 1)]
     torch.manual_seed(5)
-    x = torch.randn(512)
-    with torch.inference_mode():
-        torch.testing.assert_close(dot(big.weight.detach(), x), big.weight.detach() @ x, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():  # and outside inference mode, with another weight of that shape
-        w = torch.randn_like(big.weight)
-        torch.testing.assert_close(dot(w, x), w @ x, rtol=1e-5, atol=1e-5)
+    for rows in range(1, kernels.SMALL_MAX_ROWS + 1):
+        dot = real_rowdot(big.weight, rows)
+        assert dot is not None  # this machine compiles C++ (torch.compile needs it too)
+        x = torch.randn(512) if rows == 1 else torch.randn(rows, 512)
+        with torch.inference_mode():
+            torch.testing.assert_close(dot(big.weight.detach(), x), x @ big.weight.detach().T, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # and outside inference mode, with another weight of that shape
+            w = torch.randn_like(big.weight)
+            torch.testing.assert_close(dot(w, x), x @ w.T, rtol=1e-5, atol=1e-4)  # sums of 512 products ~1
     kernels._SMALL_ROWS.pop(kernels._shape_key(big.weight), None)
     monkeypatch.setenv("SPECBATCH_INDUCTOR", "0")
     offered.clear()
@@ -145,9 +147,9 @@ def test_a_shape_whose_inductor_kernel_cannot_be_compiled_falls_back_to_onednn(m
     kernels.pack_linears(layer)
     key = kernels._shape_key(layer.weight)
     monkeypatch.setitem(kernels._SMALL_ROWS, key, ("inductor", "onednn", "onednn"))
-    monkeypatch.delitem(kernels._ROWDOT, key, raising=False)
+    monkeypatch.delitem(kernels._ROWDOT, key + (1,), raising=False)
     monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no compiler")))
-    assert kernels.rowdot(layer.weight) is None and kernels._ROWDOT[key] is None
+    assert kernels.rowdot(layer.weight) is None and kernels._ROWDOT[key + (1,)] is None
     calls, real_linear = _calls(monkeypatch)
     x = torch.randn(1, 24)
     with torch.inference_mode():
