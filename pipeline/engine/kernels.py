@@ -36,12 +36,12 @@ Measured on this project's 2-core AVX-512 machine (SmolLM2-135M, float32, one th
    winner; 4 rows and more always go to oneDNN, whose packed layout is made for them.  The
    transposed copy (float32 only) is kept only for the shapes where it won a row count.
 
-   A fourth kernel serves one row (a decoding step) of the float32 weights too large to stay
-   in the L2 cache: a dot product per output row that PyTorch's inductor generates as one C++
+   A fourth kernel serves 1-3 rows (decoding steps, short verification passes) of the float32
+   weights too large to stay in the L2 cache: a dot product per output row that PyTorch's inductor generates as one C++
    loop (:func:`rowdot`).  Where MKL and oneDNN read a decoding step's weights from memory at
    11-17 GB/s on this project's AMD EPYC machine, it reads them at 18-27 GB/s, and a plain
    SmolLM2 decoding step took 34.5 ms instead of 45 (one thread, 600 cached positions).  It is
-   measured like the others and compiled once per shape (a second or two, cached by inductor
+   measured like the others and compiled once per shape and row count (a second or two, cached by inductor
    on disk); ``SPECBATCH_INDUCTOR=0`` leaves it out, and where it cannot be compiled the
    other three serve.
 
@@ -171,7 +171,7 @@ class PackedLinear(torch.nn.Linear):
             if kernel == "mkl":
                 return F.linear(input, w, self.bias)
             if kernel == "inductor" and w.is_contiguous() and (dot := rowdot(w, rows)) is not None:
-                y = dot(w, input.reshape((rows, w.shape[1]) if rows > 1 else w.shape[1:]).contiguous())
+                y = dot(w, input.reshape(_rowdot_input_shape(rows, w.shape[1])).contiguous())
                 if bias is not None:
                     y = y + bias
                 return y.view(*input.shape[:-1], w.shape[0])
@@ -202,6 +202,11 @@ def _copy(store: "weakref.WeakKeyDictionary", layer: torch.nn.Linear, make) -> t
             kept = (key, make(w.detach()))
         store[layer] = kept
     return kept[1]
+
+
+def _rowdot_input_shape(rows: int, in_features: int) -> tuple[int, ...]:
+    """The input :func:`rowdot`'s kernels take: ``(in,)`` for one row (the loop measured fastest), ``(rows, in)``."""
+    return (rows, in_features) if rows > 1 else (in_features,)
 
 
 def _dot_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -247,7 +252,7 @@ def rowdot(w: torch.Tensor, rows: int = 1):
             from torch.fx.experimental.proxy_tensor import make_fx
 
             example = (torch.zeros(w.shape, dtype=w.dtype),
-                       torch.zeros((rows, w.shape[1]) if rows > 1 else w.shape[1:], dtype=w.dtype))
+                       torch.zeros(_rowdot_input_shape(rows, w.shape[1]), dtype=w.dtype))
             with torch.inference_mode(False), torch.no_grad():
                 fn = compile_fx(make_fx(_dot_rows)(*example), list(example))
         except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the other kernels
@@ -313,7 +318,7 @@ def small_row_kernels(layers: list[torch.nn.Linear], repeats: int = 3) -> tuple[
             if (weights[0].dtype in TRANSPOSED_DTYPES and weights[0].numel() >= INDUCTOR_MIN_ELEMENTS
                     and all(w.is_contiguous() for w in weights) and env_on("SPECBATCH_INDUCTOR")
                     and (dot := rowdot(weights[0], m)) is not None):
-                times["inductor"] = best(lambda x=x[0] if m == 1 else x: [dot(w, x) for w in weights])
+                times["inductor"] = best(lambda x=x.view(_rowdot_input_shape(m, x.shape[1])): [dot(w, x) for w in weights])
             kernel = KERNELS[0]  # oneDNN unless another wins by the margin
             for other in KERNELS[1:]:
                 if other in times and times[other] < MARGIN * times[kernel]:
