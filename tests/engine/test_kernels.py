@@ -30,8 +30,8 @@ def test_pack_linears_measures_each_weight_shape_once_and_packs_every_layer():
     assert all(m in kernels._PACKED for m in model)  # measuring packed them
     for m in model:  # a transposed copy is kept exactly where its shape chose that kernel
         assert (m in kernels._TRANSPOSED) == ("transposed" in kernels._SMALL_ROWS[kernels._shape_key(m.weight)])
-    kernels._SMALL_ROWS[kernels._shape_key(model[0].weight)] = ("mkl",) * 3  # a remembered answer is not measured again
-    assert kernels.small_row_kernels([model[0], model[2]]) == ("mkl",) * 3
+    kernels._SMALL_ROWS[kernels._shape_key(model[0].weight)] = ("mkl",) * kernels.SMALL_MAX_ROWS  # a remembered answer is not measured again
+    assert kernels.small_row_kernels([model[0], model[2]]) == ("mkl",) * kernels.SMALL_MAX_ROWS
     assert kernels.pack_linears(model) == 0  # already packed
 
 
@@ -55,8 +55,9 @@ def _calls(monkeypatch):
     return calls, real["mkl"]
 
 
-@pytest.mark.parametrize("chosen", [("onednn",) * 3, ("mkl", "mkl", "onednn"), ("transposed", "onednn", "mkl"),
-                                    ("transposed",) * 3, ("inductor", "inductor", "transposed")])
+@pytest.mark.parametrize("chosen", [("onednn",) * 5, ("mkl", "mkl", "onednn", "mkl", "onednn"),
+                                    ("transposed", "onednn", "mkl", "transposed", "mkl"), ("transposed",) * 5,
+                                    ("inductor", "inductor", "transposed", "inductor", "inductor")])
 def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measurement_said(monkeypatch, chosen):
     model = _model(1, 41)
     reference = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
@@ -69,7 +70,7 @@ def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_measur
     calls, real_linear = _calls(monkeypatch)
     with torch.inference_mode():
         for i in (0, 1):  # with a bias and without
-            for shape in [(1, 24), (2, 24), (1, 3, 24), (4, 24), (2, 5, 24)]:
+            for shape in [(1, 24), (2, 24), (1, 3, 24), (4, 24), (1, 5, 24), (6, 24), (2, 5, 24)]:
                 x = torch.randn(*shape[:-1], model[i].in_features)
                 calls.clear()
                 got = model[i](x)
@@ -83,7 +84,7 @@ def test_the_transposed_copy_follows_a_weight_changed_in_place(monkeypatch):
     model = _model(3, 45)
     kernels.pack_linears(model)
     layer = model[0]
-    monkeypatch.setitem(kernels._SMALL_ROWS, kernels._shape_key(layer.weight), ("transposed",) * 3)
+    monkeypatch.setitem(kernels._SMALL_ROWS, kernels._shape_key(layer.weight), ("transposed",) * kernels.SMALL_MAX_ROWS)
     x = torch.randn(1, 24)
     with torch.no_grad():
         layer(x)
@@ -146,7 +147,7 @@ def test_a_shape_whose_inductor_kernel_cannot_be_compiled_falls_back_to_onednn(m
     layer = torch.nn.Linear(24, 49).eval()
     kernels.pack_linears(layer)
     key = kernels._shape_key(layer.weight)
-    monkeypatch.setitem(kernels._SMALL_ROWS, key, ("inductor", "onednn", "onednn"))
+    monkeypatch.setitem(kernels._SMALL_ROWS, key, ("inductor",) + ("onednn",) * (kernels.SMALL_MAX_ROWS - 1))
     monkeypatch.delitem(kernels._ROWDOT, key + (1,), raising=False)
     monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no compiler")))
     assert kernels.rowdot(layer.weight) is None and kernels._ROWDOT[key + (1,)] is None
