@@ -33,6 +33,19 @@ each row asks for: this is what saves a model drafter's passes), and
 that the proposer's cost is spent and each draft's real length is known: this is what
 decides for prompt lookup, whose drafts are free but often short or missing).
 
+A measured check keeps the model honest (:class:`WayCheck`).  The cost model can be wrong
+(a shared CPU's passes vary by 10 % from minute to minute; a drafting step costs more
+than its pass and draft), and then the plan loses to what it replaces.  So once measured
+the policy runs blocks of :data:`CHECK_BLOCK` steps three ways in turn -- by expected gain
+(``"gain"``), every row its whole draft length as a fixed ``k`` would (``"fixed"``), and
+plain steps (``"plain"``) -- and keeps the tokens per second each way has measured at each
+number of rows in flight.  Once each way has run :data:`CHECK_MIN_BLOCKS` blocks the
+fastest runs, and one block in :data:`CHECK_EXPLORE` goes to another way (in turn) so that
+a change is seen: the plan costs at most about that share of the gap to the best of the
+three, and never stays slower than plain decoding or a fixed ``k``.  Measured on SmolLM2
+(``bench/bench_real.py``, one thread): with costs from the plan alone, suffix decoding at 8
+rows ran at 0.86x plain and a drafter at 2 rows at 0.82x (drafting on 2 % of its steps).
+
 Until the costs are measured (:data:`MIN_OBSERVATIONS` passes) steps draft 0, 1, 0 and 2
 tokens in turn (:data:`EXPLORE`), so that the fit sees three widths at little cost; every :data:`PROBE_EVERY` steps
 one row (rows in turn) asks one token more than the plan, so acceptance keeps being measured when the plan is
@@ -80,6 +93,73 @@ TABLE_AFTER = 3
 FREE_PROPOSER = 0.02
 
 
+#: steps per block of the measured check (:class:`WayCheck`): one way decides a block's steps
+CHECK_BLOCK = 8
+#: blocks each way runs, at a number of rows in flight, before the fastest takes over there
+CHECK_MIN_BLOCKS = 3
+#: once the fastest runs, every this many blocks another way runs one (in turn)
+CHECK_EXPLORE = 12
+#: weight of a new step in a way's decayed tokens and seconds (about the last 1 / this steps count)
+CHECK_DECAY = 1.0 / 64
+
+
+class WayCheck:
+    """Which way a step's draft lengths are chosen, from the tokens per second each way has
+    measured (see the module docstring): ``"gain"`` (:meth:`DraftLengthPolicy.plan`'s
+    choice), ``"fixed"`` (every row its cap: a fixed ``k``) or ``"plain"`` (no drafts).
+
+    Rates are kept per number of rows in flight, as decayed sums of the tokens each step
+    emitted and its seconds (the whole step: propose, verify, commit), so a way is judged by
+    what its steps really cost."""
+
+    WAYS = ("gain", "fixed", "plain")
+
+    def __init__(self):
+        self.tokens: dict[tuple[int, str], float] = {}
+        self.seconds: dict[tuple[int, str], float] = {}
+        self.steps: dict[tuple[int, str], int] = {}
+        self.way = self.WAYS[0]
+        self._left = 0  # steps left in the current block
+        self._blocks = 0  # blocks begun
+        self._turn = 0  # which other way the next exploring block runs
+
+    def rate(self, rows: int, way: str) -> float | None:
+        """Measured tokens per second of ``way`` at ``rows`` rows in flight (None: not yet)."""
+        s = self.seconds.get((rows, way), 0.0)
+        return self.tokens[(rows, way)] / s if s > 0 else None
+
+    def leader(self, rows: int) -> str | None:
+        """The fastest way at ``rows`` rows once every way has run its blocks there, else None."""
+        if any(self.steps.get((rows, w), 0) < CHECK_MIN_BLOCKS * CHECK_BLOCK for w in self.WAYS):
+            return None
+        return max(self.WAYS, key=lambda w: self.rate(rows, w))
+
+    def next_step(self, rows: int) -> str:
+        """The way of the next step of ``rows`` rows (a new block begins every :data:`CHECK_BLOCK` steps)."""
+        if self._left <= 0:
+            self._left = CHECK_BLOCK
+            self._blocks += 1
+            lead = self.leader(rows)
+            if lead is None:  # the least measured way here (ties: in WAYS' order)
+                self.way = min(self.WAYS, key=lambda w: self.steps.get((rows, w), 0))
+            elif self._blocks % CHECK_EXPLORE == 0:
+                others = [w for w in self.WAYS if w != lead]
+                self.way = others[self._turn % len(others)]
+                self._turn += 1
+            else:
+                self.way = lead
+        self._left -= 1
+        return self.way
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """The step just run (of :attr:`way`) emitted ``tokens`` over its ``rows`` rows in ``seconds``."""
+        key = (rows, self.way)
+        keep = 1.0 - CHECK_DECAY
+        self.tokens[key] = self.tokens.get(key, 0.0) * keep + tokens
+        self.seconds[key] = self.seconds.get(key, 0.0) * keep + seconds
+        self.steps[key] = self.steps.get(key, 0) + 1
+
+
 class _DecayedFit:
     """Decayed least squares ``y ~ x @ w`` (the minimum-norm solution where the features
     observed so far do not determine every weight, e.g. a single batch size)."""
@@ -125,6 +205,8 @@ class DraftLengthPolicy:
         self.probe_every = PROBE_EVERY
         self._next_probe = PROBE_EVERY
         self._probe_turn = 0  # which row the next probe asks
+        self.check = WayCheck()
+        self.way: str | None = None  # this step's way (WayCheck.WAYS); None before the costs are measured
 
     # ------------------------------------------------------------------ measurements
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -228,7 +310,9 @@ class DraftLengthPolicy:
             widest draft ``w``, draft positions added in order of their acceptance; ``A_ij``
             never grows with ``j``, so the order respects positions); all 0 when no draft pays.  Before the
             costs are measured: the caps (with some shorter passes); on a probe step, one
-            row (rows in turn) asks one token more than the plan.
+            row (rows in turn) asks one token more than the plan.  Once measured, the
+            step's way (:attr:`way`, from :class:`WayCheck`) may instead be ``"fixed"``
+            (the caps) or ``"plain"`` (all 0).
         """
         self.steps += 1
         after_probe = self.probing
@@ -241,8 +325,14 @@ class DraftLengthPolicy:
             # three widths and the acceptance its first positions; longer drafts come when the
             # plan (extrapolating them) says they pay (a first pass of the full K at 8 rows
             # costs several plain steps); probes come only once measured
+            self.way = None
             return [min(c, EXPLORE[(self.steps - 1) % len(EXPLORE)]) for c in caps]
         b = len(caps)
+        self.way = self.check.next_step(b)
+        if self.way == "plain":
+            return [0] * b
+        if self.way == "fixed":
+            return caps
         if self.propose.count and self.propose_time(caps) <= FREE_PROPOSER * self.verify_time(b, 1):
             return caps  # a free proposer: trim() decides on the drafts themselves
         pa, pb, pc = self.propose.weights() if self.propose.count else (0.0, 0.0, 0.0)
@@ -289,6 +379,18 @@ class DraftLengthPolicy:
                 best_ks[i] += 1
         return best_ks
 
+    @property
+    def by_gain(self) -> bool:
+        """Whether this step's drafts are the plan's to cut (:meth:`trim`, the tree's size): not
+        on a step of the check's ``"fixed"`` or ``"plain"`` way."""
+        return self.way in (None, "gain")
+
+    def observe_step(self, rows: int, tokens: int, seconds: float) -> None:
+        """A whole step of ``rows`` rows (propose, verify, commit) emitted ``tokens`` in
+        ``seconds``: the measured check's evidence for this step's way (:class:`WayCheck`)."""
+        if self.way is not None:
+            self.check.observe(rows, tokens, seconds)
+
     def _back_off(self) -> None:
         """Double the probe interval (up to :data:`MAX_PROBE_EVERY`) from the last probe: a
         method that does not pay costs a bounded, shrinking share of steps (a draft head's
@@ -301,7 +403,7 @@ class DraftLengthPolicy:
         row ``i``): the width ``W - 1`` with the best tokens per second of the target pass
         alone (the proposer's time is spent).  Drafts longer than it are cut to it."""
         longest = max(lengths, default=0)
-        if not longest or not self.measured or self.probing:
+        if not longest or not self.measured or self.probing or not self.by_gain:
             return longest
         b = len(lengths)
 

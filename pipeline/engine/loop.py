@@ -295,6 +295,8 @@ class StepEngine:
             if c is not None:
                 self._observe_trimmed(r, len(d), len(v.path) == len(d) and c == v.token)
         t3 = self.clock()
+        if policy is not None:
+            policy.observe_step(len(rows), sum(len(v.path) + 1 for v in verdicts), t3 - t0)
         share = 1.0 / len(rows)
         for r in rows:
             r.stats.verify_steps += 1
@@ -336,7 +338,7 @@ class StepEngine:
         keep_n = policy.trim(reach, first)
         drafts = [d.pruned(keep_n, len(d)) if d.parents is not None else
                   (d if len(d) <= keep_n else d.truncated(keep_n)) for d in drafts]
-        if not any(d.parents is not None for d in drafts) or not policy.measured:
+        if not any(d.parents is not None for d in drafts) or not policy.measured or not policy.by_gain:
             return drafts
         first = [min(f, keep_n) for f in first]
         nodes = self.tree_sizer.nodes(policy, reach, first, [len(d) for d in drafts])

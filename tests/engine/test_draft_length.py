@@ -231,3 +231,57 @@ def test_a_trimmed_drafts_cut_token_is_judged_against_the_targets():
     assert len(proposed) > 10 and 0 < hits
     assert engine.policy.drafted[0] == len(proposed) and engine.policy.accepted[0] == hits
     assert engine.policy.drafted[1:] == [0, 0] and out.stats.draft_steps == 0
+
+
+@pytest.mark.parametrize("fastest", ["gain", "fixed", "plain"])
+def test_the_measured_check_runs_the_fastest_way_and_still_looks_at_the_others(fastest):
+    """Whatever the cost model says, the way that measures the most tokens per second (by
+    expected gain, a fixed k, plain steps) takes over once each has run its blocks, and the
+    others keep one block in CHECK_EXPLORE; rates are kept per number of rows in flight."""
+    from pipeline.engine.draft_length import CHECK_BLOCK, CHECK_EXPLORE, CHECK_MIN_BLOCKS
+
+    p = _policy(4, lambda b, w: 0.010 + 0.001 * b * w, 0.0001)
+    reach, caps = [geometric(0.7, 4)], [4]
+    speed = {"gain": 1.0, "fixed": 1.0, "plain": 1.0, fastest: 1.3}  # tokens per second, measured
+    ways = []
+    for _ in range(3 * CHECK_MIN_BLOCKS * CHECK_BLOCK + 60 * CHECK_BLOCK):
+        ks = p.plan(reach, caps)
+        way = p.way
+        ways.append(way)
+        assert ks == {"plain": [0], "fixed": caps}.get(way, ks)
+        if way == "gain":
+            assert 0 < ks[0] <= 4  # drafting pays by the model here
+            assert p.trim(reach, ks) <= ks[0]
+        else:
+            assert p.trim(reach, [4]) == 4  # no trimming outside the plan's own way
+        p.observe_step(1, 10, 10 / speed[way])
+    first = ways[: 3 * CHECK_MIN_BLOCKS * CHECK_BLOCK]
+    assert all(first.count(w) == CHECK_MIN_BLOCKS * CHECK_BLOCK for w in ("gain", "fixed", "plain"))
+    later = ways[3 * CHECK_MIN_BLOCKS * CHECK_BLOCK:]
+    assert p.check.leader(1) == fastest
+    others = [w for w in later if w != fastest]
+    assert len(others) == len(later) // (CHECK_EXPLORE * CHECK_BLOCK) * CHECK_BLOCK  # one block in CHECK_EXPLORE
+    assert set(others) == {"gain", "fixed", "plain"} - {fastest}  # in turn
+    assert all(len(set(ways[i:i + CHECK_BLOCK])) == 1 for i in range(0, len(ways), CHECK_BLOCK))  # whole blocks
+    # another number of rows in flight has measured nothing yet: its ways are measured afresh
+    p.check._left = 0
+    p.plan(reach * 2, caps * 2)
+    assert p.check.leader(2) is None and p.way == "gain"
+
+
+def test_in_the_engine_every_way_of_the_check_keeps_the_output_plain():
+    """The measured check's ways (gain, fixed k, plain steps) follow one another in blocks on
+    one row; the output stays plain's token for token and each way ran."""
+    from pipeline.engine.draft_length import CHECK_BLOCK
+
+    target = build("llama", seed=0)
+    prompt = prompt_of(36, seed=3)  # with repeats: prompt lookup finds drafts
+    plain = SpeculativeEngine(target).generate(prompt, GenerationSettings(max_new_tokens=160)).token_ids
+    engine = SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=4),
+                               adaptive_draft_length=True)
+    seen = []
+    real_plan = engine.policy.plan
+    engine.policy.plan = lambda *a: (lambda ks: seen.append(engine.policy.way) or ks)(real_plan(*a))
+    out = engine.generate(prompt, GenerationSettings(max_new_tokens=160))
+    assert out.token_ids == plain
+    assert {"gain", "fixed", "plain"} <= set(seen) and len(seen) > 3 * CHECK_BLOCK
