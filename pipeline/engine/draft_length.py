@@ -39,8 +39,8 @@ than its pass and draft), and then the plan loses to what it replaces.  So once 
 the policy runs blocks of :data:`CHECK_BLOCK` steps three ways in turn -- by expected gain
 (``"gain"``), every row its whole draft length as a fixed ``k`` would (``"fixed"``), and
 plain steps (``"plain"``) -- and keeps the tokens per second each way has measured at each
-number of rows in flight.  Once each way has run :data:`CHECK_MIN_BLOCKS` blocks the
-fastest runs, and one block in :data:`CHECK_EXPLORE` goes to another way (in turn) so that
+number of rows in flight.  Once each way has run :data:`CHECK_MIN_BLOCKS` blocks (or one,
+for a way that measured well below another's, :data:`CHECK_CLEAR_LOSS`) the fastest runs, and one block in :data:`CHECK_EXPLORE` goes to another way (in turn) so that
 a change is seen: the plan costs at most about that share of the gap to the best of the
 three, and never stays slower than plain decoding or a fixed ``k``.  Measured on SmolLM2
 (``bench/bench_real.py``, one thread): with costs from the plan alone, suffix decoding at 8
@@ -99,6 +99,10 @@ CHECK_BLOCK = 8
 CHECK_MIN_BLOCKS = 3
 #: once the fastest runs, every this many blocks another way runs one (in turn)
 CHECK_EXPLORE = 12
+#: a way measured below this share of another's rate after one block is not run again until the
+#: fastest takes over (its other warm-up blocks would cost far more than they tell: whole token
+#: trees at 8 rows run at about half of plain's speed on this project's CPU)
+CHECK_CLEAR_LOSS = 0.85
 #: weight of a new step in a way's decayed tokens and seconds (about the last 1 / this steps count)
 CHECK_DECAY = 1.0 / 64
 
@@ -128,11 +132,19 @@ class WayCheck:
         s = self.seconds.get((rows, way), 0.0)
         return self.tokens[(rows, way)] / s if s > 0 else None
 
+    def _unsettled(self, rows: int) -> list[str]:
+        """The ways still to warm up at ``rows`` rows: fewer than :data:`CHECK_MIN_BLOCKS`
+        blocks, unless one block put them below :data:`CHECK_CLEAR_LOSS` of another way."""
+        rates = {w: self.rate(rows, w) for w in self.WAYS if self.steps.get((rows, w), 0) >= CHECK_BLOCK}
+        best = max(rates.values(), default=None)
+        return [w for w in self.WAYS if self.steps.get((rows, w), 0) < CHECK_MIN_BLOCKS * CHECK_BLOCK
+                and not (w in rates and rates[w] < CHECK_CLEAR_LOSS * best)]
+
     def leader(self, rows: int) -> str | None:
-        """The fastest way at ``rows`` rows once every way has run its blocks there, else None."""
-        if any(self.steps.get((rows, w), 0) < CHECK_MIN_BLOCKS * CHECK_BLOCK for w in self.WAYS):
+        """The fastest way at ``rows`` rows once every way has warmed up there, else None."""
+        if self._unsettled(rows):
             return None
-        return max(self.WAYS, key=lambda w: self.rate(rows, w))
+        return max((w for w in self.WAYS if self.rate(rows, w) is not None), key=lambda w: self.rate(rows, w))
 
     def next_step(self, rows: int) -> str:
         """The way of the next step of ``rows`` rows (a new block begins every :data:`CHECK_BLOCK` steps)."""
@@ -140,8 +152,8 @@ class WayCheck:
             self._left = CHECK_BLOCK
             self._blocks += 1
             lead = self.leader(rows)
-            if lead is None:  # the least measured way here (ties: in WAYS' order)
-                self.way = min(self.WAYS, key=lambda w: self.steps.get((rows, w), 0))
+            if lead is None:  # the least measured way still warming up here (ties: in WAYS' order)
+                self.way = min(self._unsettled(rows), key=lambda w: self.steps.get((rows, w), 0))
             elif self._blocks % CHECK_EXPLORE == 0:
                 others = [w for w in self.WAYS if w != lead]
                 self.way = others[self._turn % len(others)]
