@@ -319,7 +319,8 @@ class ComputeConfig(_Section):
     max_batch_size: int = Field(8, ge=1)
     #: draft length by expected gain (:mod:`pipeline.engine.draft_length`): each row drafts
     #: the ``k`` (0 .. its draft length) that maximises the step's expected tokens/s, from its
-    #: measured acceptance and the measured costs.  ``None``: for greedy rows (whose output
+    #: measured acceptance and the measured costs, beside a measured check that runs a fixed
+    #: ``k`` or plain steps where those measure faster (docs/engine.md).  ``None``: for greedy rows (whose output
     #: never depends on it); ``true``: every row (a sampled row's draws then follow measured
     #: times, so a seed no longer reproduces its output); ``false``: never
     adaptive_draft_length: bool | None = None

@@ -40,8 +40,9 @@ the policy runs blocks of :data:`CHECK_BLOCK` steps three ways in turn -- by exp
 (``"gain"``), every row its whole draft length as a fixed ``k`` would (``"fixed"``), and
 plain steps (``"plain"``) -- and keeps the tokens per second each way has measured at each
 number of rows in flight.  Once each way has run :data:`CHECK_MIN_BLOCKS` blocks (or one,
-for a way that measured well below another's, :data:`CHECK_CLEAR_LOSS`) the fastest runs, and one block in :data:`CHECK_EXPLORE` goes to another way (in turn) so that
-a change is seen: the plan costs at most about that share of the gap to the best of the
+for a way that measured well below another's, :data:`CHECK_CLEAR_LOSS`) the fastest runs,
+and one block in :data:`CHECK_EXPLORE` goes to another way (in turn) so that a change is
+seen: the plan costs at most about that share of the gap to the best of the
 three, and never stays slower than plain decoding or a fixed ``k``.  Measured on SmolLM2
 (``bench/bench_real.py``, one thread): with costs from the plan alone, suffix decoding at 8
 rows ran at 0.86x plain and a drafter at 2 rows at 0.82x (drafting on 2 % of its steps).

@@ -321,6 +321,8 @@ def write_outputs(result: TuneResult, out_dir: str | Path) -> dict[str, Path]:
             "notes": result.notes, "mismatches": result.mismatches,
             "candidates": [_cand(c) for c in result.candidates],
             "confirmed": [_cand(c) for c in result.confirmed],
+            # the chosen fixed k measured again in the adaptive variants' rounds: what they were compared with
+            "adaptive_reference": None if result.adaptive_reference is None else _cand(result.adaptive_reference),
             "models": [vars(m) for m in result.models],
             "pilot": {name: {"k": r.k, "batch_size": r.batch_size, "seconds": r.seconds, **r.stats.to_dict()}
                       for name, r in result.pilots.items()},
