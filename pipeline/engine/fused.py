@@ -102,6 +102,182 @@ def has_hooks(model) -> bool:
     return any(not getattr(h, "__module__", "").startswith("transformers.") for hooks in sets for h in hooks.values())
 
 
+#: A pass of one token in all (a decoding step of one row: plain decoding at one row in flight,
+#: a speculative step that drafted nothing) runs each decoder layer as three graphs compiled by
+#: PyTorch's inductor (:func:`_one_token_graphs`), where the other passes run a dozen eager ops
+#: around each matrix product: ``rms_norm -> QKV -> RoPE``, ``o_proj + residual`` and
+#: ``rms_norm -> gate/up -> silu * up -> down + residual``, each matrix product a dot product per
+#: weight row fused with its input's and output's element-wise ops (as :func:`kernels.rowdot`).
+#: Measured on SmolLM2-135M (one thread, 550 cached positions): the layers' work outside
+#: attention 18 ms per step against 24.5 eager, a plain decoding step 27.6 ms against 33.5.
+#: Passes of 2-5 tokens keep the eager ops: fused the same way they cost 1.2-1.4x more
+#: (the element-wise inputs are recomputed per weight row).  ``None``: measured once per
+#: weight shape and dtype in a process (:func:`_one_token_choice`), for float32 weights of
+#: :data:`kernels.INDUCTOR_MIN_ELEMENTS` or more unless ``SPECBATCH_INDUCTOR=0``; ``True`` /
+#: ``False`` force it on or off (tests).
+ONE_TOKEN_LAYER: bool | None = None
+
+#: per (shapes, dtype, eps, torch threads): the three compiled graphs, or None where they cannot be made
+_GRAPHS: dict[tuple, tuple | None] = {}
+#: per the same key: whether the compiled graphs were measured faster than the eager layer
+_CHOICE: dict[tuple, bool] = {}
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _attention_in(x, norm, w_qkv, cos, sin, *, eps: float, nq: int, nk: int, d: int):
+    """``(H,)`` hidden state -> ``(heads, d)`` queries and keys after RoPE, ``(kv heads, d)`` values."""
+    qkv = (w_qkv * _rms(x, norm, eps)).sum(-1)
+    qk = qkv[: nq + nk].view(-1, d)
+    qk = qk * cos + _rotate_half(qk) * sin
+    return qk[: nq // d], qk[nq // d:], qkv[nq + nk:].view(-1, d)
+
+
+def _attention_out(x, o, w_o):
+    """``x + o_proj(o)`` for ``(H,)`` ``x`` and the ``(heads * d,)`` attention output ``o``."""
+    return x + (w_o * o).sum(-1)
+
+
+def _mlp(x, norm, w_gate_up, w_down, *, eps: float, inter: int):
+    """``x + down(silu(gate(h)) * up(h))``, ``h = rms_norm(x)``, for an ``(H,)`` ``x``."""
+    gu = (w_gate_up * _rms(x, norm, eps)).sum(-1)
+    return x + (w_down * (F.silu(gu[:inter]) * gu[inter:])).sum(-1)
+
+
+def _one_token_key(fused: "_Fused") -> tuple:
+    layer = fused.layers[0]
+    w = fused.qkv[0].weight
+    return (tuple(w.shape), tuple(fused.gate_up[0].weight.shape), fused.splits, layer.self_attn.head_dim,
+            float(layer.input_layernorm.variance_epsilon), w.dtype, torch.get_num_threads())
+
+
+def _one_token_graphs(fused: "_Fused"):
+    """The three compiled graphs of a one-token layer (``attention_in``, ``attention_out``,
+    ``mlp``), or ``None`` where inductor cannot make them (no C++ compiler, say).  Made
+    without TorchDynamo (``make_fx`` then ``compile_fx``, as :func:`kernels.rowdot`): a call
+    costs about 10 us of Python.  Compiled once per key in a process; inductor's own cache
+    keeps the C++ across processes."""
+    key = _one_token_key(fused)
+    if key not in _GRAPHS:
+        graphs = None
+        try:
+            from functools import partial
+
+            from torch._inductor.compile_fx import compile_fx
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            layer, (nq, nk, _), d = fused.layers[0], fused.splits, fused.layers[0].self_attn.head_dim
+            eps, dtype = float(layer.input_layernorm.variance_epsilon), fused.qkv[0].weight.dtype
+            hidden = fused.qkv[0].weight.shape[1]
+
+            def zeros(*shape):
+                return torch.zeros(shape, dtype=dtype)
+
+            examples = (
+                (partial(_attention_in, eps=eps, nq=nq, nk=nk, d=d),
+                 (zeros(hidden), zeros(hidden), zeros(*fused.qkv[0].weight.shape), zeros(d), zeros(d))),
+                (_attention_out, (zeros(hidden), zeros(nq), zeros(hidden, nq))),
+                (partial(_mlp, eps=eps, inter=fused.inter),
+                 (zeros(hidden), zeros(hidden), zeros(*fused.gate_up[0].weight.shape), zeros(hidden, fused.inter))),
+            )
+            with torch.inference_mode(False), torch.no_grad():
+                graphs = tuple(compile_fx(make_fx(fn)(*ex), list(ex)) for fn, ex in examples)
+        except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the eager layer
+            import logging
+
+            logging.getLogger(__name__).info("no compiled one-token layer: %s", exc, exc_info=True)
+        _GRAPHS[key] = graphs
+    return _GRAPHS[key]
+
+
+def _one_token_choice(fused: "_Fused") -> bool:
+    """Whether one-token passes of this model run the compiled layer (see :data:`ONE_TOKEN_LAYER`):
+    both ways timed over all the model's layers (their weights read as a pass reads them),
+    best of 3; the compiled layer must be faster by :data:`kernels.MARGIN`."""
+    if ONE_TOKEN_LAYER is not None:
+        return ONE_TOKEN_LAYER and _usable(fused) and _one_token_graphs(fused) is not None
+    key = _one_token_key(fused)
+    if key not in _CHOICE:
+        w = fused.qkv[0].weight
+        _CHOICE[key] = False
+        if (w.dtype == torch.float32 and w.numel() >= kernels.INDUCTOR_MIN_ELEMENTS and kernels.env_on("SPECBATCH_INDUCTOR")
+                and _usable(fused) and _one_token_graphs(fused) is not None):
+            _CHOICE[key] = _time_layer(fused, compiled=True) < kernels.MARGIN * _time_layer(fused, compiled=False)
+    return _CHOICE[key]
+
+
+def _usable(fused: "_Fused") -> bool:
+    """Whether every weight the compiled layer reads is contiguous, as its kernels take them."""
+    return all(m.weight.is_contiguous() for layer in fused.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
+
+
+def _attention_in_of(fused: "_Fused", i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphs
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s ``(b, heads, Q, d)`` queries, keys and values of the ``(b, Q, H)`` ``x``
+    (input norm, QKV, RoPE): by the compiled graphs for one token, or the eager ops (``graphs`` None)."""
+    layer = fused.layers[i]
+    b, q_len = x.shape[:2]
+    nq, nk, _ = fused.splits
+    d = layer.self_attn.head_dim
+    if graphs is not None:
+        q, k, v = graphs[0](x.view(-1), layer.input_layernorm.weight, fused.qkv[i].weight,
+                            cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous())
+        return q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d)
+    qkv = fused.qkv[i](_rms_norm(layer.input_layernorm, x))
+    qk = qkv[..., :nq + nk].view(b, q_len, -1, d).transpose(1, 2)  # the query heads, then the key heads
+    qk = qk * cos + _rotate_half(qk) * sin  # RoPE on both at once
+    return qk[:, : nq // d], qk[:, nq // d:], qkv[..., nq + nk:].view(b, q_len, -1, d).transpose(1, 2)
+
+
+def _attention_out_of(fused: "_Fused", i: int, x: torch.Tensor, o: torch.Tensor, graphs) -> torch.Tensor:
+    """``x + o_proj(o)`` of layer ``i``, for the ``(b, heads, Q, d)`` attention output ``o``."""
+    proj = fused.layers[i].self_attn.o_proj
+    if graphs is not None:
+        return graphs[1](x.view(-1), o.reshape(-1), proj.weight).view(x.shape)
+    b, q_len = x.shape[:2]
+    return x + proj(o.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def _mlp_of(fused: "_Fused", i: int, x: torch.Tensor, graphs) -> torch.Tensor:
+    """``x + mlp(rms_norm(x))`` of layer ``i``."""
+    layer = fused.layers[i]
+    if graphs is not None:
+        return graphs[2](x.view(-1), layer.post_attention_layernorm.weight, fused.gate_up[i].weight,
+                         layer.mlp.down_proj.weight).view(x.shape)
+    gu = fused.gate_up[i](_rms_norm(layer.post_attention_layernorm, x))
+    return x + layer.mlp.down_proj(F.silu(gu[..., :fused.inter]) * gu[..., fused.inter:])
+
+
+def _time_layer(fused: "_Fused", compiled: bool, repeats: int = 3) -> float:
+    """Seconds (best of ``repeats``, after a warm-up) of every layer's work outside attention
+    for one token, through the compiled graphs or the eager ops."""
+    import time
+
+    hidden, d = fused.qkv[0].weight.shape[1], fused.layers[0].self_attn.head_dim
+    dtype = fused.qkv[0].weight.dtype
+    x, o = torch.randn(1, 1, hidden, dtype=dtype), torch.randn(1, fused.splits[0] // d, 1, d, dtype=dtype)
+    cos, sin = torch.randn(1, 1, 1, d, dtype=dtype), torch.randn(1, 1, 1, d, dtype=dtype)
+
+    graphs = _one_token_graphs(fused) if compiled else None
+
+    def run():
+        for i in range(len(fused.layers)):
+            _attention_in_of(fused, i, x, cos, sin, graphs)
+            _mlp_of(fused, i, _attention_out_of(fused, i, x, o, graphs), graphs)
+
+    times = []
+    with torch.no_grad():
+        run()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+    return min(times)
+
+
 class _Fused:
     """The fused input projections of every decoder layer of one model."""
 
@@ -239,7 +415,6 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
     cos, sin = base.rotary_emb(x, position_ids=position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     b, q_len = input_ids.shape
-    nq, nk, _ = fused.splits
     attn = fused.layers[0].self_attn
     d, scale = attn.head_dim, attn.scaling
     causal = mask is None and q_len > 1
@@ -247,15 +422,11 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
     keep = _selected(output_hidden_states, n_layers + 1)
     states = None if keep is None else [x if 0 in keep else None]
     folded_mask = None  # the mask for the folded query heads: made at the first layer (every layer's keys are as long)
+    graphs = _one_token_graphs(fused) if b * q_len == 1 and _one_token_choice(fused) else None
+    if timer is not None:
+        timer.lap("rest")
     for i, layer in enumerate(fused.layers):
-        h = _rms_norm(layer.input_layernorm, x)
-        if timer is not None:
-            timer.lap("rest")
-        qkv = fused.qkv[i](h)
-        qk = qkv[..., :nq + nk].view(b, q_len, -1, d).transpose(1, 2)  # the query heads, then the key heads
-        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on both at once
-        q, k = qk[:, : nq // d], qk[:, nq // d:]
-        v = qkv[..., nq + nk:].view(b, q_len, -1, d).transpose(1, 2)
+        q, k, v = _attention_in_of(fused, i, x, cos, sin, graphs)
         keys, values = cache.update(k, v, i)
         if timer is not None:
             timer.lap("attention projections + RoPE")
@@ -275,18 +446,12 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
                                                attn_mask=folded_mask, scale=scale).view(b, -1, q_len, d)
         if timer is not None:
             timer.lap("attention kernel")
-        o = layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
+        x = _attention_out_of(fused, i, x, o, graphs)
         if timer is not None:
             timer.lap("attention projections + RoPE")
-        x = x + o
-        h = _rms_norm(layer.post_attention_layernorm, x)
-        if timer is not None:
-            timer.lap("rest")
-        gu = fused.gate_up[i](h)
-        h = layer.mlp.down_proj(F.silu(gu[..., :fused.inter]) * gu[..., fused.inter:])
+        x = _mlp_of(fused, i, x, graphs)
         if timer is not None:
             timer.lap("MLP")
-        x = x + h
         if states is not None:
             states.append(x if i + 1 in keep else None)
     if states is not None and n_layers in keep:  # the last hidden state is the final norm's output
