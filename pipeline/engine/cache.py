@@ -84,6 +84,11 @@ class SlotLayer(CacheLayerMixin):
         if step is None:
             raise RuntimeError("SlotCache.step() must be called before a forward pass")
         self._grow(step.kv_len)
+        if step.single is not None:
+            row, position = step.single
+            self.keys[row, :, position].copy_(key_states[0, :, 0])
+            self.values[row, :, position].copy_(value_states[0, :, 0])
+            return self.keys[row: row + 1, :, : step.kv_len], self.values[row: row + 1, :, : step.kv_len]
         slots = step.slots(self.capacity)
         rows = step.rows.view(-1, 1)
         self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
@@ -110,7 +115,7 @@ class _Step:
     """Where one forward pass writes: ``rows`` ``(b,)`` slot rows, ``write`` ``(b, q)`` the
     slot (= position) of each token, ``-1`` for padding, ``kv_len`` the slots read."""
 
-    __slots__ = ("rows", "write", "kv_len", "first", "_slots")
+    __slots__ = ("rows", "write", "kv_len", "first", "_slots", "single")
 
     def __init__(self, rows: torch.Tensor, write: torch.Tensor, kv_len: int, slots: list[int]):
         self.rows = rows
@@ -120,6 +125,9 @@ class _Step:
         # the first slot when the rows are consecutive slots (their keys are then a view)
         consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         self.first = slots[0] if consecutive else None
+        # ``(slot row, position)`` of a pass of one token in all (a one-row decoding step): written
+        # by a copy into that slot, where advanced indexing costs about 10 us per layer and tensor
+        self.single = (slots[0], int(write.view(-1)[0])) if write.numel() == 1 and int(write.view(-1)[0]) >= 0 else None
 
     def slots(self, capacity: int) -> torch.Tensor:
         """``write`` with padding sent to the scratch slot ``capacity`` (made once per pass,
