@@ -22,6 +22,11 @@ RMSNorm, RoPE (the model's own rotary module, so every RoPE type it supports), t
 the cache are the model's: the output equals the model's forward up to floating-point
 summation order (float64: within 1e-12; tests/engine/test_fused.py).
 
+A pass of one token in all (a one-row decoding step) runs each layer outside attention as
+three graphs compiled by PyTorch's inductor instead, each matrix product fused with the
+element-wise ops around it, where measured faster (:data:`ONE_TOKEN_LAYER`): SmolLM2's plain
+decoding step 33.5 -> 28-29 ms.
+
 Where.  :meth:`pipeline.engine.runner.ModelRunner.forward` takes this path for its own model
 when :func:`supports` holds (a ``LlamaForCausalLM`` with SDPA attention, full attention in
 every layer, SiLU, no projection biases, no tensor-parallel slicing, on the CPU, with the CPU
@@ -109,9 +114,13 @@ def has_hooks(model) -> bool:
 #: ``rms_norm -> gate/up -> silu * up -> down + residual``, each matrix product a dot product per
 #: weight row fused with its input's and output's element-wise ops (as :func:`kernels.rowdot`).
 #: Measured on SmolLM2-135M (one thread, 550 cached positions): the layers' work outside
-#: attention 18 ms per step against 24.5 eager, a plain decoding step 27.6 ms against 33.5.
-#: Passes of 2-5 tokens keep the eager ops: fused the same way they cost 1.2-1.4x more
-#: (the element-wise inputs are recomputed per weight row).  ``None``: measured once per
+#: attention 19.4 ms per step against 27 eager (``_time_layer``), a plain decoding step
+#: 28-29 ms against 33.5.
+#: Passes of 2-5 tokens keep the eager ops.  Fused the same way they cost 1.2-1.4x more
+#: (inductor's loops recompute the element-wise inputs per weight row and reduce over a
+#: strided input); with the layers' own kernels for the products and only the element-wise
+#: ops between them compiled (four graphs a layer) they cost 0.96-0.97x at 2-4 tokens and
+#: 1.08x at 5, below the margin a kernel must win by.  ``None``: measured once per
 #: weight shape and dtype in a process (:func:`_one_token_choice`), for float32 weights of
 #: :data:`kernels.INDUCTOR_MIN_ELEMENTS` or more unless ``SPECBATCH_INDUCTOR=0``; ``True`` /
 #: ``False`` force it on or off (tests).
