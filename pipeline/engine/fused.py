@@ -22,10 +22,11 @@ RMSNorm, RoPE (the model's own rotary module, so every RoPE type it supports), t
 the cache are the model's: the output equals the model's forward up to floating-point
 summation order (float64: within 1e-12; tests/engine/test_fused.py).
 
-A pass of one token in all (a one-row decoding step) runs each layer outside attention as
-three graphs compiled by PyTorch's inductor instead, each matrix product fused with the
-element-wise ops around it, where measured faster (:data:`ONE_TOKEN_LAYER`): SmolLM2's plain
-decoding step 33.5 -> 28-29 ms.
+A pass of 1-2 tokens in all (a one-row decoding step, a k = 1 verification pass, a two-row
+decoding step) runs each layer outside attention as three graphs compiled by PyTorch's inductor instead, each
+matrix product fused with the element-wise ops around it and reading each weight once for all
+the tokens, where measured faster (:data:`COMPILED_LAYER`): SmolLM2's plain one-row decoding
+step 32.7 -> 27.9 ms, a two-token pass 38.1 -> 32.0 ms.
 
 Where.  :meth:`pipeline.engine.runner.ModelRunner.forward` takes this path for its own model
 when :func:`supports` holds (a ``LlamaForCausalLM`` with SDPA attention, full attention in
@@ -107,26 +108,30 @@ def has_hooks(model) -> bool:
     return any(not getattr(h, "__module__", "").startswith("transformers.") for hooks in sets for h in hooks.values())
 
 
-#: A pass of one token in all (a decoding step of one row: plain decoding at one row in flight,
-#: a speculative step that drafted nothing) runs each decoder layer as three graphs compiled by
-#: PyTorch's inductor (:func:`_one_token_graphs`), where the other passes run a dozen eager ops
-#: around each matrix product: ``rms_norm -> QKV -> RoPE``, ``o_proj + residual`` and
-#: ``rms_norm -> gate/up -> silu * up -> down + residual``, each matrix product a dot product per
-#: weight row fused with its input's and output's element-wise ops (as :func:`kernels.rowdot`).
-#: Measured on SmolLM2-135M (one thread, 550 cached positions): the layers' work outside
-#: attention 19.4 ms per step against 27 eager (``_time_layer``), a plain decoding step
-#: 28-29 ms against 33.5.
-#: Passes of 2-5 tokens keep the eager ops.  Fused the same way they cost 1.2-1.4x more
-#: (inductor's loops recompute the element-wise inputs per weight row and reduce over a
-#: strided input); with the layers' own kernels for the products and only the element-wise
-#: ops between them compiled (four graphs a layer) they cost 0.96-0.97x at 2-4 tokens and
-#: 1.08x at 5, below the margin a kernel must win by.  ``None``: measured once per
-#: weight shape and dtype in a process (:func:`_one_token_choice`), for float32 weights of
-#: :data:`kernels.INDUCTOR_MIN_ELEMENTS` or more unless ``SPECBATCH_INDUCTOR=0``; ``True`` /
-#: ``False`` force it on or off (tests).
-ONE_TOKEN_LAYER: bool | None = None
+#: Passes of 1 to :data:`COMPILED_MAX_TOKENS` (2) tokens in all (one-row decoding steps,
+#: verification passes of k = 1 at one row, decoding steps of 2 rows) run each decoder layer
+#: outside attention as three graphs compiled by PyTorch's inductor (:func:`_graphs`), where the
+#: eager layer runs about thirty small ops around its matrix products (RMSNorm, RoPE, residuals,
+#: SiLU; a few microseconds of dispatch each, whatever their size): ``rms_norm -> QKV -> RoPE``,
+#: ``o_proj + residual`` and ``rms_norm -> gate/up -> silu * up -> down + residual``.  Each
+#: product is one dot product per weight row and token (:func:`_products`), which inductor fuses
+#: into one loop over the weight's rows that reads each row once for all the pass's tokens.  The
+#: products' inputs (the norms' outputs, ``silu * up``) are graph outputs too, so that inductor
+#: computes them once into a buffer instead of inlining them into every weight row's loop (which
+#: cost 2-3x from 3 tokens on).  ``None``: measured once per token count, weight shape and dtype
+#: in a process (:func:`_compiled`), for float32 weights of :data:`kernels.INDUCTOR_MIN_ELEMENTS`
+#: or more unless ``SPECBATCH_INDUCTOR=0``; ``True`` / ``False`` force it on or off (tests).
+COMPILED_LAYER: bool | None = None
+#: The most tokens a pass may have to run the compiled layer.  SmolLM2-135M's whole one-row
+#: pass at 550 cached positions, compiled / eager (one thread, CPU clock, best of 3 x 10):
+#: 1 token 27.9 / 32.7 ms (0.85x), 2 tokens 32.0 / 38.1 (0.84x), 3 tokens 0.96x, 4 and 5 tokens
+#: 1.04x and 1.03x: from 4 tokens the fused MLP loop (22-23 ms) is slower than the layers' own
+#: kernels (about 20), though the layer timed alone (``_time_layer``, without attention between
+#: the layers) put them at 0.8x.  So the measurement decides up to here, and more tokens keep
+#: the eager layer.
+COMPILED_MAX_TOKENS = 2
 
-#: per (shapes, dtype, eps, torch threads): the three compiled graphs, or None where they cannot be made
+#: per (shapes, dtype, eps, torch threads, tokens): the three compiled graphs, or None where they cannot be made
 _GRAPHS: dict[tuple, tuple | None] = {}
 #: per the same key: whether the compiled graphs were measured faster than the eager layer
 _CHOICE: dict[tuple, bool] = {}
@@ -137,39 +142,52 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _products(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` of ``(n, in)`` ``x`` as ``n`` dot products per row of ``w``: inductor fuses them
+    into one loop that reads each row of ``w`` once (``(w[:, None] * x).sum(-1)`` reduces over
+    a strided layout and was 2x slower)."""
+    return torch.stack([(w * x[j]).sum(-1) for j in range(x.shape[0])])
+
+
 def _attention_in(x, norm, w_qkv, cos, sin, *, eps: float, nq: int, nk: int, d: int):
-    """``(H,)`` hidden state -> ``(heads, d)`` queries and keys after RoPE, ``(kv heads, d)`` values."""
-    qkv = (w_qkv * _rms(x, norm, eps)).sum(-1)
-    qk = qkv[: nq + nk].view(-1, d)
-    qk = qk * cos + _rotate_half(qk) * sin
-    return qk[: nq // d], qk[nq // d:], qkv[nq + nk:].view(-1, d)
+    """``(n, H)`` hidden states, ``(n, d)`` cos/sin -> ``(n, heads, d)`` queries and keys after
+    RoPE, ``(n, kv heads, d)`` values (and the norm's output, to keep it one buffer)."""
+    h = _rms(x, norm, eps)
+    qkv = _products(w_qkv, h)
+    qk = qkv[:, : nq + nk].reshape(x.shape[0], -1, d)
+    qk = qk * cos[:, None] + _rotate_half(qk) * sin[:, None]
+    return qk[:, : nq // d], qk[:, nq // d:], qkv[:, nq + nk:].reshape(x.shape[0], -1, d), h
 
 
 def _attention_out(x, o, w_o):
-    """``x + o_proj(o)`` for ``(H,)`` ``x`` and the ``(heads * d,)`` attention output ``o``."""
-    return x + (w_o * o).sum(-1)
+    """``x + o_proj(o)`` for ``(n, H)`` ``x`` and the ``(n, heads * d)`` attention output ``o``."""
+    return x + _products(w_o, o)
 
 
 def _mlp(x, norm, w_gate_up, w_down, *, eps: float, inter: int):
-    """``x + down(silu(gate(h)) * up(h))``, ``h = rms_norm(x)``, for an ``(H,)`` ``x``."""
-    gu = (w_gate_up * _rms(x, norm, eps)).sum(-1)
-    return x + (w_down * (F.silu(gu[:inter]) * gu[inter:])).sum(-1)
+    """``x + down(silu(gate(h)) * up(h))``, ``h = rms_norm(x)``, for ``(n, H)`` ``x`` (and ``h``
+    and ``silu(gate) * up``, to keep each one buffer)."""
+    h = _rms(x, norm, eps)
+    gu = _products(w_gate_up, h)
+    a = F.silu(gu[:, :inter]) * gu[:, inter:]
+    return x + _products(w_down, a), a, h
 
 
-def _one_token_key(fused: "_Fused") -> tuple:
+def _key(fused: "_Fused", tokens: int) -> tuple:
     layer = fused.layers[0]
     w = fused.qkv[0].weight
     return (tuple(w.shape), tuple(fused.gate_up[0].weight.shape), fused.splits, layer.self_attn.head_dim,
-            float(layer.input_layernorm.variance_epsilon), w.dtype, torch.get_num_threads())
+            float(layer.input_layernorm.variance_epsilon), w.dtype, torch.get_num_threads(), tokens)
 
 
-def _one_token_graphs(fused: "_Fused"):
-    """The three compiled graphs of a one-token layer (``attention_in``, ``attention_out``,
-    ``mlp``), or ``None`` where inductor cannot make them (no C++ compiler, say).  Made
-    without TorchDynamo (``make_fx`` then ``compile_fx``, as :func:`kernels.rowdot`): a call
-    costs about 10 us of Python.  Compiled once per key in a process; inductor's own cache
-    keeps the C++ across processes."""
-    key = _one_token_key(fused)
+def _graphs(fused: "_Fused", tokens: int):
+    """The three compiled graphs of a layer (``attention_in``, ``attention_out``, ``mlp``) for
+    passes of ``tokens`` tokens in all (any number; :func:`_compiled` offers 1 ..
+    :data:`COMPILED_MAX_TOKENS`), or ``None`` where inductor cannot make them (no C++
+    compiler, say).  Made without TorchDynamo (``make_fx`` then ``compile_fx``, as
+    :func:`kernels.rowdot`): a call costs about 10 us of Python.  Compiled once per key in a
+    process; inductor's own cache keeps the C++ across processes."""
+    key = _key(fused, tokens)
     if key not in _GRAPHS:
         graphs = None
         try:
@@ -178,44 +196,48 @@ def _one_token_graphs(fused: "_Fused"):
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            layer, (nq, nk, _), d = fused.layers[0], fused.splits, fused.layers[0].self_attn.head_dim
+            layer, (nq, nk, nv), d = fused.layers[0], fused.splits, fused.layers[0].self_attn.head_dim
             eps, dtype = float(layer.input_layernorm.variance_epsilon), fused.qkv[0].weight.dtype
-            hidden = fused.qkv[0].weight.shape[1]
+            hidden, inter, n = fused.qkv[0].weight.shape[1], fused.inter, tokens
 
             def zeros(*shape):
                 return torch.zeros(shape, dtype=dtype)
 
             examples = (
                 (partial(_attention_in, eps=eps, nq=nq, nk=nk, d=d),
-                 (zeros(hidden), zeros(hidden), zeros(*fused.qkv[0].weight.shape), zeros(d), zeros(d))),
-                (_attention_out, (zeros(hidden), zeros(nq), zeros(hidden, nq))),
-                (partial(_mlp, eps=eps, inter=fused.inter),
-                 (zeros(hidden), zeros(hidden), zeros(*fused.gate_up[0].weight.shape), zeros(hidden, fused.inter))),
+                 (zeros(n, hidden), zeros(hidden), zeros(nq + nk + nv, hidden), zeros(n, d), zeros(n, d))),
+                (_attention_out, (zeros(n, hidden), zeros(n, nq), zeros(hidden, nq))),
+                (partial(_mlp, eps=eps, inter=inter),
+                 (zeros(n, hidden), zeros(hidden), zeros(2 * inter, hidden), zeros(hidden, inter))),
             )
             with torch.inference_mode(False), torch.no_grad():
                 graphs = tuple(compile_fx(make_fx(fn)(*ex), list(ex)) for fn, ex in examples)
         except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the eager layer
             import logging
 
-            logging.getLogger(__name__).info("no compiled one-token layer: %s", exc, exc_info=True)
+            logging.getLogger(__name__).info("no compiled layer for %d tokens: %s", tokens, exc, exc_info=True)
         _GRAPHS[key] = graphs
     return _GRAPHS[key]
 
 
-def _one_token_choice(fused: "_Fused") -> bool:
-    """Whether one-token passes of this model run the compiled layer (see :data:`ONE_TOKEN_LAYER`):
-    both ways timed over all the model's layers (their weights read as a pass reads them),
-    best of 3; the compiled layer must be faster by :data:`kernels.MARGIN`."""
-    if ONE_TOKEN_LAYER is not None:
-        return ONE_TOKEN_LAYER and _usable(fused) and _one_token_graphs(fused) is not None
-    key = _one_token_key(fused)
+def _compiled(fused: "_Fused", tokens: int):
+    """The compiled graphs that passes of ``tokens`` tokens in all run (see
+    :data:`COMPILED_LAYER`), or ``None`` for the eager layer.  Measured: both ways timed over all
+    the model's layers (their weights read as a pass reads them), best of 3; the compiled layer
+    must be faster by :data:`kernels.MARGIN`."""
+    if not 1 <= tokens <= COMPILED_MAX_TOKENS:
+        return None
+    if COMPILED_LAYER is not None:
+        return _graphs(fused, tokens) if COMPILED_LAYER and _usable(fused) else None
+    key = _key(fused, tokens)
     if key not in _CHOICE:
         w = fused.qkv[0].weight
         _CHOICE[key] = False
         if (w.dtype == torch.float32 and w.numel() >= kernels.INDUCTOR_MIN_ELEMENTS and kernels.env_on("SPECBATCH_INDUCTOR")
-                and _usable(fused) and _one_token_graphs(fused) is not None):
-            _CHOICE[key] = _time_layer(fused, compiled=True) < kernels.MARGIN * _time_layer(fused, compiled=False)
-    return _CHOICE[key]
+                and _usable(fused) and _graphs(fused, tokens) is not None):
+            _CHOICE[key] = (_time_layer(fused, tokens, compiled=True)
+                            < kernels.MARGIN * _time_layer(fused, tokens, compiled=False))
+    return _graphs(fused, tokens) if _CHOICE[key] else None
 
 
 def _usable(fused: "_Fused") -> bool:
@@ -226,15 +248,16 @@ def _usable(fused: "_Fused") -> bool:
 def _attention_in_of(fused: "_Fused", i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphs
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer ``i``'s ``(b, heads, Q, d)`` queries, keys and values of the ``(b, Q, H)`` ``x``
-    (input norm, QKV, RoPE): by the compiled graphs for one token, or the eager ops (``graphs`` None)."""
+    (input norm, QKV, RoPE): through the compiled ``graphs``, or the eager ops (``None``)."""
     layer = fused.layers[i]
     b, q_len = x.shape[:2]
     nq, nk, _ = fused.splits
     d = layer.self_attn.head_dim
     if graphs is not None:
-        q, k, v = graphs[0](x.view(-1), layer.input_layernorm.weight, fused.qkv[i].weight,
-                            cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous())
-        return q.view(1, -1, 1, d), k.view(1, -1, 1, d), v.view(1, -1, 1, d)
+        n = b * q_len
+        q, k, v, _ = graphs[0](x.reshape(n, -1), layer.input_layernorm.weight, fused.qkv[i].weight,
+                               cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous())
+        return tuple(t.reshape(b, q_len, -1, d).transpose(1, 2) for t in (q, k, v))
     qkv = fused.qkv[i](_rms_norm(layer.input_layernorm, x))
     qk = qkv[..., :nq + nk].view(b, q_len, -1, d).transpose(1, 2)  # the query heads, then the key heads
     qk = qk * cos + _rotate_half(qk) * sin  # RoPE on both at once
@@ -244,33 +267,34 @@ def _attention_in_of(fused: "_Fused", i: int, x: torch.Tensor, cos: torch.Tensor
 def _attention_out_of(fused: "_Fused", i: int, x: torch.Tensor, o: torch.Tensor, graphs) -> torch.Tensor:
     """``x + o_proj(o)`` of layer ``i``, for the ``(b, heads, Q, d)`` attention output ``o``."""
     proj = fused.layers[i].self_attn.o_proj
-    if graphs is not None:
-        return graphs[1](x.view(-1), o.reshape(-1), proj.weight).view(x.shape)
     b, q_len = x.shape[:2]
-    return x + proj(o.transpose(1, 2).reshape(b, q_len, -1))
+    o = o.transpose(1, 2).reshape(b * q_len, -1)
+    if graphs is not None:
+        return graphs[1](x.reshape(b * q_len, -1), o.contiguous(), proj.weight).view(x.shape)
+    return x + proj(o.view(b, q_len, -1))
 
 
 def _mlp_of(fused: "_Fused", i: int, x: torch.Tensor, graphs) -> torch.Tensor:
     """``x + mlp(rms_norm(x))`` of layer ``i``."""
     layer = fused.layers[i]
     if graphs is not None:
-        return graphs[2](x.view(-1), layer.post_attention_layernorm.weight, fused.gate_up[i].weight,
-                         layer.mlp.down_proj.weight).view(x.shape)
+        y, _, _ = graphs[2](x.reshape(-1, x.shape[-1]), layer.post_attention_layernorm.weight, fused.gate_up[i].weight,
+                            layer.mlp.down_proj.weight)
+        return y.view(x.shape)
     gu = fused.gate_up[i](_rms_norm(layer.post_attention_layernorm, x))
     return x + layer.mlp.down_proj(F.silu(gu[..., :fused.inter]) * gu[..., fused.inter:])
 
 
-def _time_layer(fused: "_Fused", compiled: bool, repeats: int = 3) -> float:
+def _time_layer(fused: "_Fused", tokens: int, compiled: bool, repeats: int = 3) -> float:
     """Seconds (best of ``repeats``, after a warm-up) of every layer's work outside attention
-    for one token, through the compiled graphs or the eager ops."""
+    for one row of ``tokens`` tokens, through the compiled graphs or the eager ops."""
     import time
 
     hidden, d = fused.qkv[0].weight.shape[1], fused.layers[0].self_attn.head_dim
     dtype = fused.qkv[0].weight.dtype
-    x, o = torch.randn(1, 1, hidden, dtype=dtype), torch.randn(1, fused.splits[0] // d, 1, d, dtype=dtype)
-    cos, sin = torch.randn(1, 1, 1, d, dtype=dtype), torch.randn(1, 1, 1, d, dtype=dtype)
-
-    graphs = _one_token_graphs(fused) if compiled else None
+    x, o = torch.randn(1, tokens, hidden, dtype=dtype), torch.randn(1, fused.splits[0] // d, tokens, d, dtype=dtype)
+    cos, sin = torch.randn(1, 1, tokens, d, dtype=dtype), torch.randn(1, 1, tokens, d, dtype=dtype)
+    graphs = _graphs(fused, tokens) if compiled else None
 
     def run():
         for i in range(len(fused.layers)):
@@ -431,7 +455,7 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: to
     keep = _selected(output_hidden_states, n_layers + 1)
     states = None if keep is None else [x if 0 in keep else None]
     folded_mask = None  # the mask for the folded query heads: made at the first layer (every layer's keys are as long)
-    graphs = _one_token_graphs(fused) if b * q_len == 1 and _one_token_choice(fused) else None
+    graphs = _compiled(fused, b * q_len)
     if timer is not None:
         timer.lap("rest")
     for i, layer in enumerate(fused.layers):

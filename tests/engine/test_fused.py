@@ -211,17 +211,22 @@ def test_a_global_forward_hook_takes_the_models_forward(counted):
     assert not counted and seen
 
 
-def _one_token_passes(model, compiled: bool, monkeypatch):
-    """Prefills of two rows, then one-token passes (one row each, slot 0 and slot 1) with hidden
-    states asked for: the logits, hidden states and the cache after them."""
-    monkeypatch.setattr(fused, "ONE_TOKEN_LAYER", compiled)
+def _few_token_passes(model, compiled: bool, monkeypatch):
+    """Prefills of two rows, then passes of 1-5 tokens in all (one-token passes on slot rows 0
+    and 1, two rows of one token, a row of 3 tokens, a token tree of 5 nodes) with hidden
+    states asked for: the logits, hidden states and the cache after them.  Passes of up to
+    fused.COMPILED_MAX_TOKENS (2) tokens take the compiled layer when it is on."""
+    monkeypatch.setattr(fused, "COMPILED_LAYER", compiled)
     runner = ModelRunner(model, 2)
     out = []
     with torch.inference_mode():
         runner.forward([0], [prompt_of(7, seed=6)[0]], [0])
         runner.forward([1], [prompt_of(4, seed=7)[0]], [0])
-        for slot, token, position in ((0, 5, 7), (1, 9, 4), (0, 2, 8), (1, 11, 5)):
-            r = runner.forward([slot], [torch.tensor([token])], [position], output_hidden_states=True)
+        for slots, tokens, starts, trees in (([0], [[5]], [7], None), ([1], [[9]], [4], None),
+                                             ([0, 1], [[2], [11]], [8, 5], None), ([1], [[3, 4, 6]], [6], None),
+                                             ([0], [[7, 8, 9, 10, 12]], [9], [[-1, 0, -1, 2]]), ([0], [[1]], [10], None)):
+            r = runner.forward(slots, [torch.tensor(t) for t in tokens], starts, logits_to_keep=0,
+                               output_hidden_states=True, trees=trees)
             out.append((r.logits, r.hidden_states))
     return out, _cache(runner)
 
@@ -231,7 +236,7 @@ def _rms_in_the_models_dtype(x, weight, eps):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_one_token_passes_through_the_compiled_layer_give_the_models_logits_and_cache(dtype, tol, monkeypatch):
+def test_passes_of_few_tokens_through_the_compiled_layer_give_the_models_logits_and_cache(dtype, tol, monkeypatch):
     """float64 to 1e-12 with both ways' RMSNorm computed in float64: transformers' LlamaRMSNorm
     computes in float32 whatever the model's dtype, and inductor sums its squares in another
     order than eager (float32 rounding, ~1e-7, would hide any other difference)."""
@@ -241,12 +246,12 @@ def test_one_token_passes_through_the_compiled_layer_give_the_models_logits_and_
         monkeypatch.setattr(fused, "_rms", _rms_in_the_models_dtype)
         monkeypatch.setattr(fused, "_rms_norm", lambda norm, x: _rms_in_the_models_dtype(x, norm.weight, norm.variance_epsilon))
     calls = []
-    real = fused._one_token_graphs
-    monkeypatch.setattr(fused, "_one_token_graphs", lambda f: calls.append(real(f)) or calls[-1])
-    want, want_cache = _one_token_passes(model, False, monkeypatch)
-    assert not any(calls)
-    got, got_cache = _one_token_passes(model, True, monkeypatch)
-    assert calls and all(g is not None for g in calls), "the compiled graphs ran"
+    real = fused._graphs
+    monkeypatch.setattr(fused, "_graphs", lambda f, n: calls.append((n, real(f, n))) or calls[-1][1])
+    want, want_cache = _few_token_passes(model, False, monkeypatch)
+    assert not calls
+    got, got_cache = _few_token_passes(model, True, monkeypatch)
+    assert sorted({n for n, g in calls if g is not None}) == [1, 2], calls
     for (gl, gh), (wl, wh) in zip(got, want):
         torch.testing.assert_close(gl, wl, rtol=tol, atol=tol)
         for g, w in zip(gh, wh, strict=True):
@@ -256,28 +261,32 @@ def test_one_token_passes_through_the_compiled_layer_give_the_models_logits_and_
         torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("compiled_seconds, chosen", [(0.5, True), (0.97, False), (2.0, False)])
-def test_the_compiled_layer_is_taken_where_measured_faster_by_the_margin(compiled_seconds, chosen, monkeypatch):
-    """Measured (ONE_TOKEN_LAYER None) for float32 weights large enough; the compiled layer must
-    beat the eager one by kernels.MARGIN (0.95); remembered per weight shape."""
-    monkeypatch.setattr(fused, "ONE_TOKEN_LAYER", None)
+def test_the_compiled_layer_is_taken_where_measured_faster_by_the_margin(compiled_seconds, chosen, tokens, monkeypatch):
+    """Measured (COMPILED_LAYER None) per token count for float32 weights large enough; the
+    compiled layer must beat the eager one by kernels.MARGIN (0.95); remembered; never offered
+    beyond fused.COMPILED_MAX_TOKENS tokens."""
+    monkeypatch.setattr(fused, "COMPILED_LAYER", None)
     monkeypatch.setattr(fused, "_CHOICE", {})
-    monkeypatch.setattr(fused, "_one_token_graphs", lambda f: ("graphs",))
+    monkeypatch.setattr(fused, "_graphs", lambda f, n: ("graphs", n))
     monkeypatch.setattr(kernels, "INDUCTOR_MIN_ELEMENTS", 1)
     timed = []
-    monkeypatch.setattr(fused, "_time_layer", lambda f, compiled: timed.append(compiled) or (compiled_seconds if compiled else 1.0))
-    model = build("llama", layers=2).float()
-    f = fused._Fused(model)
-    assert fused._one_token_choice(f) is chosen
-    assert fused._one_token_choice(f) is chosen and sorted(timed) == [False, True]  # measured once
+    monkeypatch.setattr(fused, "_time_layer",
+                        lambda f, n, compiled: timed.append((n, compiled)) or (compiled_seconds if compiled else 1.0))
+    f = fused._Fused(build("llama", layers=2).float())
+    assert (fused._compiled(f, tokens) == ("graphs", tokens)) is chosen
+    assert (fused._compiled(f, tokens) == ("graphs", tokens)) is chosen  # remembered
+    assert sorted(timed) == [(tokens, False), (tokens, True)]
+    assert fused._compiled(f, fused.COMPILED_MAX_TOKENS + 1) is None and len(timed) == 2
     monkeypatch.setenv("SPECBATCH_INDUCTOR", "0")
     monkeypatch.setattr(fused, "_CHOICE", {})
-    assert fused._one_token_choice(f) is False and len(timed) == 2  # off: not measured
+    assert fused._compiled(f, tokens) is None and len(timed) == 2  # off: not measured
 
 
 def test_float64_and_small_weights_are_not_offered_the_compiled_layer(monkeypatch):
-    monkeypatch.setattr(fused, "ONE_TOKEN_LAYER", None)
+    monkeypatch.setattr(fused, "COMPILED_LAYER", None)
     monkeypatch.setattr(fused, "_CHOICE", {})
-    monkeypatch.setattr(fused, "_time_layer", lambda f, compiled: pytest.fail("measured"))
-    assert fused._one_token_choice(fused._Fused(build("llama", layers=2).double())) is False
-    assert fused._one_token_choice(fused._Fused(build("llama", layers=2).float())) is False  # below INDUCTOR_MIN_ELEMENTS
+    monkeypatch.setattr(fused, "_time_layer", lambda f, n, compiled: pytest.fail("measured"))
+    assert fused._compiled(fused._Fused(build("llama", layers=2).double()), 1) is None
+    assert fused._compiled(fused._Fused(build("llama", layers=2).float()), 1) is None  # below INDUCTOR_MIN_ELEMENTS
