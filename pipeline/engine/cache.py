@@ -127,7 +127,8 @@ class _Step:
         self.first = slots[0] if consecutive else None
         # ``(slot row, position)`` of a pass of one token in all (a one-row decoding step): written
         # by a copy into that slot, where advanced indexing costs about 10 us per layer and tensor
-        self.single = (slots[0], int(write.view(-1)[0])) if write.numel() == 1 and int(write.view(-1)[0]) >= 0 else None
+        position = int(write.view(-1)[0]) if write.numel() == 1 else -1
+        self.single = (slots[0], position) if position >= 0 else None
 
     def slots(self, capacity: int) -> torch.Tensor:
         """``write`` with padding sent to the scratch slot ``capacity`` (made once per pass,

@@ -138,6 +138,7 @@ _CHOICE: dict[tuple, bool] = {}
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``, op for op: computed in float32 whatever ``x``'s dtype."""
     h = x.to(torch.float32)
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -360,10 +361,8 @@ def _linear(weight: torch.Tensor) -> torch.nn.Linear:
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm``, op for op."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    """transformers' ``LlamaRMSNorm`` module ``norm`` on ``x``, op for op (:func:`_rms`)."""
+    return _rms(x, norm.weight, norm.variance_epsilon)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
