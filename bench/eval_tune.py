@@ -139,7 +139,7 @@ def main() -> None:
         configs[name] = load_config(p)
     actors = {name: GenerateActor(cfg) for name, cfg in configs.items()}
     torch.set_num_threads(1)
-    from pipeline.read import read_shard, resolve_shards
+    from pipeline.input import read_shard, resolve_shards
 
     shard = resolve_shards(configs["tuned"].input)[0]
     measured = read_shard(shard, configs["tuned"].input).to_pylist()[args.pilot: args.pilot + args.rows]

@@ -52,24 +52,19 @@ def _gguf_error(e: Exception, gguf_file: str, gguf_key: str) -> ModelError:
 
 
 def refuse_special_files(folder: str, key: str) -> None:
-    """Refuse a model folder holding a named pipe, a device or a socket (following links):
-    the fingerprint's hash, or transformers' loader, would read it and may never return.
+    """Refuse a model folder holding a named pipe, a device or a socket (following links,
+    :func:`pipeline.storage.refuse_special`): the fingerprint's hash, or transformers'
+    loader, would read it and may never return.  A dangling link is left to the loader.
 
     Raises:
         ModelError: naming ``key`` and the file.
     """
-    import stat
+    from pipeline.storage import refuse_special
 
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
         for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             p = os.path.join(dirpath, name)
-            try:
-                mode = os.stat(p).st_mode
-            except OSError:  # a dangling link: left to the loader's own message
-                continue
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise ModelError(f"{key}: {p!r} is a named pipe, a device or a socket, not a file: a read of it may "
-                                 "never return, so the job does not open it; replace it with a file")
+            refuse_special(p, f"{key}: {p!r}", ModelError, "replace it with a file", folder_ok=True)
 
 
 def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_file: str | None = None,

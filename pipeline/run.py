@@ -57,7 +57,7 @@ from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
 from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console  # noqa: F401
-from pipeline.read import Shard, partition_keys, read_units_batch, resolve_shards, units_of
+from pipeline.input import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.summary import RunTotals
@@ -123,7 +123,7 @@ def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Sh
     """:func:`pipeline.fingerprint.config_identity` of a run: with its resolved generation
     settings (greedy: no sampling settings), and ``input.format`` counted as ``auto`` when
     ``auto`` reads every shard in that format."""
-    from pipeline.read import file_kind
+    from pipeline.input import file_kind
 
     auto = cfg.input.model_copy(update={"format": "auto"})
     as_auto = cfg.input.format != "auto" and bool(shards) and all(

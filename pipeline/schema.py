@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from pipeline.engine.stats import COLUMNS
 
-#: One row of input, as the actors receive it (see pipeline.read for the id rules).
+#: One row of input, as the actors receive it (see pipeline.input.rows for the id rules).
 INPUT_SCHEMA = pa.schema(
     [
         ("source_file", pa.string()),  # the shard's URL

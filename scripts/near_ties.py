@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.engine.exactness import compare_rows, summarize
     from pipeline.loading import build_engine, load_engine
     from pipeline.prompts import PromptBuilder
-    from pipeline.read import read_shard, resolve_shards
+    from pipeline.input import read_shard, resolve_shards
 
     cfg = load_config(args.config, args.set)
     out, ref = _texts(args.output), _texts(args.reference)

@@ -1,7 +1,6 @@
 """The output side of a job: one package, one owner for each fact.
 
 - :mod:`pipeline.output.layout`: the names of an output folder, and which files are the job's;
-- :mod:`pipeline.output.fs`: filesystem helpers (URLs, local disk or object store, resolved paths);
 - :mod:`pipeline.output.location`: one output folder: listing, the checked manifest, foreign files, overwrite;
 - :mod:`pipeline.output.resume`: the resume plan (:func:`plan_resume`), a function of the manifest and the units;
 - :mod:`pipeline.output.sink`: the write stage on the workers (a unit's rows -> staged Parquet fragments);
@@ -13,7 +12,8 @@ from __future__ import annotations
 
 import posixpath
 
-from pipeline.output.layout import SUCCESS, data_file_names, part_name  # noqa: F401
+from pipeline.input.units import part_name  # noqa: F401 (the units own the part names)
+from pipeline.output.layout import SUCCESS, data_file_names  # noqa: F401
 from pipeline.output.location import OutputError, OutputLocation  # noqa: F401
 from pipeline.output.resume import ResumePlan, plan_resume  # noqa: F401
 from pipeline.output.writer import OutputWriter, RunError  # noqa: F401

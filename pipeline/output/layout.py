@@ -14,7 +14,8 @@ Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD``
     <dir>/_lease.json                        the lease of the run writing the folder now (pipeline.output.lease)
 
 A *unit* is one input shard (file) and one split of it (``input.split_rows`` rows:
-:class:`pipeline.read.Unit`); its part name is ``part-<shard>-u<split>.parquet``.  Outputs
+:class:`pipeline.input.units.Unit`); its part name is ``part-<shard>-u<split>.parquet``
+(:func:`pipeline.input.units.part_name`, the one owner of the part names).  Outputs
 written before units existed have one part per shard, ``part-<shard>.parquet`` (and
 ``part-<shard>-NNNNN.parquet`` when split into files): these *whole-shard* parts are still
 the job's files, and a run resumes them (:mod:`pipeline.output.resume`).
@@ -33,6 +34,8 @@ import posixpath
 import re
 import uuid
 
+from pipeline.input.units import PART_PATTERN, parse_part, part_name  # noqa: F401 (the units' names; re-exported)
+
 SUCCESS = "_SUCCESS"
 SUMMARY = "_summary.json"
 STAGING = "_staging"
@@ -41,7 +44,7 @@ PENDING = "pending"  # under _manifest/
 #: the lease file, directly in the output folder
 LEASE = "_lease.json"
 
-_PART = r"part-(\d{5,})(?:-u(\d{5,}))?"
+_PART = PART_PATTERN
 #: names of data files the job writes; a foreign file with such a name is always refused
 DATA_FILE = re.compile(r"^part-\d{5,}(-u\d{5,})?(-\d{5,})?\.parquet$", re.ASCII)  # ASCII digits only, here and below
 #: a manifest entry, ``_manifest/<name>`` (groups: shard, split or None)
@@ -62,22 +65,6 @@ def temp_name(path: str) -> str:
     rename is atomic)."""
     folder, name = posixpath.split(path)
     return posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
-
-
-def part_name(shard: int, split: int | None = None) -> str:
-    """The part name of unit ``split`` of input shard ``shard``: ``part-00003-u00002.parquet``
-    (also its only data file's name when its rows fit in one file); ``split=None``: the
-    whole-shard part of the layout before units, ``part-00003.parquet``."""
-    return f"part-{shard:05d}.parquet" if split is None else f"part-{shard:05d}-u{split:05d}.parquet"
-
-
-def parse_part(part: str) -> tuple[int, int | None] | None:
-    """``part-00003-u00002.parquet`` -> ``(3, 2)``; ``part-00003.parquet`` -> ``(3, None)``;
-    anything else -> None."""
-    m = re.fullmatch(_PART + r"\.parquet", part, re.ASCII)
-    if not m:
-        return None
-    return int(m.group(1)), None if m.group(2) is None else int(m.group(2))
 
 
 def entry_name(part: str) -> str:
@@ -113,11 +100,18 @@ def owned_layout_file(rel: str) -> bool:
     return top == STAGING and bool(STAGED_FILE.fullmatch(rest))
 
 
+def owned_output_path(rel: str) -> bool:
+    """Whether a path relative to an output's root folder names one of the job's files
+    (:func:`owned_output_file`) or its ``_manifest/`` or ``_staging/`` folder (in the folder
+    or a ``date=`` partition), or lies in one."""
+    return any(d in (MANIFEST, STAGING) for d in rel.strip("/").split("/")) or owned_output_file(rel)
+
+
 def owned_output_file(rel: str) -> bool:
     """Whether a path relative to an output's root folder (``output.uri``) names one of the
     job's files there: under ``_manifest/`` or ``_staging/``, a marker or the lease, or a
     data file (in the folder or a ``date=`` partition).  The input listing leaves such
-    files out (pipeline.read)."""
+    files out (:meth:`pipeline.output.location.OutputLocation.contains`)."""
     parts = rel.strip("/").split("/")
     if any(d in (MANIFEST, STAGING) for d in parts[:-1]):
         return True

@@ -39,10 +39,13 @@ import re
 from typing import Any
 
 from pipeline.config import JobRefused, OutputConfig
-from pipeline.output.fs import is_local, is_object_store, prune_empty, unstrip
+from pipeline.input.units import part_name
 from pipeline.output.layout import (DATA_FILE, ENTRY_FILE, INTENT_FILE, LEASE, MANIFEST, PENDING, STAGING, SUCCESS,
-                                    SUMMARY, TEMP_FILE, data_file_names, owned_layout_file, part_name, temp_name)
+                                    SUMMARY, TEMP_FILE, data_file_names, owned_layout_file, owned_output_path,
+                                    temp_name)
 from pipeline.retry import endpoint_of, open_fs, retrying
+from pipeline.storage import (is_local, is_object_store, prune_empty, raise_refusal, refuse_special, resolved_location,
+                              under, unstrip)
 
 log = logging.getLogger("specbatch")
 
@@ -77,6 +80,31 @@ class OutputLocation:
         self.leftovers: list[str] = []
         self.local = is_local(self.fs)
         self.object_store = is_object_store(self.fs)
+        self._resolved: str | None = None  # the folder's resolved URL (contains)
+
+    @classmethod
+    def whole(cls, cfg: OutputConfig, retry: Any = None) -> "OutputLocation":
+        """The whole output folder ``output.uri``, every ``date=`` partition in it (what the
+        input's listing asks :meth:`contains` of)."""
+        return cls(cfg.model_copy(update={"partition_by_date": False}), retry)
+
+    def contains(self, url: str) -> str | None:
+        """What this output folder holds at ``url`` (a resolved URL, as the input's listing
+        names its files and folders; :func:`pipeline.storage.resolved_location`):
+
+        - ``"own"``: a file or folder the job writes there (data files, markers, the lease,
+          ``_manifest/``, ``_staging/`` and everything in them; in the folder or a ``date=``
+          partition: :func:`~pipeline.output.layout.owned_output_path`);
+        - ``"other"``: the folder itself, or anything else in it (a file beside the output);
+        - None: a path outside it.
+        """
+        if self._resolved is None:
+            self._resolved = unstrip(self.fs, resolved_location(self.fs, self.root)).rstrip("/")
+        root = self._resolved
+        if not under(url, root):
+            return None
+        rel = url[len(root):].strip("/")
+        return "own" if rel and owned_output_path(rel) else "other"
 
     # ------------------------------------------------------------------ paths and storage
     def path(self, *names: str) -> str:
@@ -344,13 +372,8 @@ class OutputLocation:
     def _refused(self, e: Exception, what: str) -> None:
         """Re-raise ``e`` from a check of the location: an :class:`OutputError` or a
         transient :class:`StorageError` as it is, anything else as an OutputError saying the
-        output is not ``what`` (``usable``, ``writable``)."""
-        from pipeline.retry import StorageError
-
-        if isinstance(e, OutputError) or (isinstance(e, StorageError) and e.transient):
-            raise e
-        detail = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
-        raise OutputError(f"output {self.url()!r} is not {what}: {detail}") from None
+        output is not ``what`` (``usable``, ``writable``): :func:`pipeline.storage.raise_refusal`."""
+        raise_refusal(e, OutputError, f"output {self.url()!r} is not {what}")
 
     def _remove_leftovers(self, files: list[str]) -> None:
         """Remove what an earlier run of this job began to write and never finished: the
@@ -393,19 +416,12 @@ class OutputLocation:
 
     def _refuse_special(self, p: str, dir_ok: bool) -> None:
         """Local disk: refuse a named pipe, device or socket where the job reads or writes
-        its own files (a read of it may never return); a folder too, unless ``dir_ok``."""
-        import stat
-
-        try:
-            mode = os.lstat(p).st_mode
-        except OSError:  # missing, or not reachable: left to the caller's own checks
-            return
-        if stat.S_ISREG(mode) or (dir_ok and stat.S_ISDIR(mode)):
-            return
+        its own files (a read of it may never return); a folder too, unless ``dir_ok``
+        (:func:`pipeline.storage.refuse_special`: links are refused before this)."""
         rel = p[len(self.root.rstrip("/")) + 1:]
-        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe, a device or a socket"
-        raise OutputError(f"output {self.url()!r}: {rel} is {kind}, not a file this job wrote: a read of it may "
-                          "never return and the job never deletes what it did not write: move it away")
+        refuse_special(p, f"output {self.url()!r}: {rel}", OutputError,
+                       "it is not a file this job wrote, and the job never deletes what it did not write: move it away",
+                       folder_ok=dir_ok)
 
     def _owned_data_files(self, entries: dict[str, dict[str, Any]]) -> set[str]:
         """The data files the (checked) manifest entries and intents name."""

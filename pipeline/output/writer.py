@@ -48,10 +48,10 @@ from pipeline.output.layout import MANIFEST, PENDING, STAGING, SUCCESS, SUMMARY,
 from pipeline.output.lease import OutputLease
 from pipeline.output.location import OutputError, OutputLocation
 from pipeline.output.resume import ResumePlan, plan_resume
-from pipeline.output.sink import UNIT_COLUMN, write_fragments
+from pipeline.input.units import UNIT_COLUMN, Shard, Split, Unit
+from pipeline.output.sink import write_fragments
 from pipeline.schema import output_schema
 from pipeline.summary import RunTotals
-from pipeline.units import Shard, Split, Unit
 
 
 class RunError(RuntimeError):
@@ -145,7 +145,7 @@ class OutputWriter:
         will carry.
 
         Args:
-            units: this run's units (:class:`pipeline.read.Unit`; :class:`pipeline.read.Shard`
+            units: this run's units (:class:`pipeline.input.units.Unit`; :class:`pipeline.input.units.Shard`
                 objects stand for their units); None = no resume check (an output holding
                 committed units is then refused).
             identity: :func:`pipeline.fingerprint.config_identity` of this run's config; None = not checked.
@@ -252,8 +252,8 @@ class OutputWriter:
 
     def write_part(self, unit: Any, table: pa.Table) -> str:
         """Stage and commit one unit given all its rows, in this process (tools and tests;
-        the job writes on the workers).  ``unit``: a :class:`pipeline.read.Unit`, a
-        :class:`pipeline.read.Shard` of one unit, or a bare shard index (its unit 0, no
+        the job writes on the workers).  ``unit``: a :class:`pipeline.input.units.Unit`, a
+        :class:`pipeline.input.units.Shard` of one unit, or a bare shard index (its unit 0, no
         fingerprint).  Returns the path of its first data file."""
         unit = _as_unit(unit, table.num_rows)
         self._units.setdefault(unit.part, unit)
@@ -349,7 +349,7 @@ def _check_cover(unit: Any, frags: list[dict[str, Any]]) -> None:
 
 
 def _as_unit(unit: Any, rows: int):
-    """A :class:`pipeline.read.Unit` from a Unit, a one-unit Shard or a bare shard index."""
+    """A :class:`pipeline.input.units.Unit` from a Unit, a one-unit Shard or a bare shard index."""
     if isinstance(unit, int):
         return Unit(Shard(index=unit, url=None, format="jsonl", num_rows=rows), 0, Split(0, rows))
     if isinstance(unit, Shard):

@@ -14,7 +14,7 @@ from pipeline_testkit import TEXTS, job_config, write_jsonl
 from pipeline.engine import SpeculativeEngine
 from pipeline.models import ModelError, load_models
 from pipeline.prompts import PromptBuilder
-from pipeline.read import InputError
+from pipeline.input import InputError
 from pipeline.run import run_job
 from pipeline.config import OutputConfig
 from pipeline.output import is_complete

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline_testkit import TEXTS, job_config, write_jsonl
 from pipeline.config import InputConfig
-from pipeline.read import InputError, read_shard, resolve_shards
+from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.run import run_job
 
 GOOD = json.dumps({"id": "g", "text": TEXTS[0]}).encode()

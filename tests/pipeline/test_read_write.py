@@ -8,7 +8,7 @@ import pytest
 
 from pipeline_testkit import write_jsonl
 from pipeline.config import InputConfig, OutputConfig
-from pipeline.read import InputError, read_shard, resolve_shards
+from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.output import OutputError, is_complete
 from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA

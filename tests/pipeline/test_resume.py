@@ -111,7 +111,7 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     import shutil
 
     from pipeline.fingerprint import config_identity
-    from pipeline.read import resolve_shards
+    from pipeline.input import resolve_shards
     from pipeline.output import OutputWriter
     import pyarrow as pa
     from pipeline.schema import OUTPUT_SCHEMA

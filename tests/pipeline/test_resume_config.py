@@ -16,7 +16,7 @@ import pytest
 
 from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
 from pipeline.fingerprint import config_fingerprint, config_identity, describe_changes, file_identity, model_files
-from pipeline.read import units_of, resolve_shards
+from pipeline.input import units_of, resolve_shards
 from pipeline.output import OutputError
 from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline_testkit import TEXTS, free_port, job_config
-from pipeline.read import InputError
+from pipeline.input import InputError
 from pipeline.run import run_job
 
 KEY, SECRET = "testing-key", "testing-secret"
@@ -83,7 +83,7 @@ def test_s3_credentials_and_endpoint_from_the_standard_chain(s3_server, bucket, 
     import pyarrow as pa
 
     from pipeline.config import InputConfig, OutputConfig
-    from pipeline.read import read_shard, resolve_shards
+    from pipeline.input import read_shard, resolve_shards
     from pipeline.output import is_complete
     from pipeline.output import OutputWriter
     from pipeline.schema import OUTPUT_SCHEMA

@@ -26,7 +26,7 @@ import zstandard
 from pipeline.config import ConfigError, InputConfig, OutputConfig, load_config
 from pipeline.output.lease import LEASE, LeaseHeld, LeaseUnreadable, OutputLease
 from pipeline.output import OutputError, is_complete
-from pipeline.read import InputError, read_shard, resolve_shards
+from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.retry import StorageError, open_fs, retrying
 from pipeline.schema import OUTPUT_SCHEMA
 from pipeline.output import OutputWriter
@@ -197,7 +197,7 @@ def _no_partial_records(out):
 
 @pytest.mark.parametrize("when", ["intent", "summary"])
 def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_once(tiny_disk, when):
-    from pipeline.read import Shard, units_of
+    from pipeline.input import Shard, units_of
 
     disk, fill = tiny_disk
     out = disk / "out"
@@ -354,7 +354,7 @@ def test_a_fifo_in_a_model_folder_or_as_the_config_file_is_refused_not_waited_on
     (model / "sub").mkdir()
     os.unlink(model / "tokenizer.json")
     os.symlink("/dev/zero", model / "sub" / "model.safetensors")  # a link to a device, one folder down
-    with pytest.raises(ModelError, match=r"model\.safetensors' is a named pipe, a device"):
+    with pytest.raises(ModelError, match=r"model\.safetensors' is a character device, not a regular file"):
         _bounded(lambda: check_model_path(str(model), "models.target"))
     os.mkfifo(tmp_path / "job.yaml")
     with pytest.raises(ConfigError, match="config file not a regular file"):

@@ -24,7 +24,7 @@ from pipeline_testkit import REPO, TEXTS, OutStore, job_config, write_jsonl
 from pipeline.config import InputConfig, OutputConfig, load_config
 from pipeline.fingerprint import config_identity
 from pipeline.output import OutputError, OutputWriter
-from pipeline.read import read_shard, read_unit, resolve_shards, units_of
+from pipeline.input import read_shard, read_unit, resolve_shards, units_of
 from pipeline.schema import OUTPUT_SCHEMA
 
 WORDS = "the cat sat on the mat and looked at the dog".split()
@@ -191,7 +191,7 @@ def test_a_shard_committed_both_whole_and_by_units_is_refused(tiny_models, tmp_p
 def test_a_unit_whose_rows_do_not_come_back_once_each_is_not_committed(tmp_path):
     """The driver commits a unit only when its fragments hold each of its rows once, in order."""
     from pipeline.output.writer import RunError
-    from pipeline.read import Shard, Split, Unit
+    from pipeline.input import Shard, Split, Unit
 
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "out")))
     unit = Unit(Shard(index=0, url="/x.jsonl", format="jsonl", num_rows=4), 0, Split(0, 4))
