@@ -70,7 +70,11 @@ class ConfigError(JobRefused):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A config section.  Its values are validated strictly (pydantic ``strict``): a count
+    or a number must be one, never a boolean (``input.split_rows: true`` is not 1) nor a
+    string; a ``--set`` value is read as YAML, so ``--set input.split_rows=500`` is a number."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class InputConfig(_Section):
@@ -214,6 +218,11 @@ class MethodConfig(BaseModel):
         for key in self.model_extra or {}:
             if key not in allowed:
                 raise ValueError(f"unknown key method.{key}; method parameters are: {', '.join(sorted(allowed))}")
+        hints = typing.get_type_hints(SpeculationSettings)
+        for key, value in (self.model_extra or {}).items():  # the section is not strict: its values go to the engine
+            kinds = set(typing.get_args(hints[key])) | {hints[key]}
+            if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"method.{key}: {str(value).lower()} is a boolean, not a number")
         try:
             self.speculation_settings()
             foreign = {k: v for k, v in self.params.items() if k in foreign_method_params(self.name)}
@@ -600,6 +609,8 @@ def _format_error(e: ValidationError) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = f"unknown key {loc}"
+        elif err["type"] in ("int_type", "float_type") and isinstance(err.get("input"), bool):
+            msg = f"{str(err['input']).lower()} is a boolean, not a number"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         lines.append(f"{loc}: {msg}" if loc and not msg.startswith(("unknown key", loc)) else msg)

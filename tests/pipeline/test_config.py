@@ -110,6 +110,32 @@ def test_method_params_pass_through_to_speculation_settings():
     assert cfg.model_dump()["method"]["prompt_lookup_num_tokens"] == 4
 
 
+@pytest.mark.parametrize("key", [
+    "input.split_rows", "input.preflight_read_max_bytes", "compute.rows_per_batch", "compute.cpus_per_actor",
+    "compute.stall_timeout_s", "output.max_rows_per_file", "output.lease_timeout_s", "retry.attempts",
+    "audit.seed", "audit.fraction", "generation.max_new_tokens", "generation.top_k", "serve.port",
+    "method.num_assistant_tokens", "method.assistant_ensemble_weight"])
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_a_boolean_is_not_a_count(key, value):
+    """``input.split_rows: true`` was read as 1: a boolean given for a number is refused by
+    name, in every section (and in the YAML file as with --set); a real boolean still loads."""
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}: {value} is a boolean, not a number"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_numbers_are_numbers_and_booleans_booleans(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("input:\n  split_rows: yes\n")  # YAML 1.1: yes is a boolean
+    with pytest.raises(ConfigError, match="input.split_rows: true is a boolean"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="input.split_rows"):
+        load_config(None, ["input.split_rows='500'"])  # a string, even of digits, is not a count
+    cfg = load_config(None, ["input.split_rows=500", "compute.cpus_per_actor=2", "generation.do_sample=true",
+                             "compute.adaptive_draft_length=false", "generation.temperature=1"])
+    assert cfg.input.split_rows == 500 and cfg.compute.cpus_per_actor == 2.0
+    assert cfg.generation.do_sample is True and cfg.compute.adaptive_draft_length is False
+
+
 def test_overrides_parse_yaml_scalars():
     d = apply_overrides({}, ["a.b=3", "a.c=true", "a.d=null", "a.e=[x, y]", "a.f=s3://b/k", "a.g=0.5"])
     assert d == {"a": {"b": 3, "c": True, "d": None, "e": ["x", "y"], "f": "s3://b/k", "g": 0.5}}
