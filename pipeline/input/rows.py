@@ -35,7 +35,7 @@ import pyarrow as pa
 from pipeline.config import InputConfig
 from pipeline.input.formats import InputError, jsonl_scan, line_hash, open_stream, parquet_file, parse_line, skip_bytes
 from pipeline.input.units import UNIT_COLUMN, Shard, Unit
-from pipeline.retry import endpoint_of, open_fs, retrying
+from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.storage import file_version
 
@@ -110,7 +110,12 @@ def read_unit(unit: Unit | dict, cfg: InputConfig, retry: Any = None,
     u = Unit.from_dict(unit) if isinstance(unit, dict) else unit
     s = u.shard
     fs, path = open_fs(s.url, cfg.storage_options, retry)
-    table = retrying(retry, endpoint_of(fs))(lambda: _read_unit(u, cfg, fs, path), f"read input shard {s.url!r}")
+    try:
+        table = retrying(retry, endpoint_of(fs))(lambda: _read_unit(u, cfg, fs, path), f"read input shard {s.url!r}")
+    except StorageError as e:
+        if isinstance(e.__cause__, InputError):  # the file changed: named as itself, not as a storage failure
+            raise e.__cause__ from None
+        raise
     parts = s.partitions or {}
     for key in (list(parts) if partition_keys is None else partition_keys):
         table = table.append_column(pa.field(key, pa.string()), pa.array([parts.get(key)] * table.num_rows, pa.string()))
