@@ -54,8 +54,7 @@ def _load() -> float:
 
 def corpus_rows(corpus: str, total: int) -> list[dict]:
     """The corpus as job input rows (id, text): the first ``total``."""
-    sys.path.insert(0, str(REPO / "jobs"))
-    from prepare_inputs import HELM_PREFIX, HELM_SUFFIX, _strip
+    from pipeline.corpora import HELM_PREFIX, HELM_SUFFIX, strip_wrapper as _strip
 
     rows = []
     if corpus == "xsum":

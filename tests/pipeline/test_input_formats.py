@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline_testkit import TEXTS
+from pipeline_testkit import TEXTS, write_jsonl
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.input import InputError, file_kind, read_shard, resolve_shards
 from pipeline.output import OutputWriter
@@ -277,3 +277,22 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
             resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
     with pytest.raises(InputError, match=r"lies inside the job's output s3://.*/in/out"):
         resolve_shards(InputConfig(uri=f"s3://{b}/in/out/_manifest/", storage_options=opts), output=out)
+
+
+def test_an_input_with_no_text_column_at_all_is_refused_naming_it(tmp_path):
+    """Not "prompt is null" on every row: a Parquet file whose schema lacks the text column,
+    a JSONL file none of whose lines has the field, is refused before any work, naming the
+    key and what the file has; a JSONL file where some line has it is read (the others are
+    the rows' own errors)."""
+    pq.write_table(pa.table({"id": ["a"], "article": ["x"]}), tmp_path / "a.parquet")
+    with pytest.raises(InputError, match=r"a\.parquet' has no column 'text' \(input.text_column\); its columns are "
+                                         r"\['id', 'article'\]"):
+        resolve_shards(InputConfig(uri=str(tmp_path / "a.parquet")))
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "a", "body": "x"}, {"id": "b", "body": "y"}])
+    with pytest.raises(InputError, match=r"b\.jsonl' has no field 'text' \(input.text_column\) on any of its 2 lines"):
+        resolve_shards(InputConfig(uri=str(tmp_path / "b.jsonl")))
+    (shard,) = resolve_shards(InputConfig(uri=str(tmp_path / "b.jsonl"), text_column="body"))
+    assert shard.num_rows == 2
+    write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "body": "x"}, {"id": "b", "text": "y"}])
+    rows = read_shard(resolve_shards(InputConfig(uri=str(tmp_path / "c.jsonl")))[0], InputConfig(uri="x")).to_pylist()
+    assert [r["text"] for r in rows] == [None, "y"]
