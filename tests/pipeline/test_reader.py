@@ -38,10 +38,10 @@ def _rows(unit: Unit) -> pa.Table:
                                 schema=OUTPUT_SCHEMA)
 
 
-def _killed(out, monkeypatch, identity=IDENTITY) -> None:
+def _killed(out, monkeypatch, identity=IDENTITY, so=None) -> None:
     """A run that committed unit 0, then was killed inside unit 1's commit: its file
     published (and its publish intent written), its manifest entry never."""
-    w = OutputWriter(OutputConfig(uri=str(out)))
+    w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
     w.prepare(UNITS, identity)
     w.write_part(UNITS[0], _rows(UNITS[0]))
     original = writer_mod.OutputWriter._write_json
@@ -57,8 +57,8 @@ def _killed(out, monkeypatch, identity=IDENTITY) -> None:
     monkeypatch.setattr(writer_mod.OutputWriter, "_write_json", original)
 
 
-def _resume(out, identity=IDENTITY, summary=None) -> None:
-    w = OutputWriter(OutputConfig(uri=str(out)))
+def _resume(out, identity=IDENTITY, summary=None, so=None) -> None:
+    w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
     plan = w.prepare(UNITS, identity)
     for unit in plan.todo:
         w.write_part(unit, _rows(unit))
@@ -206,3 +206,25 @@ def test_previous_partition_is_the_latest_earlier_finished_night(tmp_path):
         CommittedOutput.open(str(root))
     with pytest.raises(ValueError):
         previous_partition(str(root), "yesterday")
+
+
+def test_on_s3_the_reader_reads_the_committed_units_and_finds_the_previous_night(moto_s3, monkeypatch):
+    """The same rules on an object store (moto): a killed run's published part is not read,
+    the resumed output is read whole, ``previous_partition`` lists the finished nights."""
+    moto_s3["client"].create_bucket(Bucket="reader")
+    so, out = moto_s3["options"], "s3://reader/out"
+    _killed(out, monkeypatch, so=so)
+    read = CommittedOutput.open(out, so)
+    assert not read.finished and read.uncommitted == ["part-00000-u00001.parquet"]
+    assert read.table(["id"]).column("id").to_pylist() == ["r0", "r1"]
+    assert load_run(out, so).table.num_rows == 2
+    _resume(out, so=so)
+    assert [r["id"] for r in CommittedOutput.open(out, so).rows(["id"])] == [f"r{i}" for i in range(6)]
+    for day in ("2026-01-01", "2026-01-02"):
+        w = OutputWriter(OutputConfig(uri="s3://reader/nightly", partition_by_date=True, run_date=day,
+                                      storage_options=so))
+        w.prepare(UNITS[:1], IDENTITY)
+        w.write_part(UNITS[0], _rows(UNITS[0]))
+        w.commit({"rows": 2})
+    assert previous_partition("s3://reader/nightly", "2026-01-03", so) == "s3://reader/nightly/date=2026-01-02"
+    assert previous_partition("s3://reader/nightly", "2026-01-02", so) == "s3://reader/nightly/date=2026-01-01"
