@@ -6,3 +6,4 @@ from pipeline.input import (UNIT_COLUMN, InputError, Shard, Split, Unit, check_p
                             hive_partitions, partition_keys, read_shard, read_unit, read_units_batch,
                             resolve_shards, units_of)
 from pipeline.schema import INPUT_SCHEMA  # noqa: F401
+from pipeline.storage import file_version as shard_fingerprint  # noqa: F401 (its old name)

@@ -5,7 +5,11 @@
 - :mod:`pipeline.output.resume`: the resume plan (:func:`plan_resume`), a function of the manifest and the units;
 - :mod:`pipeline.output.sink`: the write stage on the workers (a unit's rows -> staged Parquet fragments);
 - :mod:`pipeline.output.writer`: the unit commit in the driver (intent, publish, manifest entry) and the final commit;
-- :mod:`pipeline.output.lease`: one run at a time per output folder, by storage backend.
+- :mod:`pipeline.output.lease`: one run at a time per output folder, by storage backend;
+- :mod:`pipeline.output.reader`: the one reader of committed output (:class:`~pipeline.output.reader.CommittedOutput`).
+
+The part names are the input units' (:mod:`pipeline.input.units`); storage helpers both
+sides use are :mod:`pipeline.storage`'s.
 """
 
 from __future__ import annotations
