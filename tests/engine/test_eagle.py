@@ -491,10 +491,12 @@ def test_float32_with_the_cpu_kernels_and_a_head_loaded_under_inference_mode(tmp
     plain = SpeculativeEngine(target32, max_batch_size=4).generate_batch(SEEN, GenerationSettings(max_new_tokens=20))
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     assert sum(r.stats.accepted_tokens for r in results) > 0
-    from pipeline.engine import kernels
+    from pipeline.engine.cpu import linear
 
-    if kernels.enabled() and kernels._onednn_available():
-        assert any(type(m) is kernels.PackedLinear for m in engine.proposer.head.modules())
+    plan = engine.cpu_plans["draft head"]
+    assert plan.small_query_attention == (plan.why_off is None and plan.options.part_on("small_query_attention"))
+    if plan.why_off is None and plan.options.part_on("onednn") and linear.onednn_available():
+        assert any(type(m) is linear.PackedLinear for m in engine.proposer.head.modules())
         assert not any(p.is_inference() for p in engine.proposer.head.parameters())
 
 

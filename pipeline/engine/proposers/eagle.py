@@ -39,14 +39,10 @@ import torch
 
 from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, is_draft_head, load_draft_head, \
     read_draft_head_config
+from ..cpu import attention_implementation
 from ..runner import ModelLayout, ModelRunner, text_config
 from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, with_leaves
 from .mtp import Positions, store_hidden
-
-try:  # the engine's CPU kernels (oneDNN packed linears, small-query attention), when present
-    from .. import kernels as _kernels
-except ImportError:  # pragma: no cover - an engine without them
-    _kernels = None
 
 
 # --------------------------------------------------------------------------- drafting
@@ -77,15 +73,12 @@ class EagleProposer:
         self.device = head.device
         self.vocab_ids = self.head.draft_vocab.to(self.device)  # (N,) target ids of the head's outputs
         self.runner: ModelRunner | None = None
-        if _kernels is not None:
-            _kernels.pack_linears(self.head)
 
     # ---- per-row state
     def bind(self, max_rows: int, target_runner) -> None:
         layout = ModelLayout(("full_attention",), None, target_runner.layout.context, None, False)
         self.runner = ModelRunner(self.head, max_rows, layout)
         self.runner.device = self.device
-        self.small_query = _kernels is not None and _kernels.uses_small_query_attention(self.head)
         self.feats = [Positions() for _ in range(max_rows)]  # p_j of committed positions
         self.length = [0] * max_rows  # real head KV entries: main positions offset .. n-1
         self.offset = [0] * max_rows  # head position = main position - offset (CATCH_UP_WINDOW)
@@ -197,11 +190,10 @@ class EagleProposer:
         x_e, *_ = runner.inputs(slots, [self.head.embed(t) for t in ids], starts)
         z = self.head.combine(x_p, x_e)
         runner.cache.step(slots, write, kv_len)
+        small_query = runner.cpu is not None and runner.cpu.small_query_attention
         try:
-            if self.small_query:
-                with _kernels.attention_implementation(self.head, True):
-                    return self.head.decode(z, positions, mask, runner.cache)
-            return self.head.decode(z, positions, mask, runner.cache)
+            with attention_implementation(self.head, small_query):
+                return self.head.decode(z, positions, mask, runner.cache)
         finally:
             runner.cache.current = None
 
@@ -222,7 +214,9 @@ def build(inputs) -> EagleProposer:
     if not isinstance(head, DraftHead):
         raise ValueError(f"method 'eagle' drafts with a draft head (DraftHead, load_draft_head); got "
                          f"{type(head).__name__} (a causal LM drafts with method 'draft_model')")
-    return EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
+    proposer = EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
+    inputs.prepare(proposer.head, "draft head")
+    return proposer
 
 
 def check_drafter(path: str, target_config) -> DraftHeadConfig:
