@@ -37,8 +37,8 @@ import os
 
 import torch
 
-from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, is_draft_head, load_draft_head, \
-    read_draft_head_config
+from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, check_fit, is_draft_head, \
+    load_draft_head, read_draft_head_config
 from ..cpu import attention_implementation
 from ..runner import ModelLayout, ModelRunner, text_config
 from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, with_leaves
@@ -224,23 +224,14 @@ def check_drafter(path: str, target_config) -> DraftHeadConfig:
     sizes fit the target's config; returns its :class:`DraftHeadConfig`.
 
     Raises:
-        ValueError: not a draft-head folder, or a head for another target (saying what differs).
+        ValueError: not a draft-head folder, or a head for another target (saying what differs:
+            :func:`pipeline.engine.draft_head.check_fit`, the engine's own check).
     """
     if not is_draft_head(path):
         raise ValueError(f"method 'eagle' drafts with a draft head folder (config.json with model_type {MODEL_TYPE!r} "
                          f"and {WEIGHTS_NAME}, e.g. models/smollm2-135m-eagle); {path!r} is not one")
     config = read_draft_head_config(path)
-    c = text_config(target_config)
-    problems = []
-    if c.hidden_size != config.hidden_size:
-        problems.append(f"hidden size {c.hidden_size} != the head's {config.hidden_size}")
-    if c.vocab_size != config.target_vocab_size:
-        problems.append(f"vocabulary {c.vocab_size} != the {config.target_vocab_size} it was trained for")
-    if c.num_hidden_layers < max(config.feature_layers):
-        problems.append(f"{c.num_hidden_layers} layers, the head reads hidden_states {config.feature_layers}")
-    if problems:
-        raise ValueError(f"the draft head {path!r} (trained for {config.target or 'another target'!r}) does not fit "
-                         "models.target: " + "; ".join(problems))
+    check_fit(config, target_config)
     return config
 
 
