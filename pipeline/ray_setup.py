@@ -322,8 +322,9 @@ def _board_name() -> str:
 
 
 def open_load_board():
-    """The driver's load board for this Ray job (a named actor asking for no CPU), emptied of an
-    earlier run's posts; read it with :func:`read_load_board`."""
+    """The load board of this Ray job (a named actor asking for no CPU), emptied of an earlier
+    pool's posts: opened by the processor when it builds its actor pool, read by the driver
+    with :func:`read_load_board`."""
     import ray
 
     board = ray.remote(num_cpus=0)(_LoadBoard).options(name=_board_name(), get_if_exists=True).remote()
@@ -347,12 +348,12 @@ def post_load_facts(facts) -> bool:
         return False
 
 
-def read_load_board(board) -> list:
-    """Every post on ``board`` so far (``[]`` where it cannot be read)."""
+def read_load_board() -> list:
+    """Every post on this Ray job's load board so far (``[]`` where there is none or it cannot be read)."""
     try:
         import ray
 
-        return ray.get(board.read.remote(), timeout=60)
+        return ray.get(ray.get_actor(_board_name()).read.remote(), timeout=60)
     except Exception:  # noqa: BLE001 - the summary goes on without them
         log.warning("could not read the actors' load facts", exc_info=True)
         return []

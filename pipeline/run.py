@@ -56,8 +56,7 @@ from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
-from pipeline.ray_setup import (PlanError, check_resource_plan, init_ray, open_load_board,  # noqa: F401
-                                 quiet_ray_data_console, read_load_board)
+from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console, read_load_board  # noqa: F401
 from pipeline.read import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
@@ -289,10 +288,8 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
                 writer.write_part(u, _empty_rows(writer))  # an empty file: no rows to decode
         t_gen = time.perf_counter()
         first: float | None = None  # seconds to the first unit's records
-        board = None  # where the actors post what their loads did (their CPU plans)
         if total_rows:
             embedded = init_ray(cfg)
-            board = open_load_board()
             ds = build_dataset(cfg, [u for u in todo if u.num_rows], writer, generation, embedded=embedded,
                                partition_columns=writer.extra_columns)
             describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
@@ -348,8 +345,7 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
             "config": cfg.resolved(),
             "config_fingerprint": writer.config_fingerprint,
             "environment": _environment(),
-            # what each actor's load chose for the CPU (kernels per weight shape, lean pass) and what it cost
-            "cpu": cpu_summary(read_load_board(board)) if board is not None else None,
+            "cpu": cpu_summary(read_load_board()) if total_rows else None,  # the actors' CPU plans (load board)
         }
         expected = sum(s.num_rows for s in shards)
         if overall.rows != expected:
