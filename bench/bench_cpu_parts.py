@@ -16,7 +16,10 @@ variant runs on a fresh set of processes, in two conditions:
   model (measuring kernels, compiling them) and its first batch, what an actor's first batch
   costs on a node that has compiled nothing yet;
 - **warm**: the same processes decoding the same articles again right after: an actor's later
-  batches (nothing is compiled or measured any more; plain decoding keeps no state across rows).
+  batches (nothing is compiled or measured any more; plain decoding keeps no state across rows);
+- **warm start** (``--warm-start``): new processes on the cache the cold ones filled, preparing
+  (measuring, and loading the compiled code from disk) and decoding their first batch: an actor
+  that starts on a node where an earlier actor or job has compiled.
 
 The node's tokens/s on the CPU clock: the sum over processes of new tokens / that process's CPU
 seconds (its own and its children's: inductor's C++ compiler runs as a child), each process
@@ -55,6 +58,8 @@ from bench_real import XSUM, _commit, _machine, prompts_of  # noqa: E402
 
 TITLE = "bench/bench_cpu_parts.py: each CPU part on the whole node (one process per core), cold and warm"
 ALL_ON, ALL_OFF = "all on", "all off"
+#: the conditions a variant is measured in (``warm start`` with ``--warm-start``)
+CONDITIONS = ("cold", "warm start", "warm")
 
 
 def variants() -> dict[str, dict]:
@@ -150,7 +155,7 @@ def summarize(rounds: list[dict[str, dict]]) -> list[dict]:
     rows = []
     for name in rounds[0]:
         row = {"variant": name}
-        for label in ("cold", "warm"):
+        for label in [c for c in CONDITIONS if c in rounds[0][name]]:
             tps = [r[name][label]["tokens_per_s_cpu"] for r in rounds]
             ratio = [r[name][label]["tokens_per_s_cpu"] / r[ALL_ON][label]["tokens_per_s_cpu"] for r in rounds]
             row[label] = {"tokens_per_s_cpu": statistics.median(tps), "ratio": statistics.median(ratio),
@@ -159,6 +164,8 @@ def summarize(rounds: list[dict[str, dict]]) -> list[dict]:
         row["prepare_s"] = statistics.median(p["prepare_s"] for p in preps)  # wall, per process
         row["prepare_cpu_s"] = statistics.median(p["cpu_s"] for p in preps)
         row["compile_s"] = statistics.median(p["compile_s"] for p in preps)
+        if "warm start prepare" in rounds[0][name]:  # preparing again on the node's filled cache
+            row["warm_start_prepare_s"] = statistics.median(p["prepare_s"] for r in rounds for p in r[name]["warm start prepare"])
         ids, ref = rounds[0][name]["warm"]["token_ids"], rounds[0][ALL_ON]["warm"]["token_ids"]
         row["same_as_all_on"] = sum(x == y for x, y in zip(ids, ref))
         row["rows"] = len(ids)
@@ -168,12 +175,13 @@ def summarize(rounds: list[dict[str, dict]]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| variant | cold tokens/s (CPU) | cold / all on | warm tokens/s (CPU) | warm / all on | prepare CPU s "
-             "| prepare wall s | compile wall s | greedy = all on |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    conditions = [c for c in CONDITIONS if c in rows[0]]
+    head = "".join(f" {c} tokens/s (CPU) | {c} / all on |" for c in conditions)
+    lines = [f"| variant |{head} prepare CPU s | prepare wall s | compile wall s | greedy = all on |",
+             "|---|" + "---:|" * (2 * len(conditions) + 4)]
     for r in rows:
-        c, w = r["cold"], r["warm"]
-        lines.append(f"| {r['variant']} | {c['tokens_per_s_cpu']:.1f} | {c['ratio']:.3f} | {w['tokens_per_s_cpu']:.1f} | "
-                     f"{w['ratio']:.3f} | {r['prepare_cpu_s']:.1f} | {r['prepare_s']:.1f} | {r['compile_s']:.1f} | "
+        cells = "".join(f" {r[c]['tokens_per_s_cpu']:.1f} | {r[c]['ratio']:.3f} |" for c in conditions)
+        lines.append(f"| {r['variant']} |{cells} {r['prepare_cpu_s']:.1f} | {r['prepare_s']:.1f} | {r['compile_s']:.1f} | "
                      f"{r['same_as_all_on']}/{r['rows']} |")
     return lines
 
@@ -188,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all; 'all on' always runs)")
+    ap.add_argument("--warm-start", action="store_true", help="also run each variant's processes again on the cache "
+                    "its cold run filled (\"warm start\": preparing from a warm node cache, then the first batch)")
     ap.add_argument("--xsum", default=str(XSUM))
     ap.add_argument("--output", default=None, help="write report.json / report.md here (e.g. reports/bench_cpu_parts)")
     args = ap.parse_args(argv)
@@ -211,8 +221,11 @@ def main(argv=None) -> int:
             order = names[r % len(names):] + names[: r % len(names)]  # rotated: drift falls on every variant alike
             done = {}
             for name in order:
-                done[name] = run_node(args, name, table_of[name], str(Path(tmp) / f"round{r}-{name.replace(' ', '_')}"))
-                n = done[name]
+                cache = str(Path(tmp) / f"round{r}-{name.replace(' ', '_')}")
+                done[name] = n = run_node(args, name, table_of[name], cache)
+                if args.warm_start:  # new processes on the cache the cold ones filled: a later actor start on the node
+                    again = run_node(args, name, table_of[name], cache)
+                    n["warm start"], n["warm start prepare"] = again["cold"], again["prepare"]
                 print(f"  round {r + 1} {name:24s} cold {n['cold']['tokens_per_s_cpu']:6.1f} tokens/s CPU "
                       f"(wall {n['cold']['tokens_per_s_wall']:6.1f}), warm {n['warm']['tokens_per_s_cpu']:6.1f} "
                       f"(wall {n['warm']['tokens_per_s_wall']:6.1f}); prepare {n['prepare'][0]['prepare_s']:.1f} s",

@@ -76,7 +76,7 @@ class CpuPlan:
         parts = [name for name, on in (("lean pass", self.lean is not None), ("small-query attention",
                                                                                self.small_query_attention)) if on]
         if self.lean is not None and self.lean.graphs:
-            parts.append("compiled layer at " + ",".join(map(str, sorted(self.lean.graphs))) + " tokens")
+            parts.append("compiled layer for passes of " + " or ".join(map(str, sorted(self.lean.graphs))) + " tokens")
         shapes = "; ".join(f"{k.shape[0]}x{k.shape[1]} " + "/".join(k.choice) + f" then {k.default}"
                            for k in self.kernels.values())
         return (f"{self.role}: {', '.join(parts) or 'no lean pass'}; linear kernels by rows 1-5: {shapes or 'none'}; "
