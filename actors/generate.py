@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import os
 import resource
+import socket
 from typing import Any
 
 import pyarrow as pa
@@ -44,6 +45,7 @@ import pyarrow as pa
 from pipeline.config import JobConfig
 from pipeline.loading import build_engine, limit_cpu_threads, load_engine, process_cpus, row_key, row_settings
 from pipeline.models import model_ref
+from pipeline.ray_setup import post_load_facts
 from pipeline.prompts import PromptBuilder
 from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
 
@@ -88,6 +90,10 @@ class GenerateActor:
         loaded = load_engine(self.cfg, device, compute.max_batch_size)
         self.models, self.engine, self.settings = loaded.models, loaded.engine, loaded.settings
         self.load_time_s = loaded.load_time_s
+        #: what the load did for the CPU, by model role (pipeline.engine.cpu.CpuPlan.describe), posted to the driver
+        self.cpu_plans = {role: plan.describe() for role, plan in self.engine.cpu_plans.items()}
+        post_load_facts({"host": socket.gethostname(), "pid": os.getpid(), "plans": self.cpu_plans,
+                         "lines": {role: plan.summary() for role, plan in self.engine.cpu_plans.items()}})
         self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed

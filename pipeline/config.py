@@ -1,6 +1,6 @@
 """Job configuration: YAML files validated on load, with command-line overrides.
 
-A job config has eleven sections (see ``configs/summarize.yaml`` for a commented one)::
+A job config has twelve sections (see ``configs/summarize.yaml`` for a commented one)::
 
     input:      uri, format, id_column, text_column, preflight_read_max_bytes, split_rows
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
@@ -14,6 +14,9 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
                 adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
                 stall_timeout_s
+    cpu:        kernels, onednn, transposed, rowdot, small_query_attention, lean_pass,
+                compiled_layer, compile_cache (CpuOptions' fields: the engine's CPU acceleration;
+                the environment's SPECBATCH_CPU_<KEY> overrides each)
     output:     uri, overwrite, allow_foreign_files, partition_by_date, run_date, max_rows_per_file,
                 lease_timeout_s, storage_options
     retry:      storage calls: attempts, initial_backoff_s, max_backoff_s (transient errors),
@@ -46,6 +49,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
+from pipeline.engine.cpu import CpuOptions
 from pipeline.paths import resolve_config_paths
 
 DEFAULT_TEMPLATES = {
@@ -373,6 +377,28 @@ class ComputeConfig(_Section):
         return self.num_actors[1] if isinstance(self.num_actors, tuple) else self.num_actors
 
 
+class _CpuSection(_Section):
+    """The engine's CPU acceleration, part by part: the fields of
+    :class:`pipeline.engine.cpu.CpuOptions`.  Each actor prepares its models with them once at
+    load; the run summary's ``cpu`` says what each chose and what it cost.  ``SPECBATCH_CPU_<KEY>``
+    in the actor's environment overrides a key.  The parts change float32 rounding only: no key
+    here is part of the resume fingerprint."""
+
+    @model_validator(mode="after")
+    def _check(self):
+        self.cpu_options()
+        return self
+
+    def cpu_options(self) -> CpuOptions:
+        """The engine's options (before the environment's overrides), validated."""
+        return CpuOptions(**self.model_dump()).validate()
+
+
+#: The ``cpu:`` section: one field per CpuOptions field (derived, like ``generation:``).
+CpuConfig = create_model("CpuConfig", __base__=_CpuSection, __module__=__name__, **_dataclass_fields(CpuOptions))
+CpuConfig.__doc__ = _CpuSection.__doc__
+
+
 class OutputConfig(_Section):
     """Where Parquet goes, committed shard by shard (layout: :mod:`pipeline.output`).  The
     job never deletes or overwrites a file it did not write."""
@@ -563,6 +589,7 @@ class JobConfig(_Section):
     method: MethodConfig = Field(default_factory=MethodConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)

@@ -208,12 +208,14 @@ class Processor:
         import ray
 
         from actors.generate import GenerateActor
-        from pipeline.ray_setup import actor_cpus, check_resource_plan, is_local_cluster, pool_strategy, zero_cpu
+        from pipeline.ray_setup import (actor_cpus, check_resource_plan, is_local_cluster, open_load_board, pool_strategy,
+                                        zero_cpu)
 
         cfg, c = self.config, self.config.compute
         if not ray.is_initialized():
             raise RuntimeError("the processor needs a running Ray: call ray.init() (or build the Dataset) first")
         check_resource_plan(cfg, embedded=is_local_cluster() if self.embedded is None else self.embedded)
+        open_load_board()  # where each actor posts what its load chose (pipeline.ray_setup)
         ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
         if self.preprocess is not None:
             ds = ds.map_batches(_RowMap(self.preprocess, errors=True), batch_format="pyarrow", batch_size=None,

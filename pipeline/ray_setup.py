@@ -9,6 +9,11 @@ has (or than any one node has, per actor) is refused with the numbers (:class:`P
 on a cluster that may autoscale it is only logged).  A ``[min, max]`` pool
 (``compute.num_actors``) whose ``max`` is more than the cluster holds now is logged: it
 grows as nodes join (docs/scheduling.md).
+
+Load facts.  Each actor of the pool posts what its load did (its models' CPU plans:
+:attr:`pipeline.engine.loop.StepEngine.cpu_plans`) to a small named actor of the driver's Ray
+job, the *load board* (:func:`open_load_board`, :func:`post_load_facts`), which the driver reads
+for the run summary.
 """
 
 from __future__ import annotations
@@ -288,3 +293,67 @@ def is_local_cluster() -> bool:
     return len(nodes) == 1 and not os.environ.get("RAY_ADDRESS")
 
 
+
+
+#: the load board's name, followed by the Ray job's id (the driver's and its actors' alike)
+LOAD_BOARD = "specbatch_load_board"
+
+
+class _LoadBoard:
+    """What the actors' loads did, posted once per actor (a Ray actor holding a list)."""
+
+    def __init__(self) -> None:
+        self.posts: list = []
+
+    def post(self, facts) -> None:
+        self.posts.append(facts)
+
+    def read(self) -> list:
+        return list(self.posts)
+
+    def clear(self) -> None:
+        self.posts = []
+
+
+def _board_name() -> str:
+    import ray
+
+    return f"{LOAD_BOARD}_{ray.get_runtime_context().get_job_id()}"
+
+
+def open_load_board():
+    """The load board of this Ray job (a named actor asking for no CPU), emptied of an earlier
+    pool's posts: opened by the processor when it builds its actor pool, read by the driver
+    with :func:`read_load_board`."""
+    import ray
+
+    board = ray.remote(num_cpus=0)(_LoadBoard).options(name=_board_name(), get_if_exists=True).remote()
+    ray.get(board.clear.remote())
+    return board
+
+
+def post_load_facts(facts) -> bool:
+    """Post ``facts`` (plain data) to the load board of this process's Ray job; ``False`` where
+    there is none (a processor outside :func:`pipeline.run.run_job`, no Ray)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        board = ray.get_actor(_board_name())
+        ray.get(board.post.remote(facts), timeout=60)
+        return True
+    except Exception:  # noqa: BLE001 - the facts are a record: never a reason to fail a load
+        log.debug("no load board to post to", exc_info=True)
+        return False
+
+
+def read_load_board() -> list:
+    """Every post on this Ray job's load board so far (``[]`` where there is none or it cannot be read)."""
+    try:
+        import ray
+
+        return ray.get(ray.get_actor(_board_name()).read.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - the summary goes on without them
+        log.warning("could not read the actors' load facts", exc_info=True)
+        return []

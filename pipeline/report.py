@@ -380,10 +380,11 @@ def _run_models(run: Run | None) -> dict[str, Any]:
 def provenance(command: str | None = None) -> dict[str, Any]:
     """Where a measurement comes from, for its ``report.json``: the command, the commit of this
     checkout (``-dirty`` when tracked files differ from it; ``None`` outside a git checkout),
-    the machine (processor, cores, accelerator, torch version) and whether the engine's CPU
-    kernels were on (:mod:`pipeline.engine.kernels`; ``SPECBATCH_CPU_KERNELS=0`` turns them
-    off).  ``reports/README.md`` and the README's results block (``scripts/results_block.py``)
-    read it."""
+    the machine (processor, cores, accelerator, torch version) and the engine's CPU options in
+    this process (``cpu``: :class:`pipeline.engine.cpu.CpuOptions` with the environment's
+    overrides, as a model prepared here without other options gets them; ``cpu_kernels``: their
+    master switch).  ``reports/README.md`` and the README's results block
+    (``scripts/results_block.py``) read it."""
     import os
     import platform
     import subprocess
@@ -410,8 +411,14 @@ def provenance(command: str | None = None) -> dict[str, Any]:
         machine += f", torch {torch.__version__}"
     except Exception:  # noqa: BLE001 - provenance never fails a report
         pass
+    from pipeline.engine.cpu import with_environment
+
+    try:
+        cpu: dict[str, Any] = with_environment().to_dict()
+    except ValueError as e:  # a bad SPECBATCH_CPU_* variable: said, not raised (provenance never fails a report)
+        cpu = {"kernels": None, "error": str(e)}
     return {"command": command or " ".join(["python", *sys.argv]), "commit": commit, "machine": machine,
-            "cpu_kernels": os.environ.get("SPECBATCH_CPU_KERNELS", "1") != "0"}
+            "cpu_kernels": cpu["kernels"], "cpu": cpu}
 
 
 def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict | None = None,

@@ -56,11 +56,11 @@ from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
-from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console  # noqa: F401
+from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console, read_load_board  # noqa: F401
 from pipeline.input import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
-from pipeline.summary import RunTotals
+from pipeline.summary import RunTotals, cpu_summary
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -345,6 +345,7 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
             "config": cfg.resolved(),
             "config_fingerprint": writer.config_fingerprint,
             "environment": _environment(),
+            "cpu": cpu_summary(read_load_board()) if total_rows else None,  # the actors' CPU plans (load board)
         }
         expected = sum(s.num_rows for s in shards)
         if overall.rows != expected:

@@ -26,6 +26,10 @@ tokens and steps are summed over rows first, then divided (never a mean of per-r
   engine clock, the same rows, decoded together per batch of rows): the speedup of speculation over plain
   decoding this run measured (null without audited rows; 1.0 for ``plain``).
 
+The summary's ``cpu`` (:func:`cpu_summary`) says what the actors' loads chose for the CPU
+(each weight shape's kernel per row count, the lean pass, the compiled layer) and what
+compiling and measuring cost them.
+
 A resumed run's summary covers every committed shard of the output: the totals of the
 shards committed by earlier runs come from their manifest entries (:meth:`RunTotals.state`,
 :meth:`RunTotals.merge`); ``this_run`` says which shards this run did and skipped, and
@@ -34,6 +38,7 @@ shards committed by earlier runs come from their manifest entries (:meth:`RunTot
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -137,3 +142,42 @@ class RunTotals:
             "audit_speedup": self.audit_plain_time_s / self.audit_time_s if self.audit_time_s else None,
         }
         return d
+
+
+#: a CPU plan's fields that are costs, not choices (two actors' plans differ in them only: one plan)
+_PLAN_COSTS = ("compile_s", "measure_s", "prepare_s")
+
+
+def cpu_summary(posts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run summary's ``cpu``: what the actors' loads did to their models for the CPU, from
+    their posts (``{"host", "pid", "plans": {role: CpuPlan.describe()}, "lines": {role: CpuPlan.summary()}}``;
+    :func:`pipeline.ray_setup.post_load_facts`).
+
+    Returns:
+        ``None`` without posts, else ``{"actors", "compile_s_max", "prepare_s_max", "plans",
+        "headline"}``: ``plans`` holds each distinct set of choices (kernels per weight shape
+        and row count, the parts on, the options) once, with ``actors`` (how many chose it) and
+        their hosts; ``*_max`` is the slowest actor's total over its models (seconds of its
+        load); ``headline`` is one line per role of the most common plan, for the printed summary.
+    """
+    if not posts:
+        return None
+    groups: dict[str, dict[str, Any]] = {}
+    compile_max = prepare_max = 0.0
+    for post in posts:
+        plans = post.get("plans") or {}
+        compile_max = max(compile_max, sum(p.get("compile_s") or 0.0 for p in plans.values()))
+        prepare_max = max(prepare_max, sum(p.get("prepare_s") or 0.0 for p in plans.values()))
+        choice = {role: {k: v for k, v in p.items() if k not in _PLAN_COSTS} for role, p in plans.items()}
+        key = json.dumps(choice, sort_keys=True)
+        group = groups.setdefault(key, {"actors": 0, "hosts": [], "roles": choice, "lines": post.get("lines") or {}})
+        group["actors"] += 1
+        if post.get("host") not in group["hosts"]:
+            group["hosts"].append(post.get("host"))
+    ordered = sorted(groups.values(), key=lambda g: -g["actors"])
+    lines = ordered[0]["lines"]
+    headline = "; ".join(lines.values()) if lines else None
+    if len(ordered) > 1:
+        headline = f"{headline} (and {len(ordered) - 1} other choice(s) among the actors: see _summary.json)"
+    return {"actors": len(posts), "compile_s_max": round(compile_max, 3), "prepare_s_max": round(prepare_max, 3),
+            "plans": [{k: g[k] for k in ("actors", "hosts", "roles")} for g in ordered], "headline": headline}

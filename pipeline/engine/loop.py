@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from .batch import RowState
+from .cpu import CpuOptions, CpuPlan, prepare
 from .draft_length import DraftLengthPolicy
 from .proposers import ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
@@ -95,6 +96,11 @@ class StepEngine:
             (seconds): ``time.perf_counter`` (default, wall time) or e.g.
             ``time.process_time`` (CPU time of the process: steadier on a shared CPU
             machine, but blind to GPU work and summed over threads).
+        cpu: the CPU acceleration's parts (:class:`~pipeline.engine.cpu.CpuOptions`, the
+            environment overriding them; ``None``: a model's existing plan, else all on).  Every
+            model the engine runs is prepared here, once (:func:`pipeline.engine.cpu.prepare`:
+            **its linear layers are rewritten in place**, kernels measured and compiled);
+            :attr:`cpu_plans` says what was chosen.
 
     Raises:
         ValueError: a bad setting (naming it), a method without the model it needs, a
@@ -112,6 +118,7 @@ class StepEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         adaptive_draft_length: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        cpu: CpuOptions | None = None,
     ):
         self.spec = (speculation or SpeculationSettings()).validate()
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
@@ -121,8 +128,15 @@ class StepEngine:
         self.layout = model_layout(target, "target", self.spec.method)
         self.context = self.layout.context
         self.target_vocab = text_config(target).vocab_size
+        #: what preparing each model the engine runs did, by role (pipeline.engine.cpu.CpuPlan)
+        self.cpu_plans: dict[str, CpuPlan] = {}
+
+        def prepare_model(model, role: str) -> None:
+            self.cpu_plans[role] = prepare(model, cpu, role)
+
+        prepare_model(target, "target")
         self.proposer: Proposer | None = build_proposer(
-            ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer)
+            ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer, prepare_model)
         )
         self._hook = getattr(self.proposer, "target_forward", None)
         self._move = getattr(self.proposer, "move", None)  # TreeState: state from the target's passes, moved with a tree's path

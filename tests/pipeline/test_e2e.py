@@ -171,3 +171,17 @@ def test_failed_run_publishes_nothing(ray_local, tiny_models, inputs, tmp_path):
     assert not isinstance(e.value, (ModelError, InputError)), e.value  # it failed in the actor
     assert not is_complete(str(out))
     assert not (out / "_staging").exists()
+
+
+def test_the_summary_names_the_cpu_kernels_each_actor_chose(result):
+    """Each actor posts its models' CPU plans at load; the summary groups identical choices and
+    keeps the slowest actor's compile time; the printed headline names them."""
+    _, out, summary = result
+    cpu = json.loads((out / "_summary.json").read_text())["cpu"]
+    assert cpu == summary["cpu"] and cpu["actors"] >= 1 and sum(p["actors"] for p in cpu["plans"]) == cpu["actors"]
+    roles = cpu["plans"][0]["roles"]
+    assert set(roles) == {"target", "drafter"}  # the job's method drafts with a draft model
+    for plan in roles.values():
+        assert plan["options"]["kernels"] is True and "linear_kernels" in plan and "compile_s" not in plan
+    assert cpu["compile_s_max"] >= 0 and cpu["prepare_s_max"] > 0
+    assert cpu["headline"].startswith("target: ")

@@ -198,7 +198,9 @@ class UniversalProposer:
 
 def build(inputs) -> UniversalProposer:
     """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
-    return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+    proposer = UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+    inputs.prepare(inputs.drafter, "drafter")
+    return proposer
 
 
 def tune_candidate(settings, models) -> dict | None:
