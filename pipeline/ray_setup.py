@@ -321,14 +321,22 @@ def _board_name() -> str:
     return f"{LOAD_BOARD}_{ray.get_runtime_context().get_job_id()}"
 
 
+#: the driver's handles of its load boards, by name: a named actor that is not detached lives
+#: only while a handle to it does, and the actors look it up by name long after it was opened
+_OPEN_BOARDS: dict = {}
+
+
 def open_load_board():
     """The load board of this Ray job (a named actor asking for no CPU), emptied of an earlier
     pool's posts: opened by the processor when it builds its actor pool, read by the driver
-    with :func:`read_load_board`."""
+    with :func:`read_load_board`.  The driver keeps a handle (:data:`_OPEN_BOARDS`) for as long
+    as its Ray job runs."""
     import ray
 
-    board = ray.remote(num_cpus=0)(_LoadBoard).options(name=_board_name(), get_if_exists=True).remote()
+    name = _board_name()
+    board = ray.remote(num_cpus=0)(_LoadBoard).options(name=name, get_if_exists=True).remote()
     ray.get(board.clear.remote())
+    _OPEN_BOARDS[name] = board
     return board
 
 
