@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.output.lease import LEASE
-from pipeline_testkit import REPO, write_jsonl
+from pipeline_testkit import REPO, committed, write_jsonl
 
 WORDS = "the cat sat on the mat and looked at the dog".split()
 
@@ -65,7 +65,7 @@ def _entirely_one_config(out: Path, summary_run_id: str, method: str):
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["run_id"] == summary_run_id and (out / "_SUCCESS").read_text().strip() == summary_run_id
     assert summary["config"]["method"]["name"] == method
-    entries = [json.loads(p.read_text()) for p in sorted((out / "_manifest").glob("part-*.json"))]
+    entries = list(committed(out).values())
     assert entries and {e["config_fingerprint"] for e in entries} == {summary["config_fingerprint"]}
     assert {e["run_id"] for e in entries} == {summary_run_id}
     table = pq.read_table(out)
@@ -117,7 +117,7 @@ def test_a_run_started_20_s_after_another_is_refused_and_the_first_commits(tiny_
     actor = None
     try:
         deadline = time.time() + 240
-        while not any((out / "_manifest").glob("part-*.json")):
+        while not committed(out):
             assert first.poll() is None and time.time() < deadline, first.logs[1].read_text()[-3000:]
             time.sleep(0.05)
         actor = _actor_of(first)
@@ -155,7 +155,7 @@ def test_a_killed_holders_lease_refuses_until_stale_then_is_taken_over(ray_local
     try:
         deadline = time.time() + 240
         held = None
-        while not any((out / "_manifest").glob("part-*.json")):
+        while not committed(out):
             assert holder.poll() is None and time.time() < deadline, holder.logs[1].read_text()[-3000:]
             if held is None and (out / LEASE).exists():  # taken before any work starts
                 with contextlib.suppress(ValueError):  # created, then written: it may be empty a moment
