@@ -445,7 +445,9 @@ class OutputLocation:
         """Overwrite, once this run's ``overwrite`` epoch is record ``keep_from`` of the commit
         log: delete this job's files (markers first, so the output never looks complete; then
         the data files committed, named by intents or orphaned, then the manifest's records
-        before ``keep_from`` and the staging files), nothing else.
+        before ``keep_from`` but the ``epoch`` ones), nothing else.  Every file deleted belongs to a
+        run before this one: a run that took the output over from this one (were it paused here)
+        writes names this one never lists as its own.
 
         Raises:
             StorageError: the storage kept failing.
@@ -454,12 +456,12 @@ class OutputLocation:
             self.remove(self.path(name), f"remove {name}")
         files = self.listing()
         _, orphans = self._foreign(files, m)
-        for name in sorted(m.named_files() | set(orphans)):
+        for name in sorted(m.named_files() | set(orphans)):  # of runs before this one's epoch: never a later run's
             self.remove(self.path(name), f"remove {name}")
         kept = set(m.log.epochs)  # the runs that wrote the output stay known: their late files are orphans
         for rel in files:
-            if rel == LEASE or not owned_layout_file(rel):
-                continue
+            if rel == LEASE or rel.startswith(STAGING + "/") or not owned_layout_file(rel):
+                continue  # (the staging of other runs: quarantine())
             record = LOG_RECORD.fullmatch(posixpath.basename(rel)) if rel.startswith(f"{MANIFEST}/{LOG}/") else None
             if record and (int(record.group(1)) >= keep_from or int(record.group(1)) in kept):
                 continue

@@ -405,7 +405,7 @@ class OutputWriter:
                       "rows": sum(e.get("rows") or 0 for e in m.entries.values()), "at": _now()}, "its final record")
         self._publish(staged[SUMMARY], loc.path(SUMMARY), SUMMARY)
         self._publish(staged[SUCCESS], loc.path(SUCCESS), SUCCESS)  # last: the output is complete
-        loc.remove_owned(STAGING)
+        loc.remove_owned(posixpath.join(STAGING, self.run_id))  # (other runs' went at the start: quarantine)
 
     def abort(self, cleanup: bool = True) -> None:
         """Drop this run's units in flight and (with ``cleanup``, best effort, no retries) its staging
