@@ -225,9 +225,10 @@ class OutputWriter:
         try:
             return self.log.append(record)
         except SlotTaken as e:
-            taker = e.record.get("run_id") if isinstance(e.record, dict) else None
-            raise self._lost(f"record {e.seq} of its commit log, where {what} was to go, was written by run "
-                             f"{taker or 'another run'}, which took the output over") from None
+            taken = e
+        taker = taken.record.get("run_id") if isinstance(taken.record, dict) else None
+        raise self._lost(f"record {taken.seq} of its commit log, where {what} was to go, was written by run "
+                         f"{taker or 'another run'}, which took the output over")
 
     def _lost(self, why: str) -> LeaseLost:
         message = (f"output {self.location.url()!r}: this run lost the output ({why}); it publishes nothing more, "
@@ -361,14 +362,14 @@ class OutputWriter:
 
         try:
             self.io(move, f"publish {what}")
-        except FileNotFoundError:
-            raise self._lost(f"its staged {posixpath.basename(src)} for {what} is gone: another run quarantined "
-                             "this run's staging") from None
-        except Exception as e:  # noqa: BLE001 - a StorageError raised from a missing source
-            if not isinstance(e.__cause__, FileNotFoundError):
+            gone = False
+        except Exception as e:  # noqa: BLE001 - a missing source (or a StorageError raised from one)
+            if not isinstance(e, FileNotFoundError) and not isinstance(e.__cause__, FileNotFoundError):
                 raise
+            gone = True
+        if gone:  # (raised outside the handler: the storage did not fail, the run lost the output)
             raise self._lost(f"its staged {posixpath.basename(src)} for {what} is gone: another run quarantined "
-                             "this run's staging") from None
+                             "this run's staging")
         if not self.location.local:
             self.location.remove(src, f"remove staged {what}")
 
