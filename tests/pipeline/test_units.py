@@ -251,16 +251,25 @@ def test_the_driver_receives_no_output_row_and_a_min_max_pool_runs_the_job(ray_l
 
 
 def test_min_max_pools_plan_and_strategy():
-    from pipeline.ray_setup import actor_cpus, pool_strategy
+    from pipeline.ray_setup import pool_plan
 
     cfg = lambda *s: load_config(None, list(s))  # noqa: E731
     c = cfg("compute.num_actors=[1, 3]")
     assert (c.compute.min_actors, c.compute.max_actors) == (1, 3)
-    strategy = pool_strategy(c)
+    strategy = pool_plan(c, embedded=True, cluster_cpus=3).strategy()
     assert (strategy.min_size, strategy.max_size) == (1, 3)
-    assert pool_strategy(cfg("compute.num_actors=2")).min_size == pool_strategy(cfg("compute.num_actors=2")).max_size == 2
+    fixed = pool_plan(cfg("compute.num_actors=2"), embedded=True, cluster_cpus=8).strategy()
+    assert fixed.min_size == fixed.max_size == 2
     assert cfg("compute.num_actors=[2, 2]").compute.num_actors == 2
-    assert actor_cpus(c, cluster_cpus=3) == pytest.approx(2 / 3)  # max 3 x 1 CPU would hold all 3
+    # a [min, max] pool reserves the real CPUs of an actor: it grows only as they are free (3 at most here) ...
+    assert pool_plan(c, embedded=True, cluster_cpus=3).cpus == 1
+    assert pool_plan(cfg("compute.num_actors=[1, 6]", "compute.cpus_per_actor=2"), embedded=False, cluster_cpus=2).cpus == 2
+    # ... unless its min already holds every CPU of an embedded Ray: then it is a fixed pool of min, one CPU free
+    held = pool_plan(cfg("compute.num_actors=[2, 6]"), embedded=True, cluster_cpus=2)
+    assert (held.min_size, held.max_size, held.cpus) == (2, 2, 0.5)
+    # a fixed pool holding every CPU leaves one free, in Ray's unit (0.0001)
+    assert pool_plan(cfg("compute.num_actors=3"), embedded=True, cluster_cpus=3).cpus == pytest.approx(0.6666)
+    assert pool_plan(cfg("compute.num_actors=30000"), embedded=True, cluster_cpus=3).cpus == 0.0
     from pipeline.config import ConfigError
 
     for bad in ("[0, 2]", "[3, 2]", "[1, 2, 3]"):
