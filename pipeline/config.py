@@ -55,18 +55,12 @@ DEFAULT_TEMPLATES = {
 }
 
 
-#: Ray counts CPUs and GPUs in steps of this: a smaller amount, not zero, fails when Ray
-#: schedules it ("precision ... cannot go beyond 0.0001"), so the config refuses it
+#: Ray counts CPUs and GPUs in steps of this: a smaller amount but 0 fails when Ray schedules it
 RAY_RESOURCE_UNIT = 0.0001
 
 
 def ray_resource(value: float | None) -> float | None:
-    """``value`` (CPUs or GPUs of one process) if Ray can represent it: 0, or at least
-    :data:`RAY_RESOURCE_UNIT`.
-
-    Raises:
-        ValueError: saying so (pydantic names the key).
-    """
+    """``value`` (CPUs or GPUs of a process) if Ray can represent it (0, or at least the unit); else ValueError."""
     if value is not None and 0 < value < RAY_RESOURCE_UNIT:
         raise ValueError(f"{value:g} is less than {RAY_RESOURCE_UNIT:g}, the smallest amount of a resource Ray "
                          "can represent (it counts CPUs and GPUs in steps of 0.0001)")
