@@ -23,15 +23,12 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.output.exclusive import precondition_failed
 from pipeline.output.layout import LEASE
 
 from pipeline.config import JobRefused
-
-if TYPE_CHECKING:
-    from pipeline.output.lease import OutputLease
 
 log = logging.getLogger("specbatch")
 
@@ -65,7 +62,7 @@ class LeaseStore:
     #: whether the store creates a file only when none is there (else best effort: read back)
     atomic_create = True
 
-    def __init__(self, lease: "OutputLease"):
+    def __init__(self, lease):  # an OutputLease (pipeline.output.lease): its public attributes and methods
         self.lease = lease
 
     def create(self) -> bool:
@@ -101,7 +98,7 @@ class LocalLeaseStore(LeaseStore):
     """``O_EXCL`` create, heartbeat = mtime touched through our descriptor, takeover and
     release under ``flock`` on the folder."""
 
-    def __init__(self, lease: "OutputLease"):
+    def __init__(self, lease):
         super().__init__(lease)
         self.fd: int | None = None
         self.ident: tuple[int, int] | None = None
@@ -220,7 +217,7 @@ class S3LeaseStore(LeaseStore):
     """Conditional puts (``If-None-Match: *`` to create, ``If-Match: <ETag>`` to beat and
     to take over), a conditional delete to release; ownership is the ETag."""
 
-    def __init__(self, lease: "OutputLease"):
+    def __init__(self, lease):
         super().__init__(lease)
         bucket, key, _ = lease.fs.split_path(lease.path)
         self.bucket, self.key = bucket, key
