@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from typing import Callable
-
 from pipeline.output.fs import is_local, is_object_store
 from pipeline.output.layout import temp_name
 
@@ -101,8 +99,3 @@ def create(fs, path: str, data: bytes) -> bool:
     with fs.open(path, "wb") as f:
         f.write(data)
     return True
-
-
-def io_once(fn: Callable, what: str):
-    """The retry loop's signature, calling ``fn`` once."""
-    return fn()
