@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+
 from pipeline.output.fs import is_local, is_object_store
 from pipeline.output.layout import temp_name
 
