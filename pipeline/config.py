@@ -59,6 +59,18 @@ DEFAULT_TEMPLATES = {
 }
 
 
+#: Ray counts CPUs and GPUs in steps of this: a smaller amount but 0 fails when Ray schedules it
+RAY_RESOURCE_UNIT = 0.0001
+
+
+def ray_resource(value: float | None) -> float | None:
+    """``value`` (CPUs or GPUs of a process) if Ray can represent it (0, or at least the unit); else ValueError."""
+    if value is not None and 0 < value < RAY_RESOURCE_UNIT:
+        raise ValueError(f"{value:g} is less than {RAY_RESOURCE_UNIT:g}, the smallest amount of a resource Ray "
+                         "can represent (it counts CPUs and GPUs in steps of 0.0001)")
+    return value
+
+
 #: the longest ``output.lease_timeout_s`` (seconds, a day): a killed run locks its output for
 #: at most this long, and a lease file claiming a longer bound counts as this (pipeline.output.lease)
 MAX_LEASE_TIMEOUT_S = 86400.0
@@ -318,9 +330,10 @@ class ComputeConfig(_Section):
     #: Data's ``ActorPoolStrategy(min_size=, max_size=)``; on an autoscaling cluster, new GPU
     #: nodes get actors: docs/scheduling.md)
     num_actors: int | tuple[int, int] = 1
-    #: GPUs per actor (0: the CPU); the actor loads the pair on its GPU
+    #: GPUs per actor (0: the CPU; else at least 0.0001, Ray's unit); the actor loads the pair on its GPU
     gpus_per_actor: float = Field(0, ge=0)
-    #: CPUs per actor, and its torch threads
+    #: CPUs per actor (at least 0.0001, Ray's unit), and its torch threads; a ``[min, max]`` pool grows
+    #: only while this many CPUs are free for another actor
     cpus_per_actor: float = Field(1, gt=0)
     #: rows per ``map_batches`` call (Ray Data LLM's ``batch_size``); the actor decodes them
     #: ``max_batch_size`` at a time
@@ -349,6 +362,11 @@ class ComputeConfig(_Section):
     #: (a resource plan that cannot be scheduled, a hung storage read, a stuck actor); must be
     #: longer than model loading plus the slowest unit (``input.split_rows`` rows on one actor)
     stall_timeout_s: float = Field(1800, gt=0, allow_inf_nan=False)
+
+    @field_validator("cpus_per_actor", "gpus_per_actor")
+    @classmethod
+    def _ray_unit(cls, v: float) -> float:
+        return ray_resource(v)
 
     @field_validator("num_actors", mode="before")
     @classmethod
@@ -549,6 +567,11 @@ class ServeConfig(_Section):
     #: every ``/v1/`` request must send ``Authorization: Bearer <key>`` (401 in OpenAI's shape
     #: otherwise, as vLLM's ``--api-key``); ``/health`` stays open; printed configs show ``***``
     api_key: str | None = None
+
+    @field_validator("cpus_per_replica", "gpus_per_replica")
+    @classmethod
+    def _ray_unit(cls, v: float | None) -> float | None:
+        return ray_resource(v)
 
     @field_validator("api_key")
     @classmethod

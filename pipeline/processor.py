@@ -56,8 +56,11 @@ their batches retried (``compute.max_batch_retries``).  The processor's own stag
 CPU of the cluster would starve the stages before it (a ``read_parquet`` task needs a CPU
 and would never get one): then each actor reserves ``(cluster CPUs - 1) / num_actors``
 CPUs from Ray instead, so one CPU stays free for them, and still runs
-``compute.cpus_per_actor`` threads.  A pool larger than the cluster is refused
-(:class:`pipeline.ray_setup.PlanError`) on a local Ray, logged on a cluster that may grow.
+``compute.cpus_per_actor`` threads.  A ``[min, max]`` pool reserves the real
+``compute.cpus_per_actor`` per actor and grows only as that much is free (Ray Data's
+autoscaling pool, within its budget; :func:`pipeline.ray_setup.pool_plan`).  A pool larger
+than the cluster is refused (:class:`pipeline.ray_setup.PlanError`) on a local Ray, logged on
+a cluster that may grow.
 
 The job (``jobs/summarize.py``) is this processor between its reader and its committer:
 read units -> :class:`Processor` (``rebatch=False``) -> write on the workers -> commit unit by unit (pipeline.run).
@@ -208,13 +211,14 @@ class Processor:
         import ray
 
         from actors.generate import GenerateActor
-        from pipeline.ray_setup import (actor_cpus, check_resource_plan, is_local_cluster, open_load_board, pool_strategy,
-                                        zero_cpu)
+        from pipeline.ray_setup import check_resource_plan, is_local_cluster, open_load_board, pool_plan, zero_cpu
 
         cfg, c = self.config, self.config.compute
         if not ray.is_initialized():
             raise RuntimeError("the processor needs a running Ray: call ray.init() (or build the Dataset) first")
-        check_resource_plan(cfg, embedded=is_local_cluster() if self.embedded is None else self.embedded)
+        embedded = is_local_cluster() if self.embedded is None else self.embedded
+        check_resource_plan(cfg, embedded=embedded)
+        pool = pool_plan(cfg, embedded)
         open_load_board()  # where each actor posts what its load chose (pipeline.ray_setup)
         ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
         if self.preprocess is not None:
@@ -233,9 +237,9 @@ class Processor:
                                        "text_column": self.text_column, "id_column": self.id_column},
                 batch_size=c.rows_per_batch,
                 batch_format="pyarrow",
-                compute=pool_strategy(cfg),
-                num_gpus=c.gpus_per_actor or None,
-                num_cpus=actor_cpus(cfg),
+                compute=pool.strategy(),
+                num_gpus=pool.gpus or None,
+                num_cpus=pool.cpus,
                 # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
                 # actor every time would be retried forever)
                 max_restarts=c.max_actor_restarts,

@@ -5,13 +5,15 @@ Every tool that reads a job's output reads it here (:class:`CommittedOutput`):
 ``scripts/near_ties.py``, and a nightly run reading the night before
 (:func:`previous_partition`).  The rules, one for all of them:
 
-- **Only committed files are read**: the data files the manifest entries name
-  (``_manifest/part-*.json``, names checked as :class:`~pipeline.output.location.OutputLocation`
-  checks them), in part order.  A data file no entry names (a killed run's part published
-  before its entry, or one of a run in progress) is counted and named
+- **Only committed files are read**: the data files the committed units name (the commit
+  log's unit records, and the per-unit entries of earlier versions: read and checked by
+  :meth:`~pipeline.output.location.OutputLocation.manifest`), in part order.  A data file no
+  record names (a killed run's part published before its record, one of a run that lost its
+  lease, or one of a run in progress) is counted and named
   (:attr:`CommittedOutput.uncommitted`), never read; staging and markers never are.
-- **Unfinished is said**: :attr:`CommittedOutput.finished` is whether ``_SUCCESS`` is
-  there (every unit of the input committed, then the summary written).  An unfinished
+- **Unfinished is said**: :attr:`CommittedOutput.finished` is whether the output is
+  complete (:meth:`~pipeline.output.location.OutputLocation.complete`: ``_SUCCESS`` naming
+  the run whose ``final`` record ends the commit log).  An unfinished
   output is still read (its committed units are whole), and :meth:`CommittedOutput.describe`
   says so.
 - **One config**: an output whose entries carry different config fingerprints (units of
@@ -123,7 +125,7 @@ class CommittedOutput:
             raise OutputReadError(f"the output {url!r} holds {len(days)} date partitions ({', '.join(days)}), not one "
                                   f"job output: pass one of them, e.g. {loc.url(days[-1])}")
         if listing:
-            what = (f"holds {len(listing)} file(s) but no committed unit ({MANIFEST}/part-*.json): not a job output, or "
+            what = (f"holds {len(listing)} file(s) but no committed unit (no {MANIFEST}/ record): not a job output, or "
                     "one whose first run committed nothing yet")
         elif loc.fs.isfile(loc.root):
             what = "is a file, not a job output folder"

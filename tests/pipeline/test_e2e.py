@@ -53,8 +53,9 @@ def result(ray_local, tiny_models, inputs, tmp_path_factory):
 def test_one_output_row_per_input_row(result, inputs):
     cfg, out, summary = result
     assert is_complete(str(out))
-    assert sorted(p.name for p in out.iterdir()) == [
-        "_SUCCESS", "_manifest", "_summary.json", "part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"]
+    run = summary["run_id"]
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest", "_summary.json"] + [
+        f"part-{i:05d}-u00000.{run}.parquet" for i in range(3)]
     table = pq.read_table(out)
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
     assert table.num_rows == 11
@@ -62,7 +63,7 @@ def test_one_output_row_per_input_row(result, inputs):
     for i, (name, ids) in enumerate([("s0.jsonl", ["0", "1", "2", "3"]),
                                      ("s1.jsonl", ["n", "e", "i", "long", "ok"]),
                                      ("s2.parquet", ["p0", "p1"])]):
-        part = pq.read_table(out / f"part-{i:05d}-u00000.parquet")
+        part = pq.read_table(out / f"part-{i:05d}-u00000.{run}.parquet")
         assert part.column("id").to_pylist() == ids
         assert set(part.column("source_file").to_pylist()) == {str(inputs / name)}
     assert table.schema.field("error").type == pa.string()

@@ -176,7 +176,7 @@ def test_only_one_of_several_takers_of_a_stale_lease_wins(place):
         assert place.read()["run_id"] == winners[0]
     finally:
         [x.release() for x in takers]
-        if dead.backend.__class__.__name__ == "_Local" and dead.backend.fd is not None:
+        if dead.backend.__class__.__name__ == "LocalLeaseStore" and dead.backend.fd is not None:
             os.close(dead.backend.fd)
 
 

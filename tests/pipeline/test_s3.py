@@ -49,8 +49,9 @@ def test_s3_in_s3_out(ray_local, tiny_models, s3_server, bucket):
     assert summary["rows"] == 6 and summary["errors"] == 0
 
     keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="prompts", Prefix="out/run1/")["Contents"])
-    assert keys == ["out/run1/_SUCCESS", "out/run1/_manifest/part-00000-u00000.json", "out/run1/_manifest/part-00001-u00000.json",
-                    "out/run1/_summary.json", "out/run1/part-00000-u00000.parquet", "out/run1/part-00001-u00000.parquet"]
+    run = summary["run_id"]
+    assert keys == ["out/run1/_SUCCESS"] + [f"out/run1/_manifest/log/{i:010d}.json" for i in range(4)] + [
+        "out/run1/_summary.json", f"out/run1/part-00000-u00000.{run}.parquet", f"out/run1/part-00001-u00000.{run}.parquet"]
 
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
