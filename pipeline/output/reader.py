@@ -1,24 +1,29 @@
-"""One reader of committed output: what a job output holds, as its manifest commits it.
+"""One reader of committed output: what a job output holds, as its commit log commits it.
 
 Every tool that reads a job's output reads it here (:class:`CommittedOutput`):
 ``jobs/report.py`` (:mod:`pipeline.report`), ``jobs/train_drafter.py --from``,
 ``scripts/near_ties.py``, and a nightly run reading the night before
 (:func:`previous_partition`).  The rules, one for all of them:
 
-- **Only committed files are read**: the data files the committed units name (the commit
-  log's unit records, and the per-unit entries of earlier versions: read and checked by
+- **Only committed files are read**: the data files the committed units name (the ``unit``
+  records of the commit log that count, :func:`~pipeline.output.commit_log.replay`, and the
+  per-unit entries of earlier versions: read and checked by
   :meth:`~pipeline.output.location.OutputLocation.manifest`), in part order.  A data file no
-  record names (a killed run's part published before its record, one of a run that lost its
-  lease, or one of a run in progress) is counted and named
+  committed unit names (an *orphan*: a killed run's part published before its record, one
+  of a run that lost its lease, or one of a run in progress) is counted and named
   (:attr:`CommittedOutput.uncommitted`), never read; staging and markers never are.
 - **Unfinished is said**: :attr:`CommittedOutput.finished` is whether the output is
-  complete (:meth:`~pipeline.output.location.OutputLocation.complete`: ``_SUCCESS`` naming
-  the run whose ``final`` record ends the commit log).  An unfinished
+  complete (:meth:`~pipeline.output.location.OutputLocation.complete`, as
+  :func:`pipeline.output.is_complete` says: ``_SUCCESS`` naming the run whose ``final``
+  record ends the commit log; a ``_SUCCESS`` alone does not count).  An unfinished
   output is still read (its committed units are whole), and :meth:`CommittedOutput.describe`
   says so.
-- **One config**: an output whose entries carry different config fingerprints (units of
-  two configs; see issue 50's paused-run case) is refused by name
-  (:class:`OutputReadError`), unless the caller asks for it (``mixed_ok``).
+- **One config**: an output whose committed units carry different config fingerprints is
+  refused by name (:class:`OutputReadError`), unless the caller asks for it (``mixed_ok``).
+  This version's writer never leaves one (the commit log's fencing keeps a run that lost
+  its lease from committing, issue 50's paused-run case, and a resume under another config
+  is refused: :func:`~pipeline.output.resume.plan_resume`); an earlier version's output (its
+  per-unit entries) may be mixed, and so may records edited by hand.
 - **Bounded memory**: :meth:`CommittedOutput.batches` streams record batches file by file
   (each file at most ``output.max_rows_per_file`` rows); :meth:`~CommittedOutput.table`
   gathers them for small outputs.  Each row can carry its provenance: its unit's part name
@@ -42,7 +47,7 @@ import pyarrow as pa
 
 from pipeline.config import JobRefused, OutputConfig
 from pipeline.input.units import UNIT_COLUMN
-from pipeline.output.layout import DATA_FILE, MANIFEST, SUCCESS, SUMMARY
+from pipeline.output.layout import DATA_FILE, MANIFEST, SUCCESS, SUMMARY, entry_name, log_record
 from pipeline.output.location import OutputLocation
 from pipeline.retry import StorageError
 from pipeline.storage import raise_refusal
@@ -65,10 +70,13 @@ class CommittedOutput:
     Attributes:
         url: the output folder (a full URL; a ``date=`` partition when the folder given held one).
         location: its :class:`~pipeline.output.location.OutputLocation`.
-        entries: part name -> manifest entry, in part order (names checked).
-        finished: ``_SUCCESS`` is there: the run finished (every unit committed).
+        entries: part name -> manifest entry of every committed unit (its ``unit`` record
+            of the commit log, or its per-unit entry of an earlier version), in part order
+            (names checked).
+        finished: the output is complete (:meth:`OutputLocation.complete`: a run's ``final``
+            record ends the commit log and ``_SUCCESS`` names that run).
         summary: ``_summary.json`` when there, else None.
-        uncommitted: data files in the folder that no entry names (not read).
+        uncommitted: data files in the folder that no committed unit names (orphans: not read).
     """
 
     url: str
@@ -97,24 +105,24 @@ class CommittedOutput:
         except (ValueError, OSError) as e:
             raise OutputReadError(f"cannot open the output {url!r}: {type(e).__name__}: {e}") from None
         try:
-            entries = loc.read_manifest()
-            if not entries:
+            m = loc.manifest()
+            if not m.entries:
                 return cls._without_manifest(url, loc, storage_options, retry, mixed_ok)
-            finished = loc.complete()
+            finished = loc.complete(m)
             summary = loc.read_summary() if loc.exists(loc.path(SUMMARY)) else None
             listed = loc.listing()
         except StorageError as e:
             raise_refusal(e, OutputReadError, f"cannot read the output {url!r}")
-        named = {f for e in entries.values() for f in e["files"]}
+        named = m.committed_files()
         uncommitted = sorted(p for p in listed if "/" not in p and DATA_FILE.fullmatch(p) and p not in named)
-        out = cls(loc.url(), loc, dict(sorted(entries.items())), finished, summary, uncommitted)
+        out = cls(loc.url(), loc, dict(sorted(m.entries.items())), finished, summary, uncommitted)
         if not mixed_ok:
             out.refuse_mixed()
         return out
 
     @classmethod
     def _without_manifest(cls, url: str, loc: OutputLocation, storage_options, retry, mixed_ok) -> "CommittedOutput":
-        """An output folder with no manifest entry: its one ``date=`` partition, or a refusal
+        """An output folder with no committed unit: its one ``date=`` partition, or a refusal
         saying what it is (missing, a file, empty, partitions, other files)."""
         listing = loc.listing()
         days = sorted({p.split("/", 1)[0] for p in listing
@@ -143,7 +151,7 @@ class CommittedOutput:
 
     @property
     def rows_committed(self) -> int:
-        """Rows the manifest entries count (error rows included)."""
+        """Rows the committed units count (error rows included)."""
         return sum(int(e.get("rows") or 0) for e in self.entries.values())
 
     @property
@@ -195,13 +203,20 @@ class CommittedOutput:
         """One line: where, how many units and rows by how many runs, finished or not, and
         the data files not read."""
         runs = len(self.runs)
-        state = "finished" if self.finished else f"unfinished (no {SUCCESS}: a run was killed or is in progress)"
+        state = "finished" if self.finished else (f"unfinished (no {SUCCESS} of a run whose final record ends the "
+                                                  "commit log: a run was killed, lost its lease or is in progress)")
         line = (f"{self.url}: {len(self.entries)} committed unit(s), {self.rows_committed} row(s), by {runs} "
                 f"run{'s' if runs > 1 else ''}; {state}")
         if self.uncommitted:
             shown = ", ".join(self.uncommitted[:3]) + (" ..." if len(self.uncommitted) > 3 else "")
-            line += f"; {len(self.uncommitted)} data file(s) no manifest entry names, not read: {shown}"
+            line += f"; {len(self.uncommitted)} data file(s) no committed unit names, not read: {shown}"
         return line
+
+    def record_of(self, part: str) -> str:
+        """The record committing ``part``, relative to the output folder: its commit log
+        record (``_manifest/log/NNNNNNNNNN.json``), or the per-unit entry of an earlier version."""
+        seq = self.entries[part].get("seq")
+        return log_record(seq) if isinstance(seq, int) else f"{MANIFEST}/{entry_name(part)}"
 
     # ------------------------------------------------------------------ rows
     def files(self) -> list[tuple[str, str, str | None]]:
@@ -224,8 +239,8 @@ class CommittedOutput:
             try:
                 f = self.location.fs.open(path, "rb")
             except FileNotFoundError:
-                raise OutputReadError(f"the output {self.url!r}: the manifest's {part} names {name}, which is "
-                                      "missing") from None
+                raise OutputReadError(f"the output {self.url!r}: {name}, a data file of the committed unit {part} "
+                                      f"({self.record_of(part)} names it), is missing") from None
             with f:
                 pf = parquet_file(f)
                 names = pf.schema_arrow.names
@@ -279,13 +294,16 @@ def _empty(columns: list[str] | None, provenance: bool) -> pa.Table:
 def previous_partition(uri: str, before: str | _dt.date | None = None, storage_options: dict[str, Any] | None = None,
                        retry: Any = None) -> str | None:
     """The latest ``date=`` partition of the output ``uri`` (``output.uri`` of a job with
-    ``output.partition_by_date``) earlier than ``before`` that holds ``_SUCCESS``: the night
-    before of a nightly job (``--previous auto``).  ``before``: a date or ``YYYY-MM-DD``
-    (None: today in UTC).  Returns its URL, or None when there is none (a first night, or
-    only unfinished ones).  Partitions whose run did not finish are passed over.
+    ``output.partition_by_date``) earlier than ``before`` that is complete
+    (:meth:`OutputLocation.complete`, as :attr:`CommittedOutput.finished`): the night before
+    of a nightly job (``--previous auto``).  ``before``: a date or ``YYYY-MM-DD`` (None:
+    today in UTC).  Returns its URL, or None when there is none (a first night, or only
+    unfinished ones).  Partitions whose run did not finish are passed over, those with a
+    ``_SUCCESS`` that does not count (one a run that lost its lease published late) too.
 
     Raises:
         ValueError: ``before`` is not a date.
+        OutputError: a record of a candidate's manifest is not this job's.
         StorageError: the storage kept failing with transient errors.
     """
     day = (before if isinstance(before, _dt.date) else _dt.date.fromisoformat(before) if before
@@ -301,4 +319,9 @@ def previous_partition(uri: str, before: str | _dt.date | None = None, storage_o
         return [m.group(1) for p in markers if (m := _DAY.fullmatch(posixpath.basename(posixpath.dirname(p))))]
 
     earlier = sorted(d for d in loc.io(finished_days, f"list the date partitions of {loc.url()}") if d < day)
-    return loc.url(f"date={earlier[-1]}") if earlier else None
+    for d in reversed(earlier):  # latest first: a manifest read per partition passed over
+        night = loc.url(f"date={d}")
+        if OutputLocation(OutputConfig(uri=night, partition_by_date=False,
+                                       storage_options=dict(storage_options or {})), retry).complete():
+            return night
+    return None
