@@ -3,7 +3,7 @@
     python jobs/train_drafter.py --from out/summarize/date=2026-12-01 --output out/heads/2026-12-01
     python jobs/train_drafter.py --from out/summarize/date=2026-12-01 --head models/smollm2-135m-eagle --output out/heads/2026-12-01 --steps 40 --promote-to models/heads/current
 
-Reads the committed rows of ``--from`` (only the units its manifest commits; an output that
+Reads the committed rows of ``--from`` (only the units its commit log commits; an output that
 mixes configs is refused), rebuilds each row's prompt and answer ids as the job made them,
 holds back ``--holdout`` of the rows, trains the head teacher-forced on the rest (resumable:
 ``<output>/train_state.pt``), measures its acceptance before and after on the held-back

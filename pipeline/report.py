@@ -4,9 +4,9 @@
 
 Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL),
 read as committed output (:class:`pipeline.output.reader.CommittedOutput`): the data files
-its manifest commits (``pipeline.schema.OUTPUT_SCHEMA``), never a killed run's parts that no
-entry names nor staging, and the run summary ``_summary.json`` when present.  A run that did
-not finish (no ``_SUCCESS``) is reported on what it committed, and said to be unfinished; an
+its commit log commits (``pipeline.schema.OUTPUT_SCHEMA``), never a killed run's parts that no
+record names nor staging, and the run summary ``_summary.json`` when present.  A run that did
+not finish (no ``_SUCCESS`` of the run whose ``final`` record ends the log) is reported on what it committed, and said to be unfinished; an
 output that mixes configs is refused.  Everything in the report is recomputed from the
 per-row Parquet, following ``docs/metrics.md``: tokens and steps are summed over rows
 first, then divided.

@@ -47,8 +47,8 @@ DRAFT = [_row("a", "draft_model", "x y", 10, 4, 12, 6, [4, 4, 4], [3, 2, 1], wal
 def _write_run(fs, root, rows, summary=None, split=False):
     """A committed job output at ``root`` of ``fs``, written by the output package's writer
     (one unit per chunk), finished (``_SUCCESS``) with ``summary`` (or ``{}``); then a
-    leftover staging part and a data file no manifest entry names (a killed run's), which
-    the report must not read."""
+    leftover staging part and an orphan (a data file tagged with the run's id that no record
+    of the commit log names, as a killed run leaves), which the report must not read."""
     from pipeline.config import OutputConfig
     from pipeline.output import OutputWriter
 
@@ -59,7 +59,7 @@ def _write_run(fs, root, rows, summary=None, split=False):
     for n, chunk in enumerate(chunks):
         w.write_part(n, pa.Table.from_pylist(chunk, schema=OUTPUT_SCHEMA))
     w.commit(summary or {})
-    for name in ("_staging/old/part-00000.parquet", "part-00007-u00000.parquet"):
+    for name in ("_staging/old/part-00000.parquet", f"part-00007-u00000.{w.run_id}.parquet"):
         fs.makedirs(posixpath.dirname(f"{root}/{name}"), exist_ok=True)
         with fs.open(f"{root}/{name}", "wb") as f:
             pq.write_table(pa.Table.from_pylist(rows[:1], schema=OUTPUT_SCHEMA), f)

@@ -9,11 +9,11 @@ head's features (the target's hidden states) and its soft labels (the target's t
 next-token distribution); nothing is generated.  Steps (:func:`run`):
 
 1. **Read** the committed rows of ``--from`` (:class:`pipeline.output.reader.CommittedOutput`:
-   only the parts the manifest names; a data file it does not name, from a run in progress
-   or killed, is not read and is counted; an output whose units carry several config
-   fingerprints is refused), and the job's config from its ``_summary.json`` (or
+   only the units its commit log commits; a data file no committed unit names, from a run in
+   progress, killed or that lost its lease, is not read and is counted; an output whose
+   units carry several config fingerprints is refused), and the job's config from its ``_summary.json`` (or
    ``--config`` when the run did not finish).  The target (``models.target``, or
-   ``--target``) must have the files the manifest recorded.
+   ``--target``) must have the files the committed units recorded.
 2. **Rebuild** each row's prompt token ids exactly as the job did: the row's input text is
    recovered from its ``prompt`` column by the job's template and chat template
    (:class:`pipeline.prompts.PromptBuilder` with the job's ``task:``), built again, and the
@@ -134,9 +134,9 @@ def read_job_output(uri: str, storage_options: dict, config_path: str | None, ma
     ``max_rows``).
 
     Raises:
-        TrainDrafterError: not a job output (missing, empty, no manifest; a folder of
+        TrainDrafterError: not a job output (missing, empty, no committed unit; a folder of
             several ``date=`` partitions is named as such), units of several configs, a
-            manifest naming a missing file, no config (no ``_summary.json`` and no
+            committed unit naming a missing file, no config (no ``_summary.json`` and no
             ``--config``), a ``--config`` whose task differs from the output's.
     """
     from pipeline.config import load_config
@@ -175,7 +175,7 @@ def read_job_output(uri: str, storage_options: dict, config_path: str | None, ma
 
 
 def check_target_files(target_path: str, identity: dict) -> None:
-    """Refuse a target whose files differ from those the output's manifest recorded."""
+    """Refuse a target whose files differ from those the output's committed units recorded."""
     from pipeline.fingerprint import model_files
 
     recorded = (identity.get("model_files") or {}).get("target")
@@ -185,7 +185,8 @@ def check_target_files(target_path: str, identity: dict) -> None:
     changed = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
     if changed:
         raise TrainDrafterError(f"the target {target_path!r} is not the model the job ran: {', '.join(changed)} "
-                                "differ from the output's manifest (give the job's target with --target)")
+                                "differ from those the output's committed units recorded (give the job's target "
+                                "with --target)")
 
 
 # ----------------------------------------------------------------------------- rows -> token ids
@@ -386,8 +387,8 @@ def prepare(opts: Options, job: JobOutput) -> Setup:
     if start_from is None and method == "eagle" and models.drafter and is_draft_head(models.drafter):
         start_from = models.drafter
     if job.uncommitted_files:
-        log(f"note: {len(job.uncommitted_files)} data file(s) no manifest entry names (a run in progress or killed) "
-            f"are not read: {', '.join(job.uncommitted_files[:3])}")
+        log(f"note: {len(job.uncommitted_files)} data file(s) no record of the commit log names (a run in progress, "
+            f"killed or that lost its lease) are not read: {', '.join(job.uncommitted_files[:3])}")
     try:
         loaded = load_models(models, uses_drafter=False, device="cpu")
     except (OSError, ValueError) as e:
