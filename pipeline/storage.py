@@ -9,8 +9,9 @@ job needs to know:
   one location (:func:`resolved_location`), removing the empty folders a local run leaves
   (:func:`prune_empty`);
 - **which version of a file it is**: :func:`file_version` (``size=N;etag=...`` or
-  ``size=N;mtime=...``) and :func:`modified_at`, from one list of the keys each fsspec
-  backend names them by (:data:`VERSION_KEYS`, :data:`MTIME_KEYS`);
+  ``size=N;mtime=...``) and :func:`modified_at` (the input's listing, the lease's age on
+  stores without conditional writes), from one list of the keys each fsspec backend names
+  them by (:data:`VERSION_KEYS`, :data:`MTIME_KEYS`);
 - **a file the job must never open**: :func:`refuse_special`, the one rule for a named
   pipe, a device or a socket (a read of one may never return);
 - **refusal or passing fault**: :func:`raise_refusal`, what a failed storage call in a check
@@ -115,19 +116,26 @@ def file_version(info: dict[str, Any]) -> str:
 
 def modified_at(info: dict[str, Any]) -> float | None:
     """The modification time of an fsspec ``info()`` record as a POSIX timestamp (seconds),
-    from the first of :data:`MTIME_KEYS` that parses (a number, a ``datetime`` or an ISO
-    string); None when it has none."""
+    from the first of :data:`MTIME_KEYS` that parses (:func:`timestamp`); None when it has none."""
     for key in MTIME_KEYS:
-        v = info.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, _dt.datetime):
-            return v.timestamp()
-        if isinstance(v, str):
-            try:
-                return _dt.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
+        t = timestamp(info.get(key))
+        if t is not None:
+            return t
+    return None
+
+
+def timestamp(value: Any) -> float | None:
+    """``value`` as a POSIX timestamp (seconds): a number, a ``datetime`` or an ISO 8601
+    string (``Z`` for UTC accepted; the lease's ``heartbeat_at``); None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, _dt.datetime):
+        return value.timestamp()
+    if isinstance(value, str):
+        try:
+            return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
     return None
 
 

@@ -15,20 +15,18 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import errno
 import json
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.config import JobRefused
 from pipeline.output.exclusive import precondition_failed
 from pipeline.output.layout import LEASE
-
-from pipeline.config import JobRefused
+from pipeline.storage import modified_at, special_kind, timestamp
 
 log = logging.getLogger("specbatch")
 
@@ -152,10 +150,10 @@ class LocalLeaseStore(LeaseStore):
                 raise
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
-                    raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is not a regular file (a named pipe, "
-                                          "a device or a socket), so not a lease of this job: a read of it may "
-                                          "never return; move it away")
+                kind = special_kind(st.st_mode, folder_ok=True)  # (a folder: named below, at its read)
+                if kind is not None:
+                    raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is {kind}, not a regular file, so not "
+                                          "a lease of this job: a read of it may never return; move it away")
                 raw = os.read(fd, 1 << 20)
             except IsADirectoryError:
                 raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is a folder, not a lease of this job: "
@@ -386,9 +384,9 @@ class GenericLeaseStore(LeaseStore):
             return None
         info, raw = got
         content = self.lease.parse(raw)
-        mtime = _mtime(info)
+        mtime = modified_at(info)
         if mtime is None:  # no modification time here: the holder's own heartbeat stamp
-            mtime = _parse_iso(content.get("heartbeat_at"))
+            mtime = timestamp(content.get("heartbeat_at"))
         age = self.lease.clock() - mtime if mtime is not None else 0.0
         return Holder(content, age, content.get("run_id"))
 
@@ -421,24 +419,3 @@ class GenericLeaseStore(LeaseStore):
     def release(self) -> None:
         if self.still_ours() is None:
             self.lease.io(lambda: self.lease.fs.rm(self.lease.path), f"release the lease {self.lease.url}/{LEASE}")
-
-
-def _parse_iso(s: Any) -> float | None:
-    try:
-        return _dt.datetime.fromisoformat(str(s)).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def _mtime(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        v = info.get(key)
-        if isinstance(v, (int, float)):
-            return float(v)
-        if isinstance(v, _dt.datetime):
-            return v.timestamp()
-        if isinstance(v, str):
-            t = _parse_iso(v.replace("Z", "+00:00"))
-            if t is not None:
-                return t
-    return None

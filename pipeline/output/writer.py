@@ -131,10 +131,8 @@ class OutputWriter:
                             timeout_s=self.cfg.lease_timeout_s, config_fingerprint=config_fingerprint)
         try:
             lease.acquire()
-        except StorageError as e:
-            if e.transient:
-                raise
-            raise OutputError(f"output {loc.url()!r} is not writable: {e}") from None
+        except StorageError as e:  # transient: raised as it is; else a refusal (pipeline.storage.raise_refusal)
+            loc.refused(e, "writable")
         self.lease = lease
         self.log.careful = not lease.atomic_create  # a store that ignores conditional writes: read back
         return lease

@@ -18,7 +18,7 @@ from pipeline.config import InputConfig, JobRefused, OutputConfig
 from pipeline.input import InputError, read_unit, resolve_shards, units_of
 from pipeline.output.location import OutputError, OutputLocation
 from pipeline.retry import StorageError, with_retries
-from pipeline.storage import file_version, modified_at, raise_refusal, refuse_special, special_kind
+from pipeline.storage import file_version, modified_at, raise_refusal, refuse_special, special_kind, timestamp
 
 
 class Refused(JobRefused):
@@ -118,6 +118,10 @@ def test_file_version_and_modified_at_read_every_backends_keys():
     assert modified_at({"updated": "2026-01-02T03:04:05Z"}) == when.timestamp()
     assert modified_at({"mtime": 7}) == 7.0 and modified_at({"size": 1}) is None
     assert modified_at({"mtime": True, "created": 8}) == 8.0  # a boolean is no time
+    assert modified_at({"mtime": "yesterday", "updated": when}) == when.timestamp()  # the first key that parses
+    # one parser for every time the job reads back (the lease's heartbeat_at stamp too)
+    assert timestamp("2026-01-02T03:04:05+00:00") == timestamp("2026-01-02T03:04:05Z") == when.timestamp()
+    assert timestamp(None) is None and timestamp("soon") is None and timestamp(False) is None
 
 
 # ------------------------------------------------------------------ a JSONL file replaced in place
