@@ -5,7 +5,7 @@
         --endpoint-url http://127.0.0.1:9000
 
 Each argument is a job output directory (local or any fsspec URL, e.g. ``s3://``), read as
-committed output: only the units its manifest commits (``pipeline.output.reader``); a run
+committed output: only the units its commit log commits (``pipeline.output.reader``); a run
 that did not finish is reported on what it committed and named on stderr.  Writes
 ``<output>/report.md`` (table + plots), ``report.json`` and three PNGs; prints the table.  See pipeline/report.py for the definitions.  (``--out`` is a deprecated alias of
 ``--output``.)
