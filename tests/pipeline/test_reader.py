@@ -280,8 +280,8 @@ def test_on_s3_the_reader_reads_the_committed_units_and_finds_the_previous_night
     read = CommittedOutput.open(out, so)
     assert read.finished and is_complete(out, so) and read.uncommitted == []
     assert [r["id"] for r in read.rows(["id"])] == [f"r{i}" for i in range(6)]
-    for day in ("2026-01-01", "2026-01-02", "2026-01-03"):
-        _night("s3://reader/nightly", day, finished=day != "2026-01-03", so=so)
-    client.put_object(Bucket="reader", Key="nightly/date=2026-01-03/_SUCCESS", Body=LATE_SUCCESS)
-    assert previous_partition("s3://reader/nightly", "2026-01-04", so) == "s3://reader/nightly/date=2026-01-02"
-    assert previous_partition("s3://reader/nightly", "2026-01-02", so) == "s3://reader/nightly/date=2026-01-01"
+    for day in ("2026-01-01", "2026-01-02"):
+        _night("s3://reader/nightly", day, finished=day == "2026-01-01", so=so)
+    client.put_object(Bucket="reader", Key="nightly/date=2026-01-02/_SUCCESS", Body=LATE_SUCCESS)
+    assert previous_partition("s3://reader/nightly", "2026-01-03", so) == "s3://reader/nightly/date=2026-01-01"
+    assert previous_partition("s3://reader/nightly", "2026-01-01", so) is None
