@@ -25,6 +25,9 @@ tokens and steps are summed over rows first, then divided (never a mean of per-r
   the job's method took (``sum(audit_plain_time_s) / sum(wall_time_s)``, both the actor's
   engine clock, the same rows, decoded together per batch of rows): the speedup of speculation over plain
   decoding this run measured (null without audited rows; 1.0 for ``plain``).
+- ``warm_up_time_s``: seconds the actors spent warming up their engines before their first
+  batch (summed over actors: each reports it on its first output row), kept out of every
+  row's times and of ``audit_speedup``.
 
 A resumed run's summary covers every committed shard of the output: the totals of the
 shards committed by earlier runs come from their manifest entries (:meth:`RunTotals.state`,
@@ -59,6 +62,7 @@ class RunTotals:
         self.audit_mismatches = 0
         self.audit_time_s = 0.0  # the method's engine time on the audited rows
         self.audit_plain_time_s = 0.0  # plain decoding's on the same rows
+        self.warm_up_time_s = 0.0  # the actors' warm-ups, before their first batch
 
     def state(self) -> dict[str, Any]:
         """Plain data that :meth:`merge` adds back (stored in each shard's manifest entry)."""
@@ -68,6 +72,7 @@ class RunTotals:
             **{k: list(getattr(self.stats, k)) for k in PER_POSITION},
             "audit_rows": self.audit_rows, "audit_mismatches": self.audit_mismatches,
             "audit_time_s": self.audit_time_s, "audit_plain_time_s": self.audit_plain_time_s,
+            "warm_up_time_s": self.warm_up_time_s,
         }
 
     def merge(self, state: dict[str, Any] | None) -> None:
@@ -84,6 +89,7 @@ class RunTotals:
         self.audit_mismatches += state.get("audit_mismatches", 0)
         self.audit_time_s += state.get("audit_time_s", 0.0)
         self.audit_plain_time_s += state.get("audit_plain_time_s", 0.0)
+        self.warm_up_time_s += state.get("warm_up_time_s", 0.0)
 
     def add(self, table: pa.Table) -> None:
         self.rows += table.num_rows
@@ -108,6 +114,8 @@ class RunTotals:
                 if plain is not None and spec is not None:
                     self.audit_plain_time_s += plain
                     self.audit_time_s += spec
+        if "warm_up_time_s" in table.column_names:
+            self.warm_up_time_s += sum(s for s in table.column("warm_up_time_s").to_pylist() if s is not None)
 
     def to_dict(self, generate_elapsed_s: float | None = None) -> dict[str, Any]:
         s = self.stats
@@ -135,5 +143,6 @@ class RunTotals:
             "audit_rows": self.audit_rows,
             "audit_mismatches": self.audit_mismatches,
             "audit_speedup": self.audit_plain_time_s / self.audit_time_s if self.audit_time_s else None,
+            "warm_up_time_s": self.warm_up_time_s,
         }
         return d

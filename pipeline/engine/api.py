@@ -77,7 +77,7 @@ class SpeculativeEngine(StepEngine):
     #: tokens of the random segment that a synthetic warm-up prompt repeats
     WARM_UP_PERIOD = 24
 
-    def warm_up(self, max_rows: int | None = None, prompt_tokens: int = 256, new_tokens: int = 8,
+    def warm_up(self, max_rows: int | None = None, prompt_tokens: int = 128, new_tokens: int = 8,
                 settings: GenerationSettings | None = None, seed: int = 0) -> float:
         """Decode synthetic rows once, through :meth:`generate_batch` (the one decode path), so
         that what the first timed rows would pay once is paid here: kernels compiled by inductor
@@ -93,7 +93,8 @@ class SpeculativeEngine(StepEngine):
         ``i`` (0-based) decodes ``new_tokens + 2 (k + 1) i`` tokens with EOS off, so the rows
         leave about one by one, as a job's batch drains; a number of rows in flight that this
         skipped (rows whose drafts put them ahead left in the same step) then runs once more on
-        its own, so every number from ``max_rows`` down to 1 has run a step.  Greedy output never depends on it (it changes which kernels are ready,
+        its own (prompts of two segments), so every number from ``max_rows`` down to 1 has run
+        a step.  Greedy output never depends on it (it changes which kernels are ready,
         never what they compute); the rows' results are dropped.
 
         Args:
@@ -120,9 +121,9 @@ class SpeculativeEngine(StepEngine):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         t0 = self.clock()
         rows = min(max_rows or self.max_batch_size, self.max_batch_size)
-        stride = 2 * (self.spec.draft_length + 1)
-        budgets = [new_tokens + stride * i for i in range(rows)]
-        room = self.spec.draft_length * self.spec.num_candidates + 2
+        k = self.spec.draft_length if self.proposer is not None else 0
+        budgets = [new_tokens + 2 * (k + 1) * i for i in range(rows)]
+        room = k * self.spec.num_candidates + 2
         if self.context is not None:  # a tiny context: shorter prompts first, then shorter budgets
             prompt_tokens = max(1, min(prompt_tokens, self.context - budgets[-1] - room))
             budgets = [max(1, min(b, self.context - prompt_tokens - room)) for b in budgets]
@@ -140,7 +141,7 @@ class SpeculativeEngine(StepEngine):
         ran = {sum(s >= t for s in steps) for t in range(1, max(steps, default=0) + 1)}
         for n in sorted(set(range(1, rows + 1)) - ran):
             more = [dataclasses.replace(s, max_new_tokens=min(new_tokens, budgets[0])) for s in row_settings[:n]]
-            results += self.generate_batch(prompts[:n], more, max_batch_size=n)
+            results += self.generate_batch([p[: 2 * self.WARM_UP_PERIOD] for p in prompts[:n]], more, max_batch_size=n)
         failed = next((r.error for r in results if r.error is not None), None)
         self.reset_learning()
         if failed is not None:
