@@ -281,9 +281,9 @@ def report(args, runs: dict[str, dict[int, dict]], sizes: list[int], rows: tuple
                          f"{f(s['acceptance_rate'], '.3f')} | {f(e['alpha'])} | {f(e['k'])} | {f(e['c'], '.3f')} | "
                          f"{f(e['S'])} | {f(e['efficiency'])} | {e['identical']}/{e['rows']} | {e['near_ties']} |")
     table = "\n".join(lines)
-    summary = [f"{label} / plain, node tokens/s on the CPU clock, {args.actors} actors: "
-               + ", ".join(f"{e['speedup_cpu']:.2f}× at {batch} row{'s' if batch > 1 else ''} in flight (bound "
-                           f"{f(e['S'])}×)" for batch, e in by_b.items()) for label, by_b in runs.items()]
+    summary = [f"{label} / plain: " + ", ".join(f"{e['speedup_cpu']:.2f}× at {batch} row{'s' if batch > 1 else ''} "
+                                                f"(bound {f(e['S'])}×)" for batch, e in by_b.items())
+               for label, by_b in runs.items()]
     bad = [(label, batch) for label, by_b in runs.items() for batch, e in by_b.items()
            if e["identical"] + e["near_ties"] < e["rows"]]
     note = (f"rows differing from plain away from a near-tie: {bad}" if bad else
@@ -293,9 +293,9 @@ def report(args, runs: dict[str, dict[int, dict]], sizes: list[int], rows: tuple
     print("\n".join(summary))
     if args.output:
         a, b = rows
-        title = (f"bench/bench_node.py: the node's tokens/s, speculative against plain in interleaved rounds, one actor per "
-                 f"core ({args.actors} actors x 1 thread), XSum articles {a}-{b - 1}, {args.new_tokens} new tokens, "
-                 f"{', '.join(map(str, sizes))} rows in flight per actor, CPU clock ({_machine()})")
+        title = (f"bench/bench_node.py: a node's tokens/s, one actor per core ({args.actors} x 1 thread), XSum "
+                 f"{a}-{b - 1}, {args.new_tokens} new tokens, {', '.join(map(str, sizes))} rows in flight, CPU clock "
+                 f"({_machine()})")
         if args.note:
             title += f"; {args.note}"
         meta = {"command": "python bench/bench_node.py " + " ".join(argv if argv is not None else sys.argv[1:]),

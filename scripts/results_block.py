@@ -167,9 +167,9 @@ def block(reports: Path = REPORTS) -> str:
     paths = [p for p in _paths(reports) if p.relative_to(reports).parts[0] not in INDEX_ONLY]
     lines = [ln for ln in (_line(p, reports.parent) for p in paths) if ln]
     head = ("Speedups over plain decoding on the same rows, greedy (tokens/s end to end; decode: the target's "
-            "prefill left out). The figure of record is the node's (`bench/bench_node.py`: every core busy, one actor "
-            "per core); the single-thread figures after it are diagnostics. \"Before the CPU kernels\": PyTorch's "
-            "default CPU kernels, before d397ec9. Commands, configs and machines: [reports/README.md](reports/README.md).")
+            "prefill left out). The node's figure (every core busy) is the one of record; single-thread ones are "
+            "diagnostics. \"Before the CPU kernels\": PyTorch's default CPU kernels, before d397ec9. Commands, configs "
+            "and machines: [reports/README.md](reports/README.md).")
     return "\n".join([START, head, "", *lines, END])
 
 
