@@ -73,7 +73,6 @@ class SpeculativeEngine(StepEngine):
         results = scheduler.run()
         return [results[t] for t in tickets]
 
-
     #: tokens of the random segment that a synthetic warm-up prompt repeats
     WARM_UP_PERIOD = 24
 
