@@ -29,8 +29,9 @@ second time with plain decoding (same model, same generation settings and seed) 
 token ids are compared; the row's ``audit`` is true on a match, false on a mismatch, null
 when the row was not sampled (or failed).  The comparison of speeds is fair: both engines
 are warm, and in each batch the sampled rows are decoded by both engines as one group of
-their own (the same rows, the same rows in flight), the engine that goes first alternating
-from batch to batch, before the batch's other rows; ``audit_plain_time_s`` against the row's
+their own (the same rows, the same rows in flight), A B B A (a large group in two halves, the
+engine that went first on the first going second on the second; the first alternating from batch
+to batch), before the batch's other rows; ``audit_plain_time_s`` against the row's
 ``wall_time_s`` is then plain decoding against the job's method on the same clock.
 
 Used as::
@@ -177,22 +178,26 @@ class GenerateActor:
 
     def _decode_audited(self, todo: list[tuple[int, list[int]]], settings: list, audit: list[int]):
         """The job's engine's results of every row of ``todo``, and plain decoding's of the rows
-        ``audit`` (indices into ``todo``), in that order.  The audited rows are one group, decoded
-        by both engines in turn (which goes first alternates by batch), then the others."""
+        ``audit`` (indices into ``todo``), in that order.  The audited rows are decoded by both
+        engines in turn, A B B A: a group of at least ``2 x compute.max_batch_size`` rows in two
+        halves, the engine that went first on the first half going second on the second (a shape
+        the warm-up did not run costs whichever engine meets it first: each meets half of them
+        first), the first engine alternating by batch; then the batch's other rows."""
         if not audit:
             return self._decode(self.engine, [ids for _, ids in todo], settings), []
         chosen = set(audit)
         rest = [j for j in range(len(todo)) if j not in chosen]
-        group = ([todo[j][1] for j in audit], [settings[j] for j in audit])
-        engines = (self.engine, self.plain_engine) if self.audits % 2 == 0 else (self.plain_engine, self.engine)
+        half = len(audit) // 2 if len(audit) >= 2 * self.cfg.compute.max_batch_size else len(audit)
+        order = [self.engine, self.plain_engine][:: 1 if self.audits % 2 == 0 else -1]
         self.audits += 1
-        first, second = self._decode(engines[0], *group), self._decode(engines[1], *group)
-        spec, plain = (first, second) if engines[0] is self.engine else (second, first)
+        decoded: dict[int, dict[int, object]] = {id(self.engine): {}, id(self.plain_engine): {}}
+        for part, engines in ((audit[:half], order), (audit[half:], order[::-1])):
+            for engine in engines if part else ():
+                out = self._decode(engine, [todo[j][1] for j in part], [settings[j] for j in part])
+                decoded[id(engine)].update(zip(part, out))
         others = self._decode(self.engine, [todo[j][1] for j in rest], [settings[j] for j in rest])
-        results: list = [None] * len(todo)
-        for j, r in [*zip(audit, spec), *zip(rest, others)]:
-            results[j] = r
-        return results, plain
+        spec = {**decoded[id(self.engine)], **dict(zip(rest, others))}
+        return [spec[j] for j in range(len(todo))], [decoded[id(self.plain_engine)][j] for j in audit]
 
     def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """One input row -> one output row (a batch of one)."""

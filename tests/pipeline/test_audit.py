@@ -55,9 +55,10 @@ def test_audit_reports_mismatches_when_verification_is_corrupted(audited_actor, 
 
 def test_both_engines_warm_up_at_start_and_the_audit_interleaves_them(tiny_models, tmp_path, monkeypatch):
     """At construction, before any batch: the job's engine and the audit's plain engine each
-    decode the warm-up at the job's rows in flight.  Then per batch: the sampled rows are
-    decoded by both engines as one group (the first engine alternating), then the other rows
-    by the job's engine alone; the warm-up's seconds ride on the actor's first output row."""
+    decode the warm-up at the job's rows in flight.  Then per batch, A B B A: the sampled rows in
+    two halves (5 rows, 2 in flight: 2 + 3), both engines on each, the one that went first on the
+    first half going second on the second, the first alternating by batch; then the other rows by
+    the job's engine alone.  The warm-up's seconds ride on the actor's first output row."""
     calls: list[tuple[str, object, int]] = []
     warm_up, generate_batch = SpeculativeEngine.warm_up, SpeculativeEngine.generate_batch
 
@@ -70,30 +71,27 @@ def test_both_engines_warm_up_at_start_and_the_audit_interleaves_them(tiny_model
         return generate_batch(engine, prompts, settings, max_batch_size)
 
     monkeypatch.setattr(SpeculativeEngine, "warm_up", warming)
-    cfg = job_config(tiny_models, "unused", str(tmp_path), overrides=["audit.fraction=0.5", "audit.seed=1",
-                                                                     "generation.max_new_tokens=6"])
+    cfg = job_config(tiny_models, "unused", str(tmp_path), overrides=[
+        "audit.fraction=0.5", "audit.seed=1", "generation.max_new_tokens=6", "compute.max_batch_size=2"])
     actor = GenerateActor(cfg.model_dump(), device="cpu")
     spec, plain = actor.engine, actor.plain_engine
-    assert [(c[0], c[1], c[2]) for c in calls] == [("warm_up", spec, cfg.compute.max_batch_size),
-                                                   ("warm_up", plain, cfg.compute.max_batch_size)]
+    assert calls == [("warm_up", spec, 2), ("warm_up", plain, 2)]
     assert actor.warm_up_time_s > 0
     monkeypatch.setattr(SpeculativeEngine, "generate_batch", decoding)
     batch = _rows(TEXTS[:8])
-    picked = sum(audit_selected("f", i, 0.5, 1) for i in range(8))
-    assert 0 < picked < 8
+    picked = [i for i in range(8) if audit_selected("f", i, 0.5, 1)]
+    assert len(picked) == 5
     outs = []
-    for _ in range(2):
+    for first, second in ((spec, plain), (plain, spec)):
         calls.clear()
         outs.append(actor(batch).to_pylist())
-        decodes = [(c[1], c[2]) for c in calls if c[0] == "decode"]
-        assert sorted(decodes[:2], key=lambda d: d[0] is plain) == [(spec, picked), (plain, picked)]
-        assert decodes[2] == (spec, 8 - picked) and len(decodes) == 3
-        assert decodes[0][0] is (spec if len(outs) == 1 else plain)  # who goes first alternates
-    first, second = outs
-    assert first[0]["warm_up_time_s"] == actor.warm_up_time_s
-    assert all(r["warm_up_time_s"] is None for r in first[1:] + second)
-    assert [r["audit"] for r in first] == [True if audit_selected("f", i, 0.5, 1) else None for i in range(8)]
-    assert [r["output_text"] for r in first] == [r["output_text"] for r in second]
+        assert [(c[1], c[2]) for c in calls] == [(first, 2), (second, 2), (second, 3), (first, 3), (spec, 3)]
+    assert outs[0][0]["warm_up_time_s"] == actor.warm_up_time_s
+    assert all(r["warm_up_time_s"] is None for r in outs[0][1:] + outs[1])
+    for out in outs:
+        assert [r["audit"] for r in out] == [True if i in picked else None for i in range(8)]
+        assert [r["audit_plain_time_s"] is not None for r in out] == [i in picked for i in range(8)]
+    assert [r["output_text"] for r in outs[0]] == [r["output_text"] for r in outs[1]]
 
 
 def test_audit_sample_is_deterministic():
