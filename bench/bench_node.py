@@ -189,7 +189,7 @@ def run_method(label: str, args, rows: list[dict], sizes: list[int]) -> dict[int
     try:
         for batch in sizes:
             ray.get([a.begin.remote(batch) for a in actors])
-            per_actor = max(args.min_rows_per_actor, 2 * batch)
+            per_actor = min(max(args.min_rows_per_actor, 2 * batch), len(rows))
             rounds = max(1, min(args.rounds, len(rows) // per_actor))
             wall = dict.fromkeys(VARIANTS, 0.0)
             checks = []
@@ -234,7 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows in flight per actor")
     ap.add_argument("--rows", default="200:264", help="XSum rows a:b (held out from the drafters' training)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per number of rows in flight (fewer when the rows run out)")
-    ap.add_argument("--min-rows-per-actor", type=int, default=2, help="rows each actor decodes per round: max(this, 2 B)")
+    ap.add_argument("--min-rows-per-actor", type=int, default=2,
+                    help="rows each actor decodes per round: max(this, 2 B), at most the rows there are")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--xsum", default=str(XSUM))
     ap.add_argument("--set", action="append", default=[], help="a config override section.key=value (every method)")
