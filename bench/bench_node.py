@@ -294,9 +294,8 @@ def report(args, runs: dict[str, dict[int, dict]], sizes: list[int], rows: tuple
     print("\n".join(summary))
     if args.output:
         a, b = rows
-        title = (f"bench/bench_node.py: a node's tokens/s, one actor per core ({args.actors} x 1 thread), XSum "
-                 f"{a}-{b - 1}, {args.new_tokens} new tokens, {', '.join(map(str, sizes))} rows in flight, CPU clock "
-                 f"({_machine()})")
+        title = (f"bench/bench_node.py: one actor per core ({args.actors} x 1 thread), XSum {a}-{b - 1}, "
+                 f"{args.new_tokens} new tokens, {', '.join(map(str, sizes))} rows in flight, CPU clock")
         if args.note:
             title += f"; {args.note}"
         meta = {"command": "python bench/bench_node.py " + " ".join(argv if argv is not None else sys.argv[1:]),
