@@ -50,6 +50,9 @@ OUTPUT_SCHEMA = pa.schema(
         *_stat_fields(appended=True),
         # lossless audit: seconds (engine clock) plain decoding of the row took; null = not audited
         ("audit_plain_time_s", pa.float64()),
+        # seconds (engine clock) the row's actor spent warming up its engines before its first batch:
+        # on the first row each actor returned, null on the others
+        ("warm_up_time_s", pa.float64()),
     ]
 )
 
