@@ -89,10 +89,12 @@ class GenerateActor:
             but ``input_error``, then :data:`ADDED_COLUMNS` (a column of the same name in the
             input is replaced).
         text_column, id_column: the row's text and id fields (the id keys a sampled row's seed).
+        load_board: the driver's load board (:func:`pipeline.ray_setup.open_load_board`), where
+            the actor posts what its load did for the CPU; ``None`` posts nothing.
     """
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
-                 text_column: str = "text", id_column: str = "id"):
+                 text_column: str = "text", id_column: str = "id", load_board=None):
         if columns not in ("job", "processor"):
             raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
         self.columns, self.text_column, self.id_column = columns, text_column, id_column
@@ -105,7 +107,7 @@ class GenerateActor:
         #: what the load did for the CPU, by model role (pipeline.engine.cpu.CpuPlan.describe), posted to the driver
         self.cpu_plans = {role: plan.describe() for role, plan in self.engine.cpu_plans.items()}
         post_load_facts({"host": socket.gethostname(), "pid": os.getpid(), "plans": self.cpu_plans,
-                         "lines": {role: plan.summary() for role, plan in self.engine.cpu_plans.items()}})
+                         "lines": {role: plan.summary() for role, plan in self.engine.cpu_plans.items()}}, load_board)
         self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed

@@ -5,7 +5,7 @@ A batch job runs one actor per core (``compute.num_actors`` = the cores, ``compu
 thread of an otherwise quiet machine overstates what speculation buys a node.  This benchmark
 runs the job's own layout: ``--actors`` (default: every core) Ray actors of the job's actor class
 (:class:`actors.generate.GenerateActor`, with the Ray resources the job's pool reserves,
-:func:`pipeline.ray_setup.actor_cpus`), each built from the default job's config
+:func:`pipeline.ray_setup.pool_plan`), each built from the default job's config
 (``configs/summarize.yaml``) with the audit on, so that it holds the job's engine and the plain
 engine on one model pair and warms both up at start, as a job's actor does.  Then, for each
 number of rows in flight (``--batch-sizes``, default 1, 2, 4, 8, 16: the actors' engines'
@@ -173,7 +173,7 @@ def run_method(label: str, args, rows: list[dict], sizes: list[int]) -> dict[int
     import ray
 
     from pipeline.config import load_config
-    from pipeline.ray_setup import actor_cpus
+    from pipeline.ray_setup import pool_plan
 
     method, *variant = label.split("@")
     sets = [f"method.name={method}", f"compute.num_actors={args.actors}", "compute.cpus_per_actor=1",
@@ -181,7 +181,7 @@ def run_method(label: str, args, rows: list[dict], sizes: list[int]) -> dict[int
     if method in DEFAULT_DRAFTERS:
         sets.append(f"models.drafter={ROOT / DEFAULT_DRAFTERS[method]}")
     cfg = load_config(args.config, sets + args.set + variant)
-    remote = ray.remote(num_cpus=actor_cpus(cfg), max_restarts=0)(NodeActor)
+    remote = ray.remote(num_cpus=pool_plan(cfg, embedded=True).cpus, max_restarts=0)(NodeActor)
     actors = [remote.remote(cfg.model_dump()) for _ in range(args.actors)]
     warm = ray.get([a.ready.remote() for a in actors])
     print(f"{label}: {args.actors} actors ready, warm-up {min(warm):.1f}-{max(warm):.1f} s each", flush=True)
