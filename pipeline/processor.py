@@ -108,7 +108,7 @@ def as_job_config(config: JobConfig | str | os.PathLike | dict[str, Any]) -> Job
     if isinstance(config, dict):
         from pydantic import ValidationError
 
-        from pipeline.config import _format_error
+        from pipeline.config.job import _format_error
 
         try:
             return JobConfig.model_validate(config)
