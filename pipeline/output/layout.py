@@ -42,7 +42,7 @@ import posixpath
 import re
 import uuid
 
-from pipeline.input.units import PART_PATTERN, parse_part, part_name  # noqa: F401 (the units' names; re-exported)
+from pipeline.input.units import PART_PATTERN
 
 SUCCESS = "_SUCCESS"
 SUMMARY = "_summary.json"

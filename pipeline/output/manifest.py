@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.output.commit_log import CommitLog, LogDamaged, LogState, check_record, replay
-from pipeline.output.layout import ENTRY_FILE, INTENT_FILE, MANIFEST, PENDING, data_file_names, parse_part, part_name
+from pipeline.input.units import parse_part, part_name
+from pipeline.output.layout import ENTRY_FILE, INTENT_FILE, MANIFEST, PENDING, data_file_names
 
 
 class ManifestDamaged(ValueError):
