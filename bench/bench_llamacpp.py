@@ -52,6 +52,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # llama.cpp's OpenMP pool: the one thread we compare
 
@@ -242,7 +243,8 @@ def ours_with_breakdown(models, prompts, new_tokens: int) -> tuple[dict, float]:
     return probe.parts(), probe.t["step"] / max(1, probe.steps)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line's flags."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
     ap.add_argument("--gguf", default=None, help="the target as an F32 GGUF (default: out/gguf/<target>-f32.gguf)")
@@ -254,14 +256,25 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--xsum", default=str(XSUM))
     ap.add_argument("--output", default=None, help="write report.json / report.md here (e.g. reports/bench_llamacpp)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
-        print("bench_llamacpp: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)", file=sys.stderr)
-        return 2
+
+class Setup(NamedTuple):
+    """What every run shares: the config, the loaded models (the target prepared once), the CPU
+    options, the prompts' token ids, the EOS ids, the GGUF and the XSum rows ``a:b``."""
+
+    cfg: object
+    models: object
+    options: object
+    prompts: list
+    eos: set
+    gguf: Path
+    rows: tuple
+
+
+def load(args) -> Setup | None:
+    """The config, the GGUF (converted when missing and ``--llama-cpp-src`` is given), the models
+    and the prompts; prints the run's line.  None, after saying why on stderr, when there is no GGUF."""
     import torch
 
     from pipeline.config import load_config
@@ -277,7 +290,7 @@ def main(argv=None) -> int:
         if not args.llama_cpp_src:
             print(f"bench_llamacpp: {gguf} is not there; --llama-cpp-src names llama.cpp's source to convert it",
                   file=sys.stderr)
-            return 2
+            return None
         convert(Path(args.llama_cpp_src), hf_dir, gguf)
     models = load_job_models(cfg, "cpu")
     options = cfg.cpu.cpu_options()
@@ -287,6 +300,18 @@ def main(argv=None) -> int:
     eos = set(eos if isinstance(eos, list) else [eos])
     print(f"{len(prompts)} XSum articles ({a}-{b - 1}), prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
           f"{args.new_tokens} new tokens, greedy, float32, one thread, one row at a time", flush=True)
+    return Setup(cfg, models, options, prompts, eos, gguf, (a, b))
+
+
+def measure(args, setup: Setup, Llama, LlamaPromptLookupDecoding) -> dict[str, dict]:
+    """Every run, printed as it ends: ours plain (lean pass, then transformers' forward),
+    llama.cpp plain, llama.cpp prompt lookup per ``--lookup-k``, ours per ``--methods``;
+    ``Llama`` and ``LlamaPromptLookupDecoding`` are llama-cpp-python's classes."""
+    from pipeline.config import load_config
+    from pipeline.engine.cpu import prepare
+
+    cfg, models, options, prompts, eos, gguf = (setup.cfg, setup.models, setup.options, setup.prompts, setup.eos,
+                                                setup.gguf)
     n_ctx = 4096  # the longest prompt + 64 new tokens + a draft, with room: Llama keeps a logits row per position
 
     runs: dict[str, dict] = {}
@@ -319,9 +344,15 @@ def main(argv=None) -> int:
     for label in [m.strip() for m in args.methods.split(",") if m.strip()]:
         method, *variant = label.split("@")
         ours(f"ours {label}", load_config(args.config, [f"method.name={method}", "models.dtype=float32"] + variant))
-    parts, step_s = ours_with_breakdown(models, prompts, args.new_tokens)
-    plain_step_s = runs["ours plain"]["decode_cpu_s"] / runs["ours plain"]["step_calls"]
+    return runs
 
+
+def report(runs: dict[str, dict], parts: dict[str, float], step_s: float, setup: Setup) -> tuple[str, str, list[str]]:
+    """The runs' table, the step's breakdown (with the weights' bandwidth) and the ratios' lines."""
+    import torch
+
+    prompts = setup.prompts
+    plain_step_s = runs["ours plain"]["decode_cpu_s"] / runs["ours plain"]["step_calls"]
     ref = runs["llama.cpp plain"]
     same = sum(x == y for x, y in zip(runs["ours plain"]["token_ids"], ref["token_ids"]))
     lines = ["| run | tokens/s CPU | decode tokens/s CPU | tokens/s wall | decode tokens/s wall | greedy ids = llama.cpp plain |",
@@ -335,7 +366,7 @@ def main(argv=None) -> int:
     blines = ["| part of our plain decode step (one row) | ms per step | share |", "|---|---:|---:|"]
     blines += [f"| {k} | {1e3 * v:.2f} | {v / total:.0%} |" for k, v in parts.items()]
     blines.append(f"| the step, with the timers (without: {1e3 * plain_step_s:.2f}) | {1e3 * step_s:.2f} | 100% |")
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in models.target.modules()
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in setup.models.target.modules()
                        if isinstance(m, torch.nn.Linear))
     llama_step_s = 1 / ref["decode_tokens_per_s_cpu"]
     blines.append(f"| the weights a step reads ({weight_bytes / 1e6:.0f} MB of linear layers): ours "
@@ -359,22 +390,44 @@ def main(argv=None) -> int:
         tail.insert(2, f"our best speculative ({best_ours[5:]}) / llama.cpp's best prompt lookup ({best_lookup[10:]}), "
                        f"end to end: {runs[best_ours]['tokens_per_s_cpu'] / runs[best_lookup]['tokens_per_s_cpu']:.2f}× "
                        "(goal > 1)")
+    return table, breakdown, tail
+
+
+def write(out: Path, argv, args, setup: Setup, runs: dict[str, dict], parts: dict[str, float],
+          table: str, breakdown: str, tail: list[str]) -> None:
+    """``report.json`` (the runs without their token ids, the breakdown, the ratios) and ``report.md`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python bench/bench_llamacpp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "rows": list(setup.rows), "new_tokens": args.new_tokens, "gguf": setup.gguf.name, "commit": _commit(),
+            "machine": _machine(), "load_average": os.getloadavg()}
+    slim = {k: {k2: v for k2, v in r.items() if k2 != "token_ids"} for k, r in runs.items()}
+    (out / "report.json").write_text(json.dumps({"title": TITLE, "meta": meta, "runs": slim, "breakdown_s_per_step": parts,
+                                                 "summary": tail}, indent=1))
+    (out / "report.md").write_text(f"# bench_llamacpp\n\n`{meta['command']}` at {meta['commit']} on "
+                                   f"{meta['machine']}, llama-cpp-python 0.3.36, {setup.gguf.name}, load average "
+                                   f"{', '.join(f'{x:.1f}' for x in meta['load_average'])} at the end\n\n{table}\n\n"
+                                   f"{breakdown}\n\n" + "\n".join(f"- {t}" for t in tail) + "\n")
+
+
+def main(argv=None) -> int:
+    """Parse the flags, load, run every side, print the tables and ratios, and write them with ``--output``."""
+    args = parse_args(argv)
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("bench_llamacpp: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)", file=sys.stderr)
+        return 2
+    setup = load(args)
+    if setup is None:
+        return 2
+    runs = measure(args, setup, Llama, LlamaPromptLookupDecoding)
+    parts, step_s = ours_with_breakdown(setup.models, setup.prompts, args.new_tokens)
+    table, breakdown, tail = report(runs, parts, step_s, setup)
     print(table + "\n\n" + breakdown + "\n\n" + "\n".join(tail))
     if args.output:
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"command": "python bench/bench_llamacpp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "rows": [a, b], "new_tokens": args.new_tokens, "gguf": gguf.name, "commit": _commit(),
-                "machine": _machine(), "load_average": os.getloadavg()}
-        slim = {k: {k2: v for k2, v in r.items() if k2 != "token_ids"} for k, r in runs.items()}
-        (out / "report.json").write_text(json.dumps({"title": TITLE, "meta": meta, "runs": slim, "breakdown_s_per_step": parts,
-                                                     "summary": tail}, indent=1))
-        (out / "report.md").write_text(f"# bench_llamacpp\n\n`{meta['command']}` at {meta['commit']} on "
-                                       f"{meta['machine']}, llama-cpp-python 0.3.36, {gguf.name}, load average "
-                                       f"{', '.join(f'{x:.1f}' for x in meta['load_average'])} at the end\n\n{table}\n\n"
-                                       f"{breakdown}\n\n" + "\n".join(f"- {t}" for t in tail) + "\n")
+        write(Path(args.output), argv, args, setup, runs, parts, table, breakdown, tail)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -82,7 +82,8 @@ def corpus_rows(corpus: str, total: int) -> list[dict]:
     return rows[:total]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line's flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", choices=sorted(CORPORA), default="xsum")
     ap.add_argument("--pilot", type=int, default=64)
@@ -94,29 +95,33 @@ def main() -> None:
     ap.add_argument("--skip-tune", action="store_true", help="reuse <out>/tune/tuned.yaml")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="the tuner's (default: its own)")
     ap.add_argument("--max-draft", type=int, default=None, help="the tuner's (default: its own)")
-    args = ap.parse_args()
-    import torch
+    return ap.parse_args()
 
-    torch.set_num_threads(1)
-    from actors.generate import GenerateActor
-    from pipeline.config import load_config
-    from pipeline.tune.report import summary, write_outputs
-    from pipeline.tune.tuner import TuneOptions, read_raw_config, tune
 
-    spec = CORPORA[args.corpus]
-    out = Path(args.out or REPO / "out" / "eval_tune" / args.corpus)
-    out.mkdir(parents=True, exist_ok=True)
+def write_input(args, spec: dict, out: Path) -> tuple[dict, Path]:
+    """Step 1's input: the pilot and measured rows as ``<out>/input.jsonl`` and the job config
+    pointed at it as ``<out>/input_config.yaml``; the raw config and its path."""
+    import yaml
+
+    from pipeline.tune.tuner import read_raw_config
+
     rows = corpus_rows(args.corpus, args.pilot + args.rows)
     data = out / "input.jsonl"
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     overrides = [f"input.uri={data}", f"output.uri={out / 'job_out'}"]
     base_raw = read_raw_config(str(REPO / spec["config"]), overrides)
     base_path = out / "input_config.yaml"
-    import yaml
-
     base_path.write_text(yaml.safe_dump(base_raw, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return base_raw, base_path
 
-    tuned_path = out / "tune" / "tuned.yaml"
+
+def tune_pilot(args, spec: dict, out: Path, base_raw: dict, base_path: Path) -> dict:
+    """Step 1: tune on the pilot rows into ``<out>/tune/`` (or, with ``--skip-tune``, read its
+    report); prints and returns the tuner's summary."""
+    from pipeline.config import load_config
+    from pipeline.tune.report import summary, write_outputs
+    from pipeline.tune.tuner import TuneOptions, tune
+
     tune_info = json.loads((out / "tune" / "tune_report.json").read_text())["summary"] if args.skip_tune else None
     if not args.skip_tune:
         print(f"# tuning {spec['config']} on the first {args.pilot} rows (clock {args.clock}, load {_load()})",
@@ -132,15 +137,27 @@ def main() -> None:
     print(f"# tuned: {tune_info['chosen']}, predicted {tune_info['predicted_tokens_per_s']:.1f} tokens/s "
           f"({tune_info['clock']} clock); tuning {tune_info['tuning_s']:.0f} s ({tune_info['tuning_wall_s']:.0f} s "
           f"wall), {100 * tune_info['tuning_share_10000_rows']:.1f} % of a 10,000-row run", flush=True)
+    return tune_info
 
-    configs = {"tuned": load_config(tuned_path)}
+
+def configs_to_compare(out: Path, base_raw: dict) -> dict:
+    """Step 2's configs: the tuned one and each of :data:`DEFAULTS` (written as ``<out>/default_<name>.yaml``)."""
+    import yaml
+
+    from pipeline.config import load_config
+
+    configs = {"tuned": load_config(out / "tune" / "tuned.yaml")}
     for name, method in DEFAULTS.items():
         raw = dict(base_raw, method=method)
         p = out / f"default_{name.split()[0]}.yaml"
         p.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         configs[name] = load_config(p)
-    actors = {name: GenerateActor(cfg) for name, cfg in configs.items()}
-    torch.set_num_threads(1)
+    return configs
+
+
+def measure(args, configs: dict, actors: dict) -> tuple[dict, dict, list, list]:
+    """Step 3: every pass over the measured rows, block by block, the configs' order rotating.
+    Returns the totals per config, the outputs per config and row id, the passes and the blocks."""
     from pipeline.input import read_shard, resolve_shards
 
     shard = resolve_shards(configs["tuned"].input)[0]
@@ -182,7 +199,12 @@ def main() -> None:
                        "wall_s": time.perf_counter() - t_pass})
         print(f"# pass {rep + 1}: {passes[-1]['wall_s']:.0f} s, load average {load0} -> {passes[-1]['load_end']}",
               flush=True)
+    return totals, outputs, passes, blocks
 
+
+def report(args, out: Path, tune_info: dict, names: list, totals: dict, outputs: dict, passes: list,
+           blocks: list) -> None:
+    """Step 4: print the table, the two criteria and the outputs' agreement; write ``<out>/eval.json``."""
     def rate(name, clock):
         t = totals[name][f"{clock}_s"]
         return totals[name]["tokens"] / t if t else 0.0
@@ -221,6 +243,25 @@ def main() -> None:
         "blocks": blocks,
     }, indent=2, default=str), encoding="utf-8")
 
+
+def main() -> None:
+    """Steps 1-4 of the module's docstring."""
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from actors.generate import GenerateActor
+
+    spec = CORPORA[args.corpus]
+    out = Path(args.out or REPO / "out" / "eval_tune" / args.corpus)
+    out.mkdir(parents=True, exist_ok=True)
+    base_raw, base_path = write_input(args, spec, out)
+    tune_info = tune_pilot(args, spec, out, base_raw, base_path)
+    configs = configs_to_compare(out, base_raw)
+    actors = {name: GenerateActor(cfg) for name, cfg in configs.items()}
+    torch.set_num_threads(1)
+    totals, outputs, passes, blocks = measure(args, configs, actors)
+    report(args, out, tune_info, list(configs), totals, outputs, passes, blocks)
 
 if __name__ == "__main__":
     main()

@@ -517,7 +517,7 @@ def card(title, model, info, extra_lines):
         f"- `LlamaForCausalLM`: {c.num_hidden_layers} layers, hidden {c.hidden_size}, MLP {c.intermediate_size}, "
         f"{c.num_attention_heads} heads, vocab {c.vocab_size}, tied embeddings, RoPE, max positions {c.max_position_embeddings}",
         f"- parameters: {total:,} ({non_emb:,} without the embedding)",
-        f"- weights stored in bfloat16; load with `AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)`",
+        "- weights stored in bfloat16; load with `AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)`",
         "",
         "## Data", "",
         "Public corpora from the project's `../shared/data` (see each folder's SOURCE.md): XSum HELM sample (1,000 BBC",
@@ -592,7 +592,8 @@ def seqkd_only(args, out: Path):
     return 0
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line's flags."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="models")
     ap.add_argument("--data", default=str(DEFAULT_DATA))
@@ -610,21 +611,14 @@ def main(argv=None):
                     help="seqkd: only the drafter's sequence-level distillation, from the checkpoints in --out")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--other-vocab", type=int, default=2048)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    t_start = time.time()
-    if args.stage == "seqkd":
-        return seqkd_only(args, out)
-    train_docs, val_docs, stats = load_corpus(Path(args.data), args.seed)
-    log(f"corpus: {len(train_docs)} train docs, {len(val_docs)} held-out docs ({stats})")
 
-    tok = train_tokenizer(train_docs, args.vocab, split_digits=False, seed=args.seed)
-    tok2 = train_tokenizer(train_docs, args.other_vocab, split_digits=True, seed=args.seed + 1)
-    log(f"tokenizers: {len(tok)} and {len(tok2)} tokens ({time.time() - t_start:.0f}s)")
+def train_models(args, tok, tok2, train_docs, val_docs) -> dict:
+    """The three trainings in turn: the target (early-exit loss), the drafter distilled from it
+    (then its sequence-level distillation) and the drafter with ``tok2``.  Returns the models
+    (``target``, ``drafter``, ``other``) and their training facts (``tinfo``, ``dinfo``,
+    ``sinfo``, ``oinfo``)."""
     common = dict(threads=args.threads, seq_len=args.seq_len, batch=args.batch)
 
     # ---- target with early-exit loss
@@ -658,8 +652,12 @@ def main(argv=None):
                        args.othertok_minutes, 3e-3, plain_loss)
     oinfo.update(common, lr=3e-3, val=val_metrics(other, *vb2))
     log(f"othertok done: {oinfo}")
+    return dict(target=target, drafter=drafter, other=other, tinfo=tinfo, dinfo=dinfo, sinfo=sinfo, oinfo=oinfo)
 
-    # ---- cost of one decode step (fp32, single thread, cached, prompt of 512)
+
+def measure_costs(args, target, drafter, other) -> tuple[dict, dict, int]:
+    """The cost of one decode step (fp32, single thread, cached, prompt of 512): milliseconds and
+    FLOPs per token of each model, and the early exit's FLOPs per token."""
     torch.set_num_threads(1)
     for m in (target, drafter, other):
         m.float().eval()
@@ -669,6 +667,13 @@ def main(argv=None):
                       + target.lm_head.weight.numel())
     log(f"decode step ms {ms}; flops/token {fl}; early-exit flops {exit_flops}")
     torch.set_num_threads(args.threads)
+    return ms, fl, exit_flops
+
+
+def save_with_cards(out: Path, tok, tok2, trained: dict, ms: dict, fl: dict, exit_flops: int) -> None:
+    """Each model saved under ``out`` with its model card (training facts, cost per token, its section)."""
+    target, drafter, other = trained["target"], trained["drafter"], trained["other"]
+    tinfo, dinfo, sinfo, oinfo = trained["tinfo"], trained["dinfo"], trained["sinfo"], trained["oinfo"]
 
     def cost_lines(name):
         return [
@@ -706,13 +711,35 @@ def main(argv=None):
         "assisted decoding (re-tokenizing text between the two). Trained with plain cross-entropy (no distillation).",
     ])
     save(other, tok2, out / "demo-drafter-othertok", ocard)
-    summary = {"seconds_total": time.time() - t_start, "target": tinfo, "drafter": dinfo, "drafter_seqkd": sinfo,
-               "othertok": oinfo,
+
+
+def main(argv=None):
+    """Parse the flags; then the seqkd stage alone, or: corpus, tokenizers, the three trainings,
+    their costs, the checkpoints with their cards and ``training_summary.json``."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    t_start = time.time()
+    if args.stage == "seqkd":
+        return seqkd_only(args, out)
+    train_docs, val_docs, stats = load_corpus(Path(args.data), args.seed)
+    log(f"corpus: {len(train_docs)} train docs, {len(val_docs)} held-out docs ({stats})")
+
+    tok = train_tokenizer(train_docs, args.vocab, split_digits=False, seed=args.seed)
+    tok2 = train_tokenizer(train_docs, args.other_vocab, split_digits=True, seed=args.seed + 1)
+    log(f"tokenizers: {len(tok)} and {len(tok2)} tokens ({time.time() - t_start:.0f}s)")
+    trained = train_models(args, tok, tok2, train_docs, val_docs)
+    target, drafter, other = trained["target"], trained["drafter"], trained["other"]
+    ms, fl, exit_flops = measure_costs(args, target, drafter, other)
+    save_with_cards(out, tok, tok2, trained, ms, fl, exit_flops)
+    summary = {"seconds_total": time.time() - t_start, "target": trained["tinfo"], "drafter": trained["dinfo"],
+               "drafter_seqkd": trained["sinfo"], "othertok": trained["oinfo"],
                "decode_step_ms": ms, "flops_per_token": fl, "early_exit_flops": exit_flops,
                "params": {n: count_params(m) for n, m in (("target", target), ("drafter", drafter), ("othertok", other))}}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2, default=float))
     log(f"all done in {(time.time() - t_start) / 60:.1f} min -> {out}")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -68,6 +68,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -561,17 +562,17 @@ def _layers(spec: str, n_layers: int) -> list[int]:
     return [int(x) % (n_layers + 1) for x in spec.split(",")]
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def setup(args):
+    """The run's shared state: the directories (``--fresh`` empties the work directory), the
+    frozen target and its tokenizer, the stored and feature layers, the XSum rows and the prompt
+    builder, as a namespace; 2, after saying why on stderr, when there is no target checkpoint.
+
+    Raises SystemExit when the feature layers or the last layer are not among the stored layers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.config import TaskConfig
-    from pipeline.engine.draft_head import DraftHead, DraftHeadConfig, load_draft_head, save_draft_head
     from pipeline.prompts import PromptBuilder
 
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    t_start = time.time()
     load_before = os.getloadavg()
     target_dir = Path(args.target) if os.path.isabs(args.target) else REPO / args.target
     out_dir = Path(args.out) if os.path.isabs(args.out) else REPO / args.out
@@ -594,24 +595,30 @@ def main(argv=None) -> int:
     if not set(feature_layers) | {n_layers} <= set(stored):
         raise SystemExit(f"--feature-layers {feature_layers} and the last layer {n_layers} (the regression target) "
                          f"must be among --store-layers {stored}")
-    eos = target.generation_config.eos_token_id
-    data_dir = Path(args.data)
     builder = PromptBuilder(tokenizer, TaskConfig())
-    timeline = {}
     log(f"work dir {work}; stored layers {stored}; feature layers {feature_layers}; load {load_before}")
 
     def prompt_ids(text: str) -> list[int]:
         return list(builder.build(text)[1])
 
-    # 1. answers to training prompts
-    xsum = load_xsum(data_dir)
+    data_dir = Path(args.data)
+    return SimpleNamespace(args=args, load_before=load_before, target_dir=target_dir, out_dir=out_dir, work=work,
+                           tokenizer=tokenizer, target=target, stored=stored, feature_layers=feature_layers,
+                           eos=target.generation_config.eos_token_id, data_dir=data_dir, prompt_ids=prompt_ids,
+                           xsum=load_xsum(data_dir), timeline={})
+
+
+def stage_answers(run) -> Shards:
+    """Stage 1: the target's answers to the training prompts (XSum interleaved with news), within
+    ``--gen-minutes`` in all, resumed at the shard a killed run reached."""
+    args, work = run.args, run.work
     gen = Shards(work / "answers")
     if not gen.done:
         rng = random.Random(args.seed)
-        rows = xsum[FIRST_TRAIN_XSUM:]
+        rows = run.xsum[FIRST_TRAIN_XSUM:]
         rng.shuffle(rows)
-        xs = [p for p in (prompt_ids(r["text"]) for r in rows) if len(p) <= args.max_prompt]
-        news = [prompt_ids(t) for t in news_paragraphs(news_documents(data_dir), args.seed)]
+        xs = [p for p in (run.prompt_ids(r["text"]) for r in rows) if len(p) <= args.max_prompt]
+        news = [run.prompt_ids(t) for t in news_paragraphs(news_documents(run.data_dir), args.seed)]
         prompts = []
         for i in range(max(len(xs), len(news))):  # interleaved: long XSum articles, short news articles
             prompts += ([xs[i]] if i < len(xs) else []) + ([news[i]] if i < len(news) else [])
@@ -628,20 +635,24 @@ def main(argv=None) -> int:
             last[0] = time.time()
             log(f"  answers: {done + upto} sequences, {sum(r['ids'].shape[0] - r['prompt_len'] for r in recs)} answer tokens in the last shard")
 
-        generate_with_features(target, prompts[done:], stored, args.max_new_tokens, args.top_k, args.rows, deadline,
-                               on_records, eos=eos)
+        generate_with_features(run.target, prompts[done:], run.stored, args.max_new_tokens, args.top_k, args.rows,
+                               deadline, on_records, eos=run.eos)
         gen.finish({"seconds": spent + time.time() - t0})
-    timeline["answers_s"] = round(gen.info()["seconds"], 1)
+    run.timeline["answers_s"] = round(gen.info()["seconds"], 1)
+    return gen
 
-    # 2. plain news text
-    news_sh = Shards(work / "news")
+
+def stage_news(run) -> Shards:
+    """Stage 2: one target pass over 256-token chunks of plain news text, within ``--news-minutes``."""
+    args = run.args
+    news_sh = Shards(run.work / "news")
     if not news_sh.done:
-        docs = news_documents(data_dir)
+        docs = news_documents(run.data_dir)
         random.Random(args.seed + 1).shuffle(docs)
         chunks, buf = [], []
         for doc in docs:
             for line in doc:
-                buf += tokenizer(line + "\n", add_special_tokens=False)["input_ids"]
+                buf += run.tokenizer(line + "\n", add_special_tokens=False)["input_ids"]
                 if len(buf) >= 256:
                     chunks.append(buf[:256])
                     buf = []
@@ -655,27 +666,36 @@ def main(argv=None) -> int:
             news_sh.write(recs, {"count": len(recs), "seconds": time.time() - last[0]})
             last[0] = time.time()
 
-        chunk_features(target, chunks[done:], stored, args.top_k, t0 + args.news_minutes * 60 - spent, on_news)
+        chunk_features(run.target, chunks[done:], run.stored, args.top_k, t0 + args.news_minutes * 60 - spent, on_news)
         news_sh.finish({"seconds": spent + time.time() - t0})
-    timeline["news_s"] = round(news_sh.info()["seconds"], 1)
+    run.timeline["news_s"] = round(news_sh.info()["seconds"], 1)
+    return news_sh
 
-    # 3. held-out answers (XSum 0..eval_rows-1)
-    held_sh = Shards(work / "heldout")
-    held_prompts = [prompt_ids(r["text"]) for r in xsum[: args.eval_rows]]
+
+def stage_heldout(run) -> tuple[Shards, list[list[int]]]:
+    """Stage 3: the target's answers to XSum articles 0..eval_rows-1 (prompts of at most 800
+    tokens); the shards and those prompts."""
+    args = run.args
+    held_sh = Shards(run.work / "heldout")
+    held_prompts = [run.prompt_ids(r["text"]) for r in run.xsum[: args.eval_rows]]
     held_prompts = [p for p in held_prompts if len(p) <= 800]
     if not held_sh.done:
         log(f"stage heldout: {len(held_prompts)} XSum articles 0..{args.eval_rows - 1}")
         t0 = time.time()
         held_recs: list = []
-        generate_with_features(target, held_prompts, stored, args.max_new_tokens, args.top_k, args.rows,
-                               float("inf"), lambda recs, upto: held_recs.extend(recs), eos=eos)
+        generate_with_features(run.target, held_prompts, run.stored, args.max_new_tokens, args.top_k, args.rows,
+                               float("inf"), lambda recs, upto: held_recs.extend(recs), eos=run.eos)
         held_sh.write(held_recs, {"count": len(held_recs), "seconds": time.time() - t0})
         held_sh.finish({"seconds": time.time() - t0})
-    timeline["heldout_s"] = round(held_sh.info()["seconds"], 1)
+    run.timeline["heldout_s"] = round(held_sh.info()["seconds"], 1)
+    return held_sh, held_prompts
 
+
+def training_data(run, gen: Shards, news_sh: Shards, held_sh: Shards) -> SimpleNamespace:
+    """The cached stages as training and held-out :class:`Data`, the answer records and the data's counts."""
     train_recs = gen.load() + news_sh.load()
-    held = Data(held_sh.load(), stored)
-    train = Data(train_recs, stored)
+    held = Data(held_sh.load(), run.stored)
+    train = Data(train_recs, run.stored)
     answers = [r for r in train_recs if r["kind"] == "answer"]
     data_stats = {
         "answer_sequences": len(answers),
@@ -685,59 +705,75 @@ def main(argv=None) -> int:
         "heldout_sequences": len(held.records),
     }
     log(f"data: {data_stats}")
+    return SimpleNamespace(train_recs=train_recs, held=held, train=train, answers=answers, stats=data_stats)
 
-    # 4. draft vocabulary
-    V = target.config.vocab_size
+
+def stage_vocab(run, data: SimpleNamespace) -> SimpleNamespace:
+    """Stage 4: the draft vocabulary's order, its size N, and the coverage of the target's argmax
+    by the top N (held-out and training answers), also written to ``<work>/coverage.json``."""
+    args, xsum = run.args, run.xsum
+    V = run.target.config.vocab_size
     texts = [r["text"] for r in xsum[FIRST_TRAIN_XSUM:]] + [r["summary"] for r in xsum[FIRST_TRAIN_XSUM:]]
-    texts += [" ".join(d) for d in news_documents(data_dir)]
-    text_counts = text_token_counts(tokenizer, texts, V)
-    order = draft_vocab_order(train_recs, V, args.answer_weight, text_counts)
-    data_stats["vocab_text_tokens"] = int(text_counts.sum())
+    texts += [" ".join(d) for d in news_documents(run.data_dir)]
+    text_counts = text_token_counts(run.tokenizer, texts, V)
+    order = draft_vocab_order(data.train_recs, V, args.answer_weight, text_counts)
+    data.stats["vocab_text_tokens"] = int(text_counts.sum())
     sizes = [n for n in (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768, V) if n <= V]
-    cov = coverage(held.records, order, sizes)
-    cov_train = coverage(answers, order, sizes)
+    cov = coverage(data.held.records, order, sizes)
+    cov_train = coverage(data.answers, order, sizes)
     log(f"coverage of the target's argmax on held-out answers by the top N: {cov}")
     N = min(args.draft_vocab, V)
-    (work / "coverage.json").write_text(json.dumps({"heldout_answers": cov, "train_answers": cov_train, "data": data_stats}))
-    if args.stop_after == "data":
-        return 0
+    (run.work / "coverage.json").write_text(json.dumps({"heldout_answers": cov, "train_answers": cov_train,
+                                                        "data": data.stats}))
+    return SimpleNamespace(V=V, order=order, N=N, cov=cov, cov_train=cov_train)
 
-    # 5. train
+
+def stage_train(run, data: SimpleNamespace, vocab: SimpleNamespace) -> SimpleNamespace:
+    """Stage 5: build the head (draft vocabulary, warm start), train it within ``--train-minutes``
+    and measure its held-out top-1 agreement by draft position before and after; writes
+    ``<work>/<run-name>/result.json``."""
+    from pipeline.engine.draft_head import DraftHead, DraftHeadConfig
+
+    args, target, feature_layers, N = run.args, run.target, run.feature_layers, vocab.N
     config = DraftHeadConfig.for_target(target, feature_layers=feature_layers, draft_vocab_size=N, tie_lm_head=args.tie)
-    config.target = "HuggingFaceTB/SmolLM2-135M-Instruct" if "SmolLM2-135M-Instruct" in str(target_dir) else str(target_dir)
+    config.target = ("HuggingFaceTB/SmolLM2-135M-Instruct" if "SmolLM2-135M-Instruct" in str(run.target_dir)
+                     else str(run.target_dir))
     head = DraftHead(config)
-    head.set_draft_vocab(order[:N])
+    head.set_draft_vocab(vocab.order[:N])
     init_head(head, target, args.init)
     head.attach(target)
-    vocab_index = torch.full((V,), -1, dtype=torch.long)
+    vocab_index = torch.full((vocab.V,), -1, dtype=torch.long)
     vocab_index[head.draft_vocab] = torch.arange(N)
-    run_dir = work / args.run_name
+    run_dir = run.work / args.run_name
     run_dir.mkdir(exist_ok=True)
-    before = agreement_by_position(head, held, 4)
+    before = agreement_by_position(head, data.held, 4)
     log(f"stage train ({args.train_minutes} min): {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f} M "
         f"trainable parameters; held-out top-1 by position before {before}")
-    train_stats = train_head(head, train, args, run_dir, vocab_index)
-    after = agreement_by_position(head, held, 4)
-    after_all = agreement_by_position(head, held, 4, answers_only=False)
+    train_stats = train_head(head, data.train, args, run_dir, vocab_index)
+    after = agreement_by_position(head, data.held, 4)
+    after_all = agreement_by_position(head, data.held, 4, answers_only=False)
     log(f"  held-out top-1 agreement by draft position: answers {after}, all positions {after_all}")
     result = {"args": vars(args), "feature_layers": feature_layers, "draft_vocab_size": N, "tie": args.tie,
               "training": train_stats, "heldout_top1_before": before, "heldout_top1_answers": after,
               "heldout_top1_all": after_all}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
-    if args.stop_after == "train":
-        return 0
+    return SimpleNamespace(config=config, head=head, stats=train_stats, before=before, after=after,
+                           after_all=after_all)
 
-    # 6. save, then evaluate the saved checkpoint as the job loads it (float32)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.training = {"script": "train/train_smollm2_draft_head.py", "steps": train_stats["steps"],
-                       "heldout_top1_by_position": after}
-    save_draft_head(head, out_dir)
-    head = load_draft_head(out_dir, target)
-    log("stage eval: engine acceptance (greedy, k = 1..4) and cost")
-    t_eval = time.time()
+
+def stage_eval(run, held_prompts: list[list[int]], N: int) -> tuple[dict, dict, dict]:
+    """Stage 6 on the saved checkpoint, loaded as the job loads it (float32): the engine's
+    acceptance (``eagle`` at each ``--eval-k``, reduced vocabularies, the engine's own draft
+    length, ``--eval-drafter`` with ``draft_model``) and the cost ratio c, overall and per
+    reduced vocabulary size."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engine import SpeculationSettings
+    from pipeline.engine.draft_head import load_draft_head
+
+    args, target, out_dir = run.args, run.target, run.out_dir
     ks = [int(k) for k in args.eval_k.split(",")]
     eval_prompts = held_prompts[: args.eval_rows]
-    from pipeline.engine import SpeculationSettings
 
     def head_loader():
         return load_draft_head(out_dir, target)
@@ -753,35 +789,77 @@ def main(argv=None) -> int:
         drafter = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
         for n in [None] + sizes + [N]:
             kw = {} if n is None else {"draft_vocab": str(out_dir), "draft_vocab_size": n}
-            extra.append((f"draft_model k=2, " + ("full vocabulary" if n is None else f"N={n}"),
+            extra.append(("draft_model k=2, " + ("full vocabulary" if n is None else f"N={n}"),
                           SpeculationSettings(method="draft_model", num_assistant_tokens=2, **kw), lambda: drafter, False))
     acc = engine_acceptance(target, out_dir, eval_prompts, ks, args.max_new_tokens, min(8, len(eval_prompts)), extra)
     cost_prompt = held_prompts[0]
     cost = cost_ratio(target, out_dir, cost_prompt, rows_list=(1, 8) if not args.smoke else (1, 2))
     cost_by_n = {n: cost_ratio(target, out_dir, cost_prompt, rows_list=(1, 8) if not args.smoke else (1,),
                                draft_vocab_size=n) for n in sizes}
-    timeline["train_s"] = train_stats["seconds"]
-    timeline["eval_s"] = round(time.time() - t_eval, 1)
-    timeline["total_minutes"] = round(sum(v for k, v in timeline.items() if k.endswith("_s")) / 60, 1)
+    return acc, cost, cost_by_n
+
+
+def write_card(run, data, vocab, trained, head, acc: dict, cost: dict, cost_by_n: dict, t_start: float) -> dict:
+    """Stage 7: ``training_summary.json`` and the model card ``README.md`` in ``--out``; the summary."""
+    args, target, out_dir, config = run.args, run.target, run.out_dir, trained.config
     size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
     summary = {
-        "target": config.target, "args": vars(args), "hidden_size": config.hidden_size, "stored_layers": stored, "feature_layers": feature_layers,
-        "draft_vocab_size": N, "tie_lm_head": args.tie,
+        "target": config.target, "args": vars(args), "hidden_size": config.hidden_size, "stored_layers": run.stored,
+        "feature_layers": run.feature_layers, "draft_vocab_size": vocab.N, "tie_lm_head": args.tie,
         "head_parameters": sum(p.numel() for n, p in head.named_parameters() if not (args.tie and n == "lm_head.weight")),
         "target_parameters": sum(p.numel() for p in target.parameters()),
-        "data": data_stats, "coverage_heldout_answers": cov, "coverage_train_answers": cov_train,
-        "training": train_stats, "heldout_top1_before": before, "heldout_top1_answers": after,
-        "heldout_top1_all": after_all, "acceptance": acc, "cost": cost, "cost_by_draft_vocab_size": cost_by_n,
-        "timeline": timeline,
-        "ablations": ablations(work),
+        "data": data.stats, "coverage_heldout_answers": vocab.cov, "coverage_train_answers": vocab.cov_train,
+        "training": trained.stats, "heldout_top1_before": trained.before, "heldout_top1_answers": trained.after,
+        "heldout_top1_all": trained.after_all, "acceptance": acc, "cost": cost, "cost_by_draft_vocab_size": cost_by_n,
+        "timeline": run.timeline,
+        "ablations": ablations(run.work),
         "checkpoint_bytes": size, "wall_minutes": round((time.time() - t_start) / 60, 1),
-        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_before": [round(x, 2) for x in run.load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
         "torch": torch.__version__,
     }
     (out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(summary))
     log(f"done in {summary['wall_minutes']} min this invocation: {out_dir} ({size / 1e6:.1f} MB)")
+    return summary
+
+
+def main(argv=None) -> int:
+    """Stages 1-7 of the module's docstring; ``--stop-after`` ends after the data stages or training.
+    0 when done, 2 when there is no target checkpoint."""
+    args = parse_args(argv)
+    from pipeline.engine.draft_head import load_draft_head, save_draft_head
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    run = setup(args)
+    if isinstance(run, int):
+        return run
+    gen = stage_answers(run)  # 1. answers to training prompts
+    news_sh = stage_news(run)  # 2. plain news text
+    held_sh, held_prompts = stage_heldout(run)  # 3. held-out answers (XSum 0..eval_rows-1)
+    data = training_data(run, gen, news_sh, held_sh)
+    vocab = stage_vocab(run, data)  # 4. draft vocabulary
+    if args.stop_after == "data":
+        return 0
+    trained = stage_train(run, data, vocab)  # 5. train
+    if args.stop_after == "train":
+        return 0
+
+    # 6. save, then evaluate the saved checkpoint as the job loads it (float32)
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    trained.config.training = {"script": "train/train_smollm2_draft_head.py", "steps": trained.stats["steps"],
+                               "heldout_top1_by_position": trained.after}
+    save_draft_head(trained.head, run.out_dir)
+    head = load_draft_head(run.out_dir, run.target)
+    log("stage eval: engine acceptance (greedy, k = 1..4) and cost")
+    t_eval = time.time()
+    acc, cost, cost_by_n = stage_eval(run, held_prompts, vocab.N)
+    run.timeline["train_s"] = trained.stats["seconds"]
+    run.timeline["eval_s"] = round(time.time() - t_eval, 1)
+    run.timeline["total_minutes"] = round(sum(v for k, v in run.timeline.items() if k.endswith("_s")) / 60, 1)
+    write_card(run, data, vocab, trained, head, acc, cost, cost_by_n, t_start)  # 7. card
     return 0
 
 
@@ -807,27 +885,11 @@ INIT_TEXT = {
 }
 
 
-def model_card(s: dict) -> str:
-    a, d, t, acc, cost = s["args"], s["data"], s["training"], s["acceptance"], s["cost"]
+def _card_about(s: dict) -> str:
+    """The card's front matter, layout, data and training sections (up to the coverage line)."""
+    a, d, t = s["args"], s["data"], s["training"]
     cov = s["coverage_heldout_answers"]
-    ks = sorted(acc["by_k"], key=int)
-    acc_rows = "\n".join(
-        f"| {k} | {acc['by_k'][k]['identical_to_plain']}/{acc['rows']} | {acc['by_k'][k]['acceptance_rate']:.3f} | "
-        f"{acc['by_k'][k]['mean_accepted_length']:.2f} | {', '.join(f'{x:.2f}' for x in acc['by_k'][k]['acceptance_by_position'])} | "
-        f"{acc['by_k'][k]['speedup_cpu_clock']:.2f}x |" for k in ks)
-    cost_rows = "\n".join(f"| {s['draft_vocab_size']} | {r} | {c['target_step_ms']} | {c['head_step_ms']} | **{c['c']}** |"
-                          for r, c in cost.items())
-    for n, by_rows in s.get("cost_by_draft_vocab_size", {}).items():
-        cost_rows += "\n" + "\n".join(f"| {n} | {r} | {c['target_step_ms']} | {c['head_step_ms']} | {c['c']} |"
-                                      for r, c in by_rows.items())
-    other_rows = "\n".join(f"| {label} | {r['identical_to_plain']}/{acc['rows']} | {r['acceptance_rate']:.3f} | "
-                           f"{r['mean_accepted_length']:.2f} | {r['speedup_cpu_clock']:.2f}x |"
-                           for label, r in acc.get("other", {}).items()) or "| (none) | | | | |"
     cov_line = ", ".join(f"{n}: {v:.3f}" for n, v in cov.items())
-    ablation_rows = "\n".join(
-        f"| {r['run']} | {r['feature_layers']} | {'tied' if r['tie'] else 'own'} | {r['unroll']} | {r['regression_weight']} | "
-        f"{r['init']} | {r['tokens_per_step']} x {r['steps']} | {', '.join(f'{x:.3f}' for x in r['top1_answers'])} "
-        f"({', '.join(f'{x:.3f}' for x in r['top1_all'])}) |" for r in s.get("ablations", [])) or "| (none run) | | | | | | | |"
     pos = ", ".join(f"{x:.3f}" for x in s["heldout_top1_answers"])
     pos_all = ", ".join(f"{x:.3f}" for x in s["heldout_top1_all"])
     head_kind = ("tied: the target's output-layer rows of the draft vocabulary, not stored" if s["tie_lm_head"]
@@ -883,7 +945,30 @@ argmax by draft position 1-4: **{pos}** (answer tokens; all positions: {pos_all}
 
 Coverage of the target's argmax on the held-out answers by the N most frequent ids: {cov_line}.
 
-## Design measurements
+"""
+
+
+def _card_results(s: dict) -> str:
+    """The card's design measurements, acceptance, cost and run sections."""
+    a, t, acc, cost = s["args"], s["training"], s["acceptance"], s["cost"]
+    ks = sorted(acc["by_k"], key=int)
+    acc_rows = "\n".join(
+        f"| {k} | {acc['by_k'][k]['identical_to_plain']}/{acc['rows']} | {acc['by_k'][k]['acceptance_rate']:.3f} | "
+        f"{acc['by_k'][k]['mean_accepted_length']:.2f} | {', '.join(f'{x:.2f}' for x in acc['by_k'][k]['acceptance_by_position'])} | "
+        f"{acc['by_k'][k]['speedup_cpu_clock']:.2f}x |" for k in ks)
+    cost_rows = "\n".join(f"| {s['draft_vocab_size']} | {r} | {c['target_step_ms']} | {c['head_step_ms']} | **{c['c']}** |"
+                          for r, c in cost.items())
+    for n, by_rows in s.get("cost_by_draft_vocab_size", {}).items():
+        cost_rows += "\n" + "\n".join(f"| {n} | {r} | {c['target_step_ms']} | {c['head_step_ms']} | {c['c']} |"
+                                      for r, c in by_rows.items())
+    other_rows = "\n".join(f"| {label} | {r['identical_to_plain']}/{acc['rows']} | {r['acceptance_rate']:.3f} | "
+                           f"{r['mean_accepted_length']:.2f} | {r['speedup_cpu_clock']:.2f}x |"
+                           for label, r in acc.get("other", {}).items()) or "| (none) | | | | |"
+    ablation_rows = "\n".join(
+        f"| {r['run']} | {r['feature_layers']} | {'tied' if r['tie'] else 'own'} | {r['unroll']} | {r['regression_weight']} | "
+        f"{r['init']} | {r['tokens_per_step']} x {r['steps']} | {', '.join(f'{x:.3f}' for x in r['top1_answers'])} "
+        f"({', '.join(f'{x:.3f}' for x in r['top1_all'])}) |" for r in s.get("ablations", [])) or "| (none run) | | | | | | | |"
+    return f"""## Design measurements
 
 Short runs of the same script on the same cached data (`--stop-after train --run-name abl-*`), held-out top-1
 agreement with the target by draft position 1-4 on the answer tokens (all positions in brackets):
@@ -930,6 +1015,11 @@ step (one token per row, after the same held-out prompt), float32, 1 thread, med
 
 License: Apache-2.0, as the target.
 """
+
+
+def model_card(s: dict) -> str:
+    """The head's model card (``README.md``) from its training summary ``s``."""
+    return _card_about(s) + _card_results(s)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -320,7 +320,8 @@ def engine_acceptance(target, student, tokenizer, prompts: list[list[int]], k: i
 
 
 # ----------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's flags."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="models/cache/SmolLM2-135M-Instruct")
     ap.add_argument("--out", default="models/smollm2-135m-drafter")
@@ -339,34 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-demo-rows", type=int, default=8, help="demo prompts (data/demo_prompts.jsonl) for evaluation")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.config import TaskConfig
-    from pipeline.prompts import PromptBuilder
-
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(args.threads)
-    t_start = time.time()
-    load_before = os.getloadavg()
-    target_dir = REPO / args.target if not os.path.isabs(args.target) else Path(args.target)
-    if not (target_dir / "config.json").is_file():
-        print(f"error: no target checkpoint at {target_dir}; run python scripts/fetch_models.py", file=sys.stderr)
-        return 2
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    builder = PromptBuilder(tokenizer, TaskConfig())
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+def distillation_data(args, target, tokenizer, prompt_ids, xsum: list[dict], max_prompt: int) -> SimpleNamespace:
+    """Recipe steps 1-3 and the held-out set: the training prompts (XSum from article
+    ``HELD_OUT_XSUM`` on, at most ``max_prompt`` tokens), the target's answers to half of them,
+    the teacher pass over the other half's references and news text, and the target's answers
+    to XSum 0..eval_rows-1.  Returns the training sequences, their counts, the held-out prompts
+    and the held-out sequences."""
     eos = target.generation_config.eos_token_id
-
-    xsum = load_xsum()
-    max_prompt = 700
-
-    def prompt_ids(text: str) -> list[int]:
-        return builder.build(text)[1]
-
     train_rows = [r for r in xsum[HELD_OUT_XSUM:]]
     random.Random(args.seed).shuffle(train_rows)
     train_prompts = [(prompt_ids(r["text"]), r) for r in train_rows]
@@ -411,18 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     held_prompts = [prompt_ids(r["text"]) for r in xsum[: args.eval_rows]]
     held_prompts = [p for p in held_prompts if len(p) <= max_prompt]
     held = generate_answers(target, tokenizer, held_prompts, 60, args.max_new_tokens, args.top_k)
+    return SimpleNamespace(train=train, stats=data_stats, held_prompts=held_prompts, held=held)
 
-    # 4. student
-    student = build_student(target, args.hidden, args.layers, args.intermediate)
-    n_params = sum(p.numel() for p in student.parameters())
-    log(f"stage 3: training the drafter ({n_params / 1e6:.2f} M parameters) for {args.train_minutes} min")
-    before = heldout_metrics(student, held, args.answer_weight, pad)
-    train_stats = train_student(student, train, args.train_minutes, args.lr, args.tokens_per_step, pad,
-                                args.answer_weight)
-    after = heldout_metrics(student, held, args.answer_weight, pad)
-    log(f"  held-out before {before} after {after}")
 
-    # 6. save (bf16), then evaluate the saved checkpoint as the job loads it (float32)
+def evaluate(args, target, tokenizer, prompt_ids, student, held_prompts: list[list[int]]) -> SimpleNamespace:
+    """Recipe steps 5-6: save the student (bf16) in ``--out``, load it back as the job does
+    (float32), and measure the engine's acceptance (k=5) on the held-out XSum prompts and the
+    demo prompts, and the cost ratio."""
+    from transformers import AutoModelForCausalLM
+
     out = REPO / args.out if not os.path.isabs(args.out) else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     student.generation_config = target.generation_config
@@ -441,15 +421,59 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     cost = cost_ratio(target, drafter, eval_prompts[:4])
     log(f"  acceptance xsum {acc_xsum} demo {acc_demo} cost {cost}")
+    return SimpleNamespace(out=out, acc_xsum=acc_xsum, acc_demo=acc_demo, cost=cost)
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The recipe of the module's docstring, then ``training_summary.json`` and the model card
+    in ``--out``.  0 when done, 2 when there is no target checkpoint."""
+    args = parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.config import TaskConfig
+    from pipeline.prompts import PromptBuilder
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    load_before = os.getloadavg()
+    target_dir = REPO / args.target if not os.path.isabs(args.target) else Path(args.target)
+    if not (target_dir / "config.json").is_file():
+        print(f"error: no target checkpoint at {target_dir}; run python scripts/fetch_models.py", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    builder = PromptBuilder(tokenizer, TaskConfig())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def prompt_ids(text: str) -> list[int]:
+        return builder.build(text)[1]
+
+    data = distillation_data(args, target, tokenizer, prompt_ids, load_xsum(), max_prompt=700)
+
+    # 4. student
+    student = build_student(target, args.hidden, args.layers, args.intermediate)
+    n_params = sum(p.numel() for p in student.parameters())
+    log(f"stage 3: training the drafter ({n_params / 1e6:.2f} M parameters) for {args.train_minutes} min")
+    before = heldout_metrics(student, data.held, args.answer_weight, pad)
+    train_stats = train_student(student, data.train, args.train_minutes, args.lr, args.tokens_per_step, pad,
+                                args.answer_weight)
+    after = heldout_metrics(student, data.held, args.answer_weight, pad)
+    log(f"  held-out before {before} after {after}")
+
+    # 6. save (bf16), then evaluate the saved checkpoint as the job loads it (float32)
+    ev = evaluate(args, target, tokenizer, prompt_ids, student, data.held_prompts)
+    out = ev.out
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     summary = {
         "target": str(args.target), "args": vars(args), "parameters": n_params,
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "config": {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "intermediate_size": args.intermediate,
                    "num_attention_heads": args.hidden // 64, "num_key_value_heads": 1, "tie_word_embeddings": True},
-        "data": data_stats, "training": train_stats, "heldout_before": before, "heldout_after": after,
-        "acceptance_xsum_heldout": acc_xsum, "acceptance_demo_prompts": acc_demo, "cost": cost,
+        "data": data.stats, "training": train_stats, "heldout_before": before, "heldout_after": after,
+        "acceptance_xsum_heldout": ev.acc_xsum, "acceptance_demo_prompts": ev.acc_demo, "cost": ev.cost,
         "checkpoint_bytes": size, "wall_minutes": round((time.time() - t_start) / 60, 1),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
