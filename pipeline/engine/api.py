@@ -80,7 +80,7 @@ class SpeculativeEngine(StepEngine):
                 settings: GenerationSettings | None = None, seed: int = 0) -> float:
         """Decode synthetic rows once, through :meth:`generate_batch` (the one decode path), so
         that what the first timed rows would pay once is paid here: kernels compiled by inductor
-        (the compiled layer of :mod:`~pipeline.engine.fused`, :func:`~pipeline.engine.kernels.rowdot`),
+        (:mod:`pipeline.engine.cpu`: the compiled layer, the row-dot kernels),
         the CPU kernels measured per row count, the KV cache and the drafter's caches allocated,
         the drafter's passes run.  Then :meth:`reset_learning`: the rows' acceptance teaches the
         job nothing, while the costs measured stay.

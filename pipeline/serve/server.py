@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import sys
 from typing import Any, AsyncIterator
@@ -34,6 +35,8 @@ from pipeline.serve.protocol import (
     usage,
 )
 from pipeline.serve.streaming import TextStream
+
+log = logging.getLogger("specbatch")
 
 
 #: the ``serve:`` caps of one request's lists (see :class:`pipeline.config.ServeConfig`)
@@ -99,12 +102,22 @@ class OpenAIServer:
     @classmethod
     def from_config(cls, cfg: JobConfig, device: str | None = None) -> "OpenAIServer":
         """Load the config's model pair and method as the batch job's actors do
-        (:func:`pipeline.loading.load_engine`), with the replica's CPU threads and rows in flight."""
+        (:func:`pipeline.loading.load_engine`), with the replica's CPU threads and rows in flight,
+        and warm the engine up before the first request (:meth:`SpeculativeEngine.warm_up` at
+        every number of rows in flight up to the replica's, on the config's generation
+        settings: the first requests then pay no compiling; ``warm_up_time_s`` on the model
+        card).  A warm-up that fails is logged and left: the requests meet the fault."""
         limit_cpu_threads(process_cpus(cfg, serving=True))
         max_batch = cfg.serve.max_batch_size or cfg.compute.max_batch_size
         loaded = load_engine(cfg, device, max_batch)
+        try:
+            warm_up_s = loaded.engine.warm_up(max_batch, settings=loaded.settings)
+        except Exception as e:  # noqa: BLE001 - the requests report what fails
+            log.warning("warm-up failed (the first requests will pay for compiling): %s", e)
+            warm_up_s = None
         info = {"target_model": cfg.models.target, "draft_model": cfg.models.drafter if cfg.uses_drafter else None,
-                "device": loaded.models.device, "load_time_s": round(loaded.load_time_s, 3)}
+                "device": loaded.models.device, "load_time_s": round(loaded.load_time_s, 3),
+                "warm_up_time_s": None if warm_up_s is None else round(warm_up_s, 3)}
         return cls(loaded.engine, served_model_name(cfg), loaded.settings,
                    cfg.serve.chat_template_text(), max_batch, info, max_tokens_cap=cfg.serve.max_tokens_cap,
                    max_rows_per_request=cfg.serve.max_rows_per_request,
