@@ -29,7 +29,7 @@ import torch
 
 from .batch import RowState
 from .draft_length import DraftLengthPolicy
-from .proposers import ProposerInputs, build_proposer
+from .proposers import METHODS, ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
 from .runner import ModelRunner, model_layout, prefill, text_config
 from .sampling import LogitsShaper
@@ -121,29 +121,24 @@ class StepEngine:
         self.layout = model_layout(target, "target", self.spec.method)
         self.context = self.layout.context
         self.target_vocab = text_config(target).vocab_size
+        #: the method's spec: the proposer's capabilities, read once (never probed on the proposer)
+        self.method = METHODS[self.spec.method]
         self.proposer: Proposer | None = build_proposer(
             ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer)
         )
-        self._hook = getattr(self.proposer, "target_forward", None)
-        self._move = getattr(self.proposer, "move", None)  # TreeState: state from the target's passes, moved with a tree's path
-        if self._hook is not None and self.layout.longrope_switch is not None:
+        self._hook = self.method.hooks_target
+        self._move = self.method.moves_tree_state  # TreeState: state from the target's passes, moved with a tree's path
+        if self._hook and self.layout.longrope_switch is not None:
             raise ValueError(
                 f"method {self.spec.method!r} reuses the target's own passes, which a LongRoPE target recomputes when "
                 "a row crosses original_max_position_embeddings; use draft_model or prompt_lookup with this target"
             )
-        if self.spec.num_candidates > 1:
-            why = None
-            if not getattr(self.proposer, "proposes_trees", False):
-                why = "its proposer drafts no token trees (prompt_lookup, suffix, draft_model and eagle do)"
-            elif self._hook is not None and self._move is None:
-                why = "it runs the target's passes itself, without a tree attention mask"
-            elif self.layout.longrope_switch is not None:
-                why = "a LongRoPE target's factors follow the pass's slots, not the nodes' positions"
-            if why:
-                raise ValueError(f"num_candidates={self.spec.num_candidates} (token trees) cannot be used with method "
-                                 f"{self.spec.method!r}: {why}; set num_candidates to 1")
+        if self.spec.num_candidates > 1 and self.layout.longrope_switch is not None:
+            raise ValueError(f"num_candidates={self.spec.num_candidates} (token trees) cannot be used with this target: "
+                             "a LongRoPE target's factors follow the pass's slots, not the nodes' positions; set "
+                             "num_candidates to 1")  # the method's own rule is SpeculationSettings.validate()'s
         self.tree_sizer = TreeSizer()
-        limit = getattr(self.proposer, "max_rows", None)
+        limit = self.method.max_rows
         self.max_batch_size = max_batch_size if limit is None else min(max_batch_size, limit)
         if self.spec.assistant_ensemble_weight is not None:
             if adaptive_draft_length:
@@ -165,7 +160,7 @@ class StepEngine:
     def uses_target_hook(self) -> bool:
         """Whether the proposer runs every target pass itself (``target_forward``: MTP layers,
         early exit), so the target's passes carry its extra work."""
-        return self._hook is not None
+        return self._hook
 
     def bind(self, rows: int) -> ModelRunner:
         """The target's runner (and the proposer's state) for ``rows`` slots, built once."""
@@ -182,10 +177,10 @@ class StepEngine:
         ``None`` or a token tree's ``parents`` over its tokens (:meth:`ModelRunner.forward`;
         through a hook only when the proposer keeps its state along a tree's path,
         :class:`~pipeline.engine.proposers.base.TreeState`: the engine refuses trees otherwise)."""
-        if self._hook is not None:
+        if self._hook:
             if trees is not None:
-                return self._hook(self._runner, slots, tokens, starts, logits_to_keep, trees=trees)
-            return self._hook(self._runner, slots, tokens, starts, logits_to_keep)
+                return self.proposer.target_forward(self._runner, slots, tokens, starts, logits_to_keep, trees=trees)
+            return self.proposer.target_forward(self._runner, slots, tokens, starts, logits_to_keep)
         return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, trees=trees).logits
 
     # ------------------------------------------------------------------ rows
@@ -232,10 +227,8 @@ class StepEngine:
         prompts = [r.sequence for r in rows]
         longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length * self.spec.num_candidates + 1
         self._runner.cache.reserve(longest)  # one allocation, not a doubling per pass
-        reserve = getattr(getattr(self.proposer, "runner", None), "cache", None)
-        if reserve is not None and reserve is not self._runner.cache:
-            reserve.reserve(longest)
         if self.proposer is not None:
+            self.proposer.reserve(longest)
             self.proposer.admit(slots, prompts)  # before the prefill, which hooks may record
         t1 = self.clock()
         prefill(self.target_pass, slots, prompts)
@@ -385,9 +378,9 @@ class StepEngine:
             if moves:
                 src, dst = [a for a, _ in moves], [b for _, b in moves]
                 self._runner.cache.move(row.slot, src, dst)
-                if self._move is not None:
-                    self._move(row.slot, src, dst)
-            if self._move is None:
+                if self._move:
+                    self.proposer.move(row.slot, src, dst)
+            if not self._move:
                 kept = on_first
             if draft.is_tree:
                 row.stats.tree_steps += 1
@@ -427,11 +420,11 @@ class StepEngine:
         if row.finish is None:
             new = torch.tensor([block], dtype=torch.long, device=row.sequence.device)
             row.sequence = torch.cat([row.sequence, new], dim=1)
-            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and drafted:
+            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.method.adaptive and drafted:
                 row.k = row.k + 2 if len(accepted) == row.k else max(1, row.k - 1)
 
     def finish(self, row: RowState) -> GenerationResult:
-        if hasattr(self.proposer, "finish"):  # a proposer that learns from finished outputs (suffix)
+        if self.method.learns_from_outputs:  # a proposer that learns from finished outputs (suffix)
             self.proposer.finish(row.slot, row.generated)
         stats = row.stats
         stats.new_tokens = len(row.generated)

@@ -210,7 +210,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
         ValueError: a prompt the engine cannot run (empty, too long for the context).
     """
     t0 = engine.clock()
-    limit = getattr(engine.proposer, "max_rows", None)
+    limit = engine.method.max_rows
     sizes = sorted({b for b in batch_sizes if limit is None or b <= limit}) or [1]
     ks = list(draft_lengths) if draft_lengths else [0]
     # the first rows take part at every batch size: room for all their steps and the widest pass

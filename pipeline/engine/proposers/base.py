@@ -8,7 +8,8 @@ state it needs (a drafter's KV cache length, hidden states of the target) and is
   target's prefill of ``prompt[:-1]``); forget the slots' old state;
 - :meth:`Proposer.propose` -- draft up to ``k`` tokens for each of these rows;
 - :meth:`Proposer.rollback` -- after verification, only the first ``valid_length`` tokens
-  of a row (committed sequence) are still valid.
+  of a row (committed sequence) are still valid;
+- :meth:`Proposer.reserve` -- rows of up to this many positions are coming (size caches once).
 
 It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop in
 :mod:`pipeline.engine.loop`.
@@ -175,6 +176,11 @@ class Proposer(Protocol):
         (committed sequence + its draft) are still valid.  After a tree, the draft counted
         is its first branch (the accepted path's nodes on it)."""
 
+    def reserve(self, length: int) -> None:
+        """Rows of up to ``length`` positions (prompt, budget and the widest draft) are coming:
+        a proposer with caches of its own sizes them once now, rather than growing them
+        pass by pass (one that shares the target's cache, or keeps none, does nothing)."""
+
 
 def tree_from_branches(branches: list[list[int]], device) -> Draft:
     """A token tree (a trie) from candidate continuations, the first branch first: shared
@@ -217,10 +223,15 @@ def with_leaves(chain: Draft, leaves: list[tuple[int, int, int]]) -> Draft:
 class Finish(Protocol):
     """Optional hook of a proposer that learns from finished rows (``suffix``'s job-wide
     tree).  When a proposer has ``finish``, the engine calls it once per row that leaves its
-    slot (any finish reason), before the slot takes another row."""
+    slot (any finish reason), before the slot takes another row, and
+    :meth:`~pipeline.engine.loop.StepEngine.reset_learning` calls its ``reset_learning``."""
 
     def finish(self, slot: int, generated: list[int]) -> None:
         """The row in ``slot`` finished; ``generated`` are its output token ids."""
+
+    def reset_learning(self) -> None:
+        """Forget what :meth:`finish` taught it (the job-wide pool): rows decoded so far,
+        e.g. an engine's warm-up, must not draft for the rows that follow."""
 
 
 class TargetForward(Protocol):
@@ -341,4 +352,7 @@ class NoState:
         pass
 
     def rollback(self, slot: int, valid_length: int) -> None:
+        pass
+
+    def reserve(self, length: int) -> None:
         pass

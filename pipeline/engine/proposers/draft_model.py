@@ -162,6 +162,9 @@ class DraftModelProposer:
         if self.seen[slot] > valid_length:
             self.seen[slot] = valid_length
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)
+
     # ------------------------------------------------------------------ drafting
     def _feedable(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self.device)

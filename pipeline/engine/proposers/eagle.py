@@ -118,6 +118,9 @@ class EagleProposer:
         # older features are never read again: a catch-up reads at most the window before the end
         self.feats[slot].drop_before(max(self.length[slot], valid_length - CATCH_UP_WINDOW - 2))
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)
+
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)

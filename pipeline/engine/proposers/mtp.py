@@ -284,6 +284,9 @@ class MTPProposer:
         for o in outs:
             o.drop_before(low)
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)
+
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)

@@ -116,6 +116,9 @@ class MTPAssistantProposer:
         self.hidden[slot].crop(valid_length)
         self.hidden[slot].drop_before(valid_length - 1)  # the next draft reads position valid_length - 1
 
+    def reserve(self, length: int) -> None:
+        pass  # it reads the target's cache, which the engine sizes
+
     def _shared_kv(self, slots: list[int], lengths: list[int]):
         """Per kind, keys and values of positions ``0 .. lengths[b] - 1`` of each row,
         left-padded to the longest: ``(b, heads, T, head_dim)``, and the ``(b, T)`` mask."""

@@ -306,6 +306,9 @@ class SuffixProposer:
     def rollback(self, slot: int, valid_length: int) -> None:
         pass  # the trees index committed tokens only
 
+    def reserve(self, length: int) -> None:
+        pass  # no cache
+
     def finish(self, slot: int, generated: Sequence[int]) -> None:
         """The row in ``slot`` finished with output ``generated``: its output joins the
         job-wide tree (the oldest cached output leaves it beyond ``max_cached_requests``)."""
