@@ -11,7 +11,7 @@ clock (prefill included: the whole ``generate_batch`` call), and checks every va
 against plain's.  Usage::
 
     python bench/bench_interleaved.py --batch 1 \\
-        --variants "prompt_lookup@method.num_assistant_tokens=3,prompt_lookup@method.num_assistant_tokens=3@compute.adaptive_draft_length=true"
+        --variants "prompt_lookup@method.num_assistant_tokens=3,prompt_lookup@method.num_assistant_tokens=3@compute.draft_length=fixed"
 
 A variant is ``name@section.key=value[@...]`` (bench/bench_real.py's syntax).  Not a test.
 """
@@ -48,7 +48,6 @@ def main(argv=None) -> int:
 
     from pipeline.config import load_config
     from pipeline.engine import GenerationSettings
-    from pipeline.engine.draft_length import DraftLengthPolicy
     from pipeline.loading import build_engine, load_job_models
 
     torch.set_num_threads(1)
@@ -61,11 +60,10 @@ def main(argv=None) -> int:
     for label in labels:
         method, *overrides = label.split("@")
         cfg = load_config(args.config, ["models.dtype=float32", f"method.name={method}", *overrides])
-        engine = build_engine(models, cfg.method.speculation_settings(), args.batch, cfg.compute.adaptive_draft_length,
+        engine = build_engine(models, cfg.method.speculation_settings(), args.batch, cfg.compute.draft_length,
                               time.process_time)
         engine.generate_batch([prompts[0][:32]], GenerationSettings(max_new_tokens=4, do_sample=False))  # warm-up
-        if engine.policy is not None:  # the warm-up's measurements are not this run's
-            engine.policy = DraftLengthPolicy(engine.spec.draft_length)
+        engine.reset_learning()  # the warm-up's rows are not this run's (its measured costs are kept)
         engines[label] = engine
     settings = GenerationSettings(max_new_tokens=args.new_tokens, do_sample=False)
     cpu = dict.fromkeys(labels, 0.0)

@@ -118,13 +118,10 @@ def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) 
     from pipeline.loading import build_engine
 
     clock = time.process_time if cpu_clock else time.perf_counter
-    engine = build_engine(models, cfg.method.speculation_settings(), batch, cfg.compute.adaptive_draft_length, clock)
+    engine = build_engine(models, cfg.method.speculation_settings(), batch, cfg.compute.draft_length, clock)
     settings = GenerationSettings(max_new_tokens=new_tokens, do_sample=False)
     engine.generate_batch([prompts[0][:32]], GenerationSettings(max_new_tokens=4, do_sample=False))  # warm-up
-    if engine.policy is not None:  # the warm-up's measurements are not this run's
-        from pipeline.engine.draft_length import DraftLengthPolicy
-
-        engine.policy = DraftLengthPolicy(engine.spec.draft_length)
+    engine.reset_learning()  # the warm-up's rows are not this run's (its measured costs are kept)
     admit, step, propose = Clocks(), Clocks(), Clocks()
     engine.admit, engine.step = admit.wrap(engine.admit), step.wrap(engine.step)
     asked = []
@@ -171,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
     ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,suffix,eagle",
                     help="methods, comma-separated; a variant name@section.key=value[@...] runs method name with those "
-                    "overrides, reported under the whole string (e.g. prompt_lookup@compute.adaptive_draft_length=true)")
+                    "overrides, reported under the whole string (e.g. prompt_lookup@compute.draft_length=fixed)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--rows", default="200:264", help="XSum rows a:b (held out from the drafters' training)")
     ap.add_argument("--min-rows", type=int, default=None,

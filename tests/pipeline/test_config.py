@@ -132,3 +132,13 @@ def test_resolved_config_redacts_secrets():
     assert r["output"]["storage_options"]["secret"] == "***"
     assert r["output"]["storage_options"]["client_kwargs"]["endpoint_url"] == "http://x"
     assert cfg.output.storage_options["secret"] == "s3cr3t"
+
+
+def test_the_draft_length_is_the_controllers_unless_fixed_and_the_old_key_names_the_new():
+    assert load_config(None).compute.draft_length == "auto"
+    assert load_config(None, ["compute.draft_length=fixed"]).compute.draft_length == "fixed"
+    with pytest.raises(ConfigError, match="compute.draft_length"):
+        load_config(None, ["compute.draft_length=adaptive"])
+    for old in ("true", "false", "null"):
+        with pytest.raises(ConfigError, match="compute.adaptive_draft_length was replaced by compute.draft_length"):
+            load_config(None, [f"compute.adaptive_draft_length={old}"])

@@ -313,9 +313,9 @@ class MTPProposer:
                 self.outs[r.slot][layer].put(starts[j], hidden[j, hidden.shape[1] - q:])
                 self.lengths[r.slot][layer] = r.sequence.shape[1] - 1
             logits = self.mtp._project_to_logits(hidden[:, -1:])[:, -1].to(reqs[0].sequence.device)
-            chosen, qs = draft_tokens(logits, reqs, [drafting.prefix(i) for i in rows])
+            chosen, qs, conf = draft_tokens(logits, reqs, [drafting.prefix(i) for i in rows])
             for j, i in enumerate(rows):
-                drafting.append(i, chosen[j : j + 1], qs[j])
+                drafting.append(i, chosen[j : j + 1], qs[j], conf[j])
         return drafting.drafts()
 
     def _layer(self, layer: int, slots, ids, prev, starts) -> torch.Tensor:

@@ -160,11 +160,11 @@ class MTPAssistantProposer:
                                attention_mask=mask[index], use_cache=False)
             hidden = o.last_hidden_state
             sub = [reqs[j] for j in live]
-            chosen, qs = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub,
+            chosen, qs, conf = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub,
                                       [drafting.prefix(rows[j]) for j in live])
             keep = []
             for pos, j in enumerate(live):
-                drafting.append(rows[j], chosen[pos : pos + 1], qs[pos])
+                drafting.append(rows[j], chosen[pos : pos + 1], qs[pos], conf[pos])
                 if drafting.count(rows[j]) < reqs[j].k:
                     keep.append(pos)
             live = [live[p] for p in keep]
