@@ -374,3 +374,36 @@ def test_the_controller_records_why_each_row_drafts_what_it_does(oracle):
     assert cuts and all(a.width == max(a.lengths, default=0) + 1 for a in cuts)
     drafting = [a for a in cuts if any(a.lengths)]
     assert drafting and all(a.tokens > len(a.lengths) and a.seconds > a.plain_seconds for a in drafting)
+
+
+# ---------------------------------------------------------------------------- proposers' confidence
+def test_every_proposer_with_a_confidence_gives_one_per_token_and_a_sampler_only_what_precedes_its_draw():
+    """Prompt lookup and suffix: frequencies in [0, 1] of the row's own text (source prompt);
+    a drafter and a draft head: the top probability of the distribution each token is drawn
+    from (greedy: the drafted token's; sampled: ``max q_j``, known before the draw)."""
+    from eagle_models import random_head
+
+    from pipeline.engine.proposers.base import DraftRequest
+    from pipeline.engine.sampling import LogitsShaper
+
+    target = build("llama", seed=0)
+    prompt = prompt_of(12, seed=4).repeat(1, 3)
+    cases = {"prompt_lookup": None, "suffix": None, "draft_model": perturbed_copy(target, 0.4),
+             "eagle": random_head(target)}
+    for method, drafter in cases.items():
+        for sample in (False, True):
+            engine = SpeculativeEngine(target, SpeculationSettings(method=method, num_assistant_tokens=4,
+                                                                   prompt_lookup_num_tokens=4), drafter=drafter)
+            engine.bind(1)
+            settings = GenerationSettings(max_new_tokens=8, do_sample=sample, temperature=0.9 if sample else 1.0,
+                                          top_k=0, top_p=1.0, seed=3)
+            engine.admit([engine.new_row(0, prompt, settings, 0, "cpu")])
+            shaper = LogitsShaper(settings, prompt_length=prompt.shape[1])
+            gen = torch.Generator().manual_seed(5)
+            with torch.no_grad():  # as the engine's step runs it
+                [d] = engine.proposer.propose([DraftRequest(0, prompt, 4, shaper, gen, sample)])
+            assert len(d) and d.confidence is not None and d.confidence.shape == (len(d),), method
+            assert ((0 <= d.confidence) & (d.confidence <= 1)).all(), method
+            assert d.source == ("drafter" if drafter is not None else "prompt"), method
+            if sample and d.probs is not None:  # the top of q_j, whatever was drawn from it
+                assert torch.allclose(d.confidence, d.probs.max(-1).values.double()), method
