@@ -49,8 +49,7 @@ def load_prompts(tokenizer, n: int) -> list[list[int]]:
     from pipeline.config import TaskConfig
     from pipeline.prompts import PromptBuilder
 
-    sys.path.insert(0, str(REPO / "jobs"))
-    from prepare_inputs import HELM_PREFIX, HELM_SUFFIX, _strip
+    from pipeline.corpora import HELM_PREFIX, HELM_SUFFIX, strip_wrapper as _strip
 
     builder = PromptBuilder(tokenizer, TaskConfig())
     prompts = []

@@ -9,8 +9,8 @@ process CPU clock and the wall clock:
   ``num_pred_tokens`` 10 by default and 3, ``max_ngram_size`` 2), each through
   ``Llama.generate`` (its own loop, greedy: ``temp=0``): end to end (the prompt's pass
   included) and decode only (the tokens after the first over the time after the first);
-- **ours**: plain decoding (the lean Llama pass, ``pipeline.engine.fused``, and right after it
-  through transformers' forward, ``SPECBATCH_FUSED=0``: what the lean pass buys), and the
+- **ours**: plain decoding (the lean Llama pass, ``pipeline.engine.cpu.lean``, and right after it
+  through transformers' forward, the target prepared with ``lean_pass`` off: what the lean pass buys), and the
   speculative methods of ``--methods`` (by default the prompt lookup and suffix decoding with
   the config's settings), through the engine as the job runs it
   (``pipeline.loading``), end to end and decode only (the engine's steps);
@@ -19,9 +19,9 @@ process CPU clock and the wall clock:
   MLPs, the output layer (``lm_head``), the rest of the model's forward (embedding, norms,
   residuals, transformers' Python), the runner's batch metadata (positions, mask, cache
   bookkeeping) and the engine outside the pass (sampling, acceptance, statistics, Python),
-  measured on a second plain run by the lean pass's own timers (``pipeline.engine.fused.timing``,
-  when the target takes it) or forward hooks on the model's modules (the timers' own cost:
-  the second run's step time over the first's);
+  measured on a second plain run by timing the lean pass's part functions (wrapped here, when the
+  target takes it; its attention part includes the KV cache's write) or forward hooks on the
+  model's modules (the timers' own cost: the second run's step time over the first's);
 - the weights a one-row step reads (every linear layer's, once) over each side's step time:
   the memory bandwidth each achieves, the physical bound of a one-row decode step;
 - the ratios: our plain decode / llama.cpp's (goal ≥ 0.9×), our plain end to end /
@@ -44,6 +44,7 @@ llama.cpp's ``convert_hf_to_gguf.py --outtype f32``); ``--gguf`` names an existi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -61,7 +62,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_real import XSUM, _commit, _machine, prompts_of, run_one  # noqa: E402
 
 TITLE = "bench/bench_llamacpp.py: our decode against llama.cpp's (SmolLM2-135M-Instruct, F32, one thread, greedy)"
-#: the run of our plain decoding through transformers' forward (``SPECBATCH_FUSED=0``), beside the lean pass's
+#: the run of our plain decoding through transformers' forward (``cpu.lean_pass`` off), beside the lean pass's
 MODEL_FORWARD = "ours plain, transformers' forward"
 #: the parts of our decode step, in the order the breakdown prints them
 PARTS = ("attention kernel (SDPA over the KV cache)", "attention projections + RoPE", "MLP", "output layer (lm_head)",
@@ -110,13 +111,17 @@ def llama_cpp_run(llm, prompts: list[list[int]], new_tokens: int, eos: set[int])
 
 
 class Breakdown:
-    """CPU seconds of a plain run's decode steps, split by part (the lean pass's timers, or
-    forward hooks on the target)."""
+    """CPU seconds of a plain run's decode steps, split by part: the lean pass's part functions
+    wrapped (``pipeline.engine.cpu.lean``), or forward hooks on the target's modules."""
+
+    #: the lean pass's part functions, and the part each one's time goes to
+    LEAN_PARTS = {"attend": PARTS[0], "attention_in_of": PARTS[1], "attention_out_of": PARTS[1], "mlp_of": PARTS[2],
+                  "output_layer": PARTS[3]}
 
     def __init__(self, engine):
         from transformers import AttentionInterface
 
-        from pipeline.engine import fused, kernels
+        from pipeline.engine.cpu import attention
 
         self.t = defaultdict(float)
         self.steps = 0
@@ -124,13 +129,15 @@ class Breakdown:
         target = engine.target
         body = target.model
         clock = time.process_time
-        #: the target takes the lean pass (pipeline.engine.fused): it times its own parts (hooks
-        #: would send it to the model's forward); else forward hooks on the model's modules
-        self.lean = fused.supports(target)
+        #: the target takes the lean pass: its part functions are timed (hooks would send it to
+        #: the model's forward); else forward hooks on the model's modules
+        self.lean = engine.cpu_plans["target"].lean is not None
         if self.lean:
-            self._timing = fused.timing(clock)
-            self._lean = self._timing.__enter__()
-            self._undo.append(lambda: self._timing.__exit__(None, None, None))
+            from pipeline.engine.cpu import lean
+
+            self._wrap(lean.LeanPass, "__call__", "lean pass", clock)
+            for name, part in self.LEAN_PARTS.items():
+                self._wrap(lean, name, part, clock)
             self._wrap_runner_and_engine(engine, clock)
             return
 
@@ -145,8 +152,8 @@ class Breakdown:
             timed_module(layer.mlp, "mlp")
         timed_module(target.lm_head, "lm_head")
         timed_module(target, "model")
-        kernels._register()
-        for name in (kernels.ATTENTION_NAME, "sdpa"):
+        attention.register()
+        for name in (attention.ATTENTION_NAME, "sdpa"):
             fn = AttentionInterface._global_mapping[name]
 
             def wrapped(*a, _fn=fn, **kw):
@@ -160,20 +167,24 @@ class Breakdown:
             self._undo.append(lambda n=name, f=fn: AttentionInterface._global_mapping.__setitem__(n, f))
         self._wrap_runner_and_engine(engine, clock)
 
+    def _wrap(self, owner, name, part, clock):
+        """``owner.name`` timed into ``part`` until :meth:`close`."""
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            c = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._add(part, clock() - c)
+
+        setattr(owner, name, timed)
+        self._undo.append(lambda: setattr(owner, name, fn))
+
     def _wrap_runner_and_engine(self, engine, clock):
         from pipeline.engine.runner import ModelRunner
 
-        forward = ModelRunner.forward
-
-        def runner_forward(runner, *a, **kw):
-            c = clock()
-            try:
-                return forward(runner, *a, **kw)
-            finally:
-                self._add("runner", clock() - c)
-
-        ModelRunner.forward = runner_forward
-        self._undo.append(lambda: setattr(ModelRunner, "forward", forward))
+        self._wrap(ModelRunner, "forward", "runner", clock)
         step = engine.step
 
         def timed_step(rows):
@@ -189,13 +200,10 @@ class Breakdown:
 
         def timed_admit(rows):  # the prefill's passes are not the decode step's: kept apart
             saved = dict(self.t)
-            lean = dict(self._lean.seconds) if self.lean else None
             try:
                 return admit(rows)
             finally:
                 self.t = defaultdict(float, saved)
-                if lean is not None:
-                    self._lean.seconds.update(lean)
 
         engine.admit = timed_admit
 
@@ -203,17 +211,16 @@ class Breakdown:
         self.t[part] += seconds
 
     def close(self):
-        for undo in self._undo:
+        for undo in reversed(self._undo):
             undo()
 
     def parts(self) -> dict[str, float]:
         """Seconds per decode step of each part; the parts sum to the step."""
         t, n = self.t, max(1, self.steps)
-        if self.lean:  # the lean pass's own parts; the model's forward is the runner's pass less its metadata
-            lean = self._lean.seconds
-            model = sum(lean.values())
-            split = (lean["attention kernel"], lean["attention projections + RoPE"], lean["MLP"], lean["output layer"],
-                     lean["rest"], t["runner"] - model, t["step"] - t["runner"])
+        if self.lean:  # the lean pass's parts; its rest is the pass less them, the runner's is the runner less the pass
+            inside = sum(t[p] for p in PARTS[:4])
+            split = (t[PARTS[0]], t[PARTS[1]], t[PARTS[2]], t[PARTS[3]], t["lean pass"] - inside,
+                     t["runner"] - t["lean pass"], t["step"] - t["runner"])
             return {part: v / n for part, v in zip(PARTS, split)}
         split = (t["attention"], t["self_attn"] - t["attention"], t["mlp"], t["lm_head"],
                  t["model"] - t["self_attn"] - t["mlp"] - t["lm_head"], t["runner"] - t["model"], t["step"] - t["runner"])
@@ -258,6 +265,7 @@ def main(argv=None) -> int:
     import torch
 
     from pipeline.config import load_config
+    from pipeline.engine.cpu import prepare
     from pipeline.loading import load_job_models
 
     torch.set_num_threads(1)
@@ -272,6 +280,8 @@ def main(argv=None) -> int:
             return 2
         convert(Path(args.llama_cpp_src), hf_dir, gguf)
     models = load_job_models(cfg, "cpu")
+    options = cfg.cpu.cpu_options()
+    prepare(models.target, options, "target")  # once, outside every timed run (engines keep this plan)
     prompts = prompts_of(cfg, models.tokenizer, range(a, b), Path(args.xsum))
     eos = models.target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
@@ -290,11 +300,11 @@ def main(argv=None) -> int:
         show(label, run_one(method_cfg, models, prompts, 1, args.new_tokens, True))
 
     ours("ours plain", cfg)
-    os.environ["SPECBATCH_FUSED"] = "0"  # the same, through transformers' forward: what the lean pass buys
+    prepare(models.target, dataclasses.replace(options, lean_pass=False), "target")  # what the lean pass buys
     try:
         ours(MODEL_FORWARD, cfg)
     finally:
-        os.environ.pop("SPECBATCH_FUSED")
+        prepare(models.target, options, "target")
     llm = Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1, verbose=False)
     llm.generate(prompts[0][:32], temp=0.0, top_k=1).__next__()  # warm-up
     show("llama.cpp plain", llama_cpp_run(llm, prompts, args.new_tokens, eos))

@@ -19,7 +19,7 @@ For each corpus it prints, measured in one run each on the wall clock:
   ``generate_batch`` on batches of ``compute.rows_per_batch`` rows, as the actor does);
 - the pipeline's overhead per row and per unit: (job time after the first batch - engine-alone
   time) / rows, / units
-  (a unit is what commits on its own: one manifest entry under ``_manifest/``);
+  (a unit is what commits on its own: one record of the commit log under ``_manifest/log/``);
 - the driver's peak RSS (``ru_maxrss`` of the process running the job) and the manifest's size;
 - the time to resume a complete output (nothing to do) and a 99 %-complete one (the last 1 %
   of the units' manifest entries and files removed; a corpus of one unit cannot be 99 %
@@ -213,9 +213,14 @@ def _progress(text: str) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- the output
-def manifest_entries(out: Path) -> list[Path]:
-    """The committed units: ``_manifest/*.json`` entries (not the pending intents)."""
-    return sorted(p for p in (out / "_manifest").glob("*.json") if p.is_file())
+def log_records(out: Path) -> list[tuple[Path, dict]]:
+    """The output's commit log (``_manifest/log/``): ``(path, record)`` in order."""
+    return [(p, json.loads(p.read_text())) for p in sorted((out / "_manifest" / "log").glob("*.json"))]
+
+
+def manifest_entries(out: Path) -> list[dict]:
+    """The committed units: the ``unit`` records of the commit log."""
+    return [r for _, r in log_records(out) if r.get("kind") == "unit"]
 
 
 def manifest_bytes(out: Path) -> int:
@@ -230,19 +235,23 @@ def committed_rows(out: Path) -> int:
 
 
 def make_99_percent(out: Path) -> int:
-    """Remove the last 1 % of the committed units (their manifest entries and the data files
-    they name), and ``_SUCCESS`` / ``_summary.json``: a 99 %-complete output.  Returns the rows
-    removed (0 when the output has a single unit)."""
-    entries = manifest_entries(out)
-    if len(entries) < 2:
+    """Remove the last 1 % of the committed units (the last records of the commit log, the
+    run's ``final`` one first, and the data files they name), and ``_SUCCESS`` /
+    ``_summary.json``: a 99 %-complete output.  Returns the rows removed (0 when the output
+    has a single unit)."""
+    records = log_records(out)
+    units = [r for _, r in records if r.get("kind") == "unit"]
+    if len(units) < 2:
         return 0
+    while records and records[-1][1].get("kind") == "final":
+        records.pop()[0].unlink()
     removed = 0
-    for entry in entries[-max(1, math.ceil(len(entries) / 100)):]:
-        data = json.loads(entry.read_text())
+    for _ in range(max(1, math.ceil(len(units) / 100))):
+        path, data = records.pop()  # the tail of the log: the last units committed
         for name in data.get("files", []):
             (out / name).unlink()
         removed += int(data.get("rows") or 0)
-        entry.unlink()
+        path.unlink()
     for name in ("_SUCCESS", "_summary.json"):
         (out / name).unlink(missing_ok=True)
     return removed

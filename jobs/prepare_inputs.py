@@ -26,42 +26,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repo root: pipeline/
 
+from pipeline.corpora import spec_bench_rows, xsum_rows  # noqa: E402
 from pipeline.flags import build_parser as build_job_parser  # noqa: E402
-
-HELM_PREFIX = "###\nArticle: "
-HELM_SUFFIX = "\n\nSummarize the above article in 1 sentence.\n"
-
-
-def _strip(s: str, prefix: str = "", suffix: str = "") -> str:
-    if prefix and s.startswith(prefix):
-        s = s[len(prefix):]
-    if suffix and s.endswith(suffix):
-        s = s[: -len(suffix)]
-    return s.strip()
 
 
 def prepare(data: Path, out: Path) -> dict[str, int]:
+    """Write the job inputs of the corpora in ``data`` (:mod:`pipeline.corpora`) into ``out``;
+    returns the rows written per file."""
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    rows = []
-    with open(data / "xsum_helm_1000" / "xsum_0shot.jsonl", encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            r = json.loads(line)
-            rows.append({"id": f"xsum-{i:04d}", "text": _strip(r["article"], HELM_PREFIX, HELM_SUFFIX),
-                         "reference": r["summary_gt"]})
+    rows = xsum_rows(data)
     counts["xsum_1000.jsonl"] = _write(out / "xsum_1000.jsonl", rows)
     counts["xsum_200.jsonl"] = _write(out / "xsum_200.jsonl", rows[:200])  # a quicker subset
-    summ, trans = [], []
-    with open(data / "spec_bench" / "question.jsonl", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if r["category"] == "summarization":
-                summ.append({"id": f"spec-bench-{r['question_id']}", "text": _strip(r["turns"][0], "Summarize: "),
-                             "reference": r["reference"][0]})
-            elif r["category"] == "translation":
-                trans.append({"id": f"spec-bench-{r['question_id']}",
-                              "text": _strip(r["turns"][0], "Translate German to English: "),
-                              "reference": r["reference"][0]})
+    summ, trans = spec_bench_rows(data, "summarization"), spec_bench_rows(data, "translation")
     counts["spec_bench_summarization.jsonl"] = _write(out / "spec_bench_summarization.jsonl", summ)
     counts["spec_bench_summarization_50.jsonl"] = _write(out / "spec_bench_summarization_50.jsonl", summ[:50])
     counts["spec_bench_translation.jsonl"] = _write(out / "spec_bench_translation.jsonl", trans)

@@ -4,9 +4,10 @@
     python jobs/report.py s3://bucket/runs/plain s3://bucket/runs/draft --output reports/s3 \\
         --endpoint-url http://127.0.0.1:9000
 
-Each argument is a job output directory (local or any fsspec URL, e.g. ``s3://``).
-Writes ``<output>/report.md`` (table + plots), ``report.json`` and three PNGs; prints the
-table.  See pipeline/report.py for the definitions.  (``--out`` is a deprecated alias of
+Each argument is a job output directory (local or any fsspec URL, e.g. ``s3://``), read as
+committed output: only the units its commit log commits (``pipeline.output.reader``); a run
+that did not finish is reported on what it committed and named on stderr.  Writes
+``<output>/report.md`` (table + plots), ``report.json`` and three PNGs; prints the table.  See pipeline/report.py for the definitions.  (``--out`` is a deprecated alias of
 ``--output``.)
 """
 
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
     except (ReportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for d in result["runs"]:
+        if not d["finished"]:
+            print(f"note: {d['label']} did not finish: {d['output']}", file=sys.stderr)
     print(markdown_table(result))
     print(f"\nwrote {Path(args.output) / 'report.md'}")
     return 0

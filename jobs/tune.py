@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from pipeline.models import ModelError
-    from pipeline.read import InputError
+    from pipeline.input import InputError
     from pipeline.tune.report import summary, write_outputs
     from pipeline.tune.tuner import TuneOptions, read_raw_config, tune
 

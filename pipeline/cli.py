@@ -121,6 +121,9 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
     headline["this_run"] = {"units_run": len(this.get("units_run", [])),
                             "units_skipped": len(this.get("units_skipped", [])),
                             "nothing_to_do": this.get("nothing_to_do", False)}
+    cpu = summary.get("cpu") or {}
+    if cpu.get("headline"):  # the CPU kernels the actors' models run, and the slowest actor's compile time
+        headline["cpu"] = f"{cpu['headline']}; slowest actor compiled {cpu['compile_s_max']:.1f} s at load"
     print(json.dumps(headline, indent=2))
     speedup_line(summary)
     rows, errors = summary.get("rows") or 0, summary.get("errors") or 0

@@ -1,6 +1,6 @@
 """Job configuration: YAML files validated on load, with command-line overrides.
 
-A job config has eleven sections (see ``configs/summarize.yaml`` for a commented one)::
+A job config has twelve sections (see ``configs/summarize.yaml`` for a commented one)::
 
     input:      uri, format, id_column, text_column, preflight_read_max_bytes, split_rows
     task:       name (summarize | translate), source_lang, target_lang, prompt_template,
@@ -14,6 +14,9 @@ A job config has eleven sections (see ``configs/summarize.yaml`` for a commented
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
                 draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
                 stall_timeout_s
+    cpu:        kernels, onednn, transposed, rowdot, small_query_attention, lean_pass,
+                compiled_layer, compile_cache (CpuOptions' fields: the engine's CPU acceleration;
+                the environment's SPECBATCH_CPU_<KEY> overrides each)
     output:     uri, overwrite, allow_foreign_files, partition_by_date, run_date, max_rows_per_file,
                 lease_timeout_s, storage_options
     retry:      storage calls: attempts, initial_backoff_s, max_backoff_s (transient errors),
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +50,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
+from pipeline.engine.cpu import CpuOptions
 from pipeline.paths import resolve_config_paths
 
 DEFAULT_TEMPLATES = {
@@ -53,6 +58,18 @@ DEFAULT_TEMPLATES = {
     "translate": "Translate the following text from {source_lang} to {target_lang}.\n\n"
     "{source_lang}: {text}\n{target_lang}:",
 }
+
+
+#: Ray counts CPUs and GPUs in steps of this: a smaller amount but 0 fails when Ray schedules it
+RAY_RESOURCE_UNIT = 0.0001
+
+
+def ray_resource(value: float | None) -> float | None:
+    """``value`` (CPUs or GPUs of a process) if Ray can represent it (0, or at least the unit); else ValueError."""
+    if value is not None and 0 < value < RAY_RESOURCE_UNIT:
+        raise ValueError(f"{value:g} is less than {RAY_RESOURCE_UNIT:g}, the smallest amount of a resource Ray "
+                         "can represent (it counts CPUs and GPUs in steps of 0.0001)")
+    return value
 
 
 #: the longest ``output.lease_timeout_s`` (seconds, a day): a killed run locks its output for
@@ -70,7 +87,11 @@ class ConfigError(JobRefused):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A config section.  Its values are validated strictly (pydantic ``strict``): a count
+    or a number must be one, never a boolean (``input.split_rows: true`` is not 1) nor a
+    string; a ``--set`` value is read as YAML, so ``--set input.split_rows=500`` is a number."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class InputConfig(_Section):
@@ -214,6 +235,11 @@ class MethodConfig(BaseModel):
         for key in self.model_extra or {}:
             if key not in allowed:
                 raise ValueError(f"unknown key method.{key}; method parameters are: {', '.join(sorted(allowed))}")
+        hints = typing.get_type_hints(SpeculationSettings)
+        for key, value in (self.model_extra or {}).items():  # the section is not strict: its values go to the engine
+            kinds = set(typing.get_args(hints[key])) | {hints[key]}
+            if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"method.{key}: {str(value).lower()} is a boolean, not a number")
         try:
             self.speculation_settings()
             foreign = {k: v for k, v in self.params.items() if k in foreign_method_params(self.name)}
@@ -305,9 +331,10 @@ class ComputeConfig(_Section):
     #: Data's ``ActorPoolStrategy(min_size=, max_size=)``; on an autoscaling cluster, new GPU
     #: nodes get actors: docs/scheduling.md)
     num_actors: int | tuple[int, int] = 1
-    #: GPUs per actor (0: the CPU); the actor loads the pair on its GPU
+    #: GPUs per actor (0: the CPU; else at least 0.0001, Ray's unit); the actor loads the pair on its GPU
     gpus_per_actor: float = Field(0, ge=0)
-    #: CPUs per actor, and its torch threads
+    #: CPUs per actor (at least 0.0001, Ray's unit), and its torch threads; a ``[min, max]`` pool grows
+    #: only while this many CPUs are free for another actor
     cpus_per_actor: float = Field(1, gt=0)
     #: rows per ``map_batches`` call (Ray Data LLM's ``batch_size``); the actor decodes them
     #: ``max_batch_size`` at a time
@@ -349,6 +376,11 @@ class ComputeConfig(_Section):
                              "was false)")
         return data
 
+    @field_validator("cpus_per_actor", "gpus_per_actor")
+    @classmethod
+    def _ray_unit(cls, v: float) -> float:
+        return ray_resource(v)
+
     @field_validator("num_actors", mode="before")
     @classmethod
     def _pool_size(cls, v: Any) -> Any:
@@ -374,6 +406,28 @@ class ComputeConfig(_Section):
     def max_actors(self) -> int:
         """The pool's largest size (``num_actors`` or its ``max``)."""
         return self.num_actors[1] if isinstance(self.num_actors, tuple) else self.num_actors
+
+
+class _CpuSection(_Section):
+    """The engine's CPU acceleration, part by part: the fields of
+    :class:`pipeline.engine.cpu.CpuOptions`.  Each actor prepares its models with them once at
+    load; the run summary's ``cpu`` says what each chose and what it cost.  ``SPECBATCH_CPU_<KEY>``
+    in the actor's environment overrides a key.  The parts change float32 rounding only: no key
+    here is part of the resume fingerprint."""
+
+    @model_validator(mode="after")
+    def _check(self):
+        self.cpu_options()
+        return self
+
+    def cpu_options(self) -> CpuOptions:
+        """The engine's options (before the environment's overrides), validated."""
+        return CpuOptions(**self.model_dump()).validate()
+
+
+#: The ``cpu:`` section: one field per CpuOptions field (derived, like ``generation:``).
+CpuConfig = create_model("CpuConfig", __base__=_CpuSection, __module__=__name__, **_dataclass_fields(CpuOptions))
+CpuConfig.__doc__ = _CpuSection.__doc__
 
 
 class OutputConfig(_Section):
@@ -527,6 +581,11 @@ class ServeConfig(_Section):
     #: otherwise, as vLLM's ``--api-key``); ``/health`` stays open; printed configs show ``***``
     api_key: str | None = None
 
+    @field_validator("cpus_per_replica", "gpus_per_replica")
+    @classmethod
+    def _ray_unit(cls, v: float | None) -> float | None:
+        return ray_resource(v)
+
     @field_validator("api_key")
     @classmethod
     def _key(cls, v: str | None) -> str | None:
@@ -566,6 +625,7 @@ class JobConfig(_Section):
     method: MethodConfig = Field(default_factory=MethodConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
@@ -612,10 +672,33 @@ def _format_error(e: ValidationError) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = f"unknown key {loc}"
+        elif err["type"] in ("int_type", "float_type") and isinstance(err.get("input"), bool):
+            msg = f"{str(err['input']).lower()} is a boolean, not a number"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         lines.append(f"{loc}: {msg}" if loc and not msg.startswith(("unknown key", loc)) else msg)
     return "invalid job config: " + "; ".join(lines)
+
+
+class _Yaml12Floats(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where ``1e-5`` (no dot) is a string; YAML 1.2 and every user
+    read it as a number.  This loader adds the 1.2 float forms."""
+
+
+_Yaml12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text as a config value (safe, with YAML 1.2 floats such as ``1e-5``).
+
+    Raises:
+        yaml.YAMLError: the text is not YAML.
+    """
+    return yaml.load(text, Loader=_Yaml12Floats)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -631,7 +714,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"override {item!r} has an empty key")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = read_yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return path, parsed
@@ -678,7 +761,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             what = "not a regular file (a named pipe, a device or a folder)" if p.exists() else "not found"
             raise ConfigError(f"config file {what}: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = read_yaml(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if loaded is None:

@@ -29,6 +29,7 @@ from pipeline.models import LoadedModels, load_models
 
 if TYPE_CHECKING:
     from pipeline.engine import SpeculativeEngine
+    from pipeline.engine.cpu import CpuOptions
 
 
 @dataclasses.dataclass
@@ -64,7 +65,7 @@ def load_job_models(cfg: JobConfig, device: str | None = None, any_drafter: bool
 
 def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, max_batch_size: int = 8,
                  draft_length: str = "auto",
-                 clock: Callable[[], float] = time.perf_counter) -> "SpeculativeEngine":
+                 clock: Callable[[], float] = time.perf_counter, cpu: "CpuOptions | None" = None) -> "SpeculativeEngine":
     """The engine of ``spec`` (default: plain decoding) on loaded models: the drafter and its
     tokenizer are passed only to a method that drafts with them.
 
@@ -74,6 +75,9 @@ def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, 
         max_batch_size: rows in flight.
         draft_length: ``"auto"`` (the engine's draft-length controller) or ``"fixed"`` (every row its ``k``).
         clock: the engine's clock (the tuner measures on CPU time).
+        cpu: the CPU acceleration's parts (the job's ``cpu:``; default all on); the engine
+            prepares each model once with them (:func:`pipeline.engine.cpu.prepare`), and a model
+            already prepared with the same options keeps its plan.
 
     Raises:
         ValueError: the engine refuses the model pair or a setting (the message names it).
@@ -91,6 +95,7 @@ def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, 
         max_batch_size=max_batch_size,
         draft_length=draft_length,
         clock=clock,
+        cpu=cpu,
     )
 
 
@@ -111,7 +116,8 @@ def generation_settings(cfg: JobConfig, target) -> GenerationSettings:
 def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int | None = None) -> LoadedEngine:
     """Load ``cfg.models`` (on ``device``; default ``cuda`` when visible, else ``cpu``) and
     build the engine of ``cfg.method`` with ``max_batch_size`` rows in flight (default
-    ``compute.max_batch_size``) and ``compute.draft_length``.
+    ``compute.max_batch_size``), ``compute.draft_length`` and the ``cpu:`` options (the
+    models are prepared for the CPU here, once: the engine's ``cpu_plans`` say what was chosen).
 
     Raises:
         ValueError: the engine refuses the model pair or a setting (the message names it).
@@ -120,7 +126,7 @@ def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int |
     models = load_job_models(cfg, device)
     load_time_s = time.perf_counter() - t0
     engine = build_engine(models, cfg.method.speculation_settings(), max_batch_size or cfg.compute.max_batch_size,
-                          cfg.compute.draft_length)
+                          cfg.compute.draft_length, cpu=cfg.cpu.cpu_options())
     return LoadedEngine(models, engine, generation_settings(cfg, models.target), load_time_s)
 
 

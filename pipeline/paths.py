@@ -28,6 +28,7 @@ PATH_KEYS: dict[tuple[str, str], str] = {
     ("models", "drafter"): "model",
     ("serve", "chat_template"): "file",
     ("method", "draft_vocab"): "file",
+    ("cpu", "compile_cache"): "uri",
 }
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")

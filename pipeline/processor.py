@@ -27,6 +27,12 @@ Ray Data LLM) gives its prompt as one of, in this order of precedence:
 - the text column (``input.text_column``, default ``text``): filled into the task's prompt
   template, then the chat template when on, exactly as the job does.
 
+A dataset that has none of these columns at all is named, not decoded into "prompt is
+null" on every row: refused (:class:`~pipeline.config.ConfigError`) before any actor
+starts when its schema is known without running it (``read_parquet``, ``from_items``...)
+and there is no ``preprocess``; otherwise each row of a batch lacking them gets that
+message as its ``error``.
+
 and optionally ``max_new_tokens`` (int > 0), ``seed`` (int: the row's sampling seed) and
 ``stop`` (a string or a list: stop strings), which override ``generation:`` for that row.
 
@@ -50,8 +56,11 @@ their batches retried (``compute.max_batch_retries``).  The processor's own stag
 CPU of the cluster would starve the stages before it (a ``read_parquet`` task needs a CPU
 and would never get one): then each actor reserves ``(cluster CPUs - 1) / num_actors``
 CPUs from Ray instead, so one CPU stays free for them, and still runs
-``compute.cpus_per_actor`` threads.  A pool larger than the cluster is refused
-(:class:`pipeline.ray_setup.PlanError`) on a local Ray, logged on a cluster that may grow.
+``compute.cpus_per_actor`` threads.  A ``[min, max]`` pool reserves the real
+``compute.cpus_per_actor`` per actor and grows only as that much is free (Ray Data's
+autoscaling pool, within its budget; :func:`pipeline.ray_setup.pool_plan`).  A pool larger
+than the cluster is refused (:class:`pipeline.ray_setup.PlanError`) on a local Ray, logged on
+a cluster that may grow.
 
 The job (``jobs/summarize.py``) is this processor between its reader and its committer:
 read units -> :class:`Processor` (``rebatch=False``) -> write on the workers -> commit unit by unit (pipeline.run).
@@ -72,6 +81,17 @@ from pipeline.config import ConfigError, JobConfig, load_config
 log = logging.getLogger("specbatch")
 
 RowFn = Callable[[dict[str, Any]], dict[str, Any]]
+#: the fields a row's prompt comes from, besides the text column (the module docstring)
+PROMPT_FIELDS = ("prompt_token_ids", "messages", "prompt")
+
+
+def missing_prompt(names: list[str], text_column: str) -> str | None:
+    """Why rows with the columns ``names`` can give no prompt at all (none of
+    :data:`PROMPT_FIELDS` nor ``text_column``), naming them; None when one is there."""
+    if any(n in names for n in (*PROMPT_FIELDS, text_column)):
+        return None
+    return (f"the dataset has no column {text_column!r} (input.text_column), nor {', '.join(PROMPT_FIELDS)}: its "
+            f"columns are {list(names)}; set input.text_column, or give a preprocess that makes one")
 
 
 def as_job_config(config: JobConfig | str | os.PathLike | dict[str, Any]) -> JobConfig:
@@ -191,16 +211,21 @@ class Processor:
         import ray
 
         from actors.generate import GenerateActor
-        from pipeline.ray_setup import actor_cpus, check_resource_plan, is_local_cluster, pool_strategy, zero_cpu
+        from pipeline.ray_setup import check_resource_plan, is_local_cluster, open_load_board, pool_plan, zero_cpu
 
         cfg, c = self.config, self.config.compute
         if not ray.is_initialized():
             raise RuntimeError("the processor needs a running Ray: call ray.init() (or build the Dataset) first")
-        check_resource_plan(cfg, embedded=is_local_cluster() if self.embedded is None else self.embedded)
+        embedded = is_local_cluster() if self.embedded is None else self.embedded
+        check_resource_plan(cfg, embedded=embedded)
+        pool = pool_plan(cfg, embedded)
+        board = open_load_board()  # where each actor posts what its load chose (pipeline.ray_setup)
         ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
         if self.preprocess is not None:
             ds = ds.map_batches(_RowMap(self.preprocess, errors=True), batch_format="pyarrow", batch_size=None,
                                 num_cpus=0)
+        if self.columns != "job":  # the job's rows are INPUT_SCHEMA, checked in the driver (pipeline.input)
+            ds = self._check_prompt_columns(ds)
         if self.rebatch:
             ds = zero_cpu(ds.repartition(target_num_rows_per_block=c.rows_per_batch))
         with warnings.catch_warnings():
@@ -209,12 +234,13 @@ class Processor:
             ds = ds.map_batches(
                 GenerateActor,
                 fn_constructor_kwargs={"config": cfg.model_dump(), "columns": self.columns,
-                                       "text_column": self.text_column, "id_column": self.id_column},
+                                       "text_column": self.text_column, "id_column": self.id_column,
+                                       "load_board": board},
                 batch_size=c.rows_per_batch,
                 batch_format="pyarrow",
-                compute=pool_strategy(cfg),
-                num_gpus=c.gpus_per_actor or None,
-                num_cpus=actor_cpus(cfg),
+                compute=pool.strategy(),
+                num_gpus=pool.gpus or None,
+                num_cpus=pool.cpus,
                 # bounded fault tolerance (Ray Data's default is unbounded: a batch that kills its
                 # actor every time would be retried forever)
                 max_restarts=c.max_actor_restarts,
@@ -224,6 +250,39 @@ class Processor:
             ds = ds.map_batches(_RowMap(self.postprocess, errors=False), batch_format="pyarrow", batch_size=None,
                                 num_cpus=0)
         return ds
+
+
+    def _check_prompt_columns(self, ds):
+        """Refuse a dataset whose known schema gives no prompt (see the module docstring);
+        when the schema is not known without running, or a ``preprocess`` may add one, name
+        the missing column on the rows of each batch that lacks it."""
+        schema = None if self.preprocess is not None else ds.schema(fetch_if_missing=False)
+        if schema is not None:
+            why = missing_prompt(list(schema.names), self.text_column)
+            if why:
+                raise ConfigError(why)
+            return ds
+        return ds.map_batches(_NameMissingPrompt(self.text_column), batch_format="pyarrow", batch_size=None,
+                              num_cpus=0)
+
+
+class _NameMissingPrompt:
+    """``map_batches`` function: a batch with no prompt column at all gets, on every row
+    without an ``input_error`` of its own, the message naming the missing column (the actor
+    makes it the row's ``error``); any other batch passes as it is."""
+
+    def __init__(self, text_column: str):
+        self.text_column = text_column
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        why = missing_prompt(batch.column_names, self.text_column)
+        if why is None:
+            return batch
+        old = batch.column("input_error").to_pylist() if "input_error" in batch.column_names else [None] * len(batch)
+        errors = pa.array([e or why for e in old], pa.string())
+        if "input_error" in batch.column_names:
+            return batch.set_column(batch.column_names.index("input_error"), "input_error", errors)
+        return batch.append_column("input_error", errors)
 
 
 class _RowMap:
@@ -254,4 +313,4 @@ class _RowMap:
         return pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
 
 
-__all__ = ["build_processor", "Processor", "as_job_config", "check_generation"]
+__all__ = ["build_processor", "Processor", "as_job_config", "check_generation", "missing_prompt"]

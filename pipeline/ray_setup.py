@@ -7,21 +7,29 @@ and slicing), so they never wait behind an actor pool that holds every CPU
 actor per GPU).  A pool whose smallest size asks for more CPUs or GPUs than the cluster
 has (or than any one node has, per actor) is refused with the numbers (:class:`PlanError`;
 on a cluster that may autoscale it is only logged).  A ``[min, max]`` pool
-(``compute.num_actors``) whose ``max`` is more than the cluster holds now is logged: it
-grows as nodes join (docs/scheduling.md).
+(``compute.num_actors``) reserves the real ``cpus_per_actor`` (and ``gpus_per_actor``) per
+actor, so it grows only as that much becomes free (:func:`pool_plan`); a ``max`` more than
+the cluster holds now is logged: it grows as nodes join (docs/scheduling.md).
+
+Load facts.  Each actor of the pool posts what its load did (its models' CPU plans:
+:attr:`pipeline.engine.loop.StepEngine.cpu_plans`) to a small named actor of the driver's Ray
+job, the *load board* (:func:`open_load_board`, :func:`post_load_facts`), which the driver reads
+for the run summary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.config import JobConfig, JobRefused
+from pipeline.config import RAY_RESOURCE_UNIT, JobConfig, JobRefused
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -248,33 +256,66 @@ def zero_cpu(ds):
     return ds
 
 
-def actor_cpus(cfg: JobConfig, cluster_cpus: float | None = None) -> float:
-    """The CPUs each actor reserves from Ray: ``compute.cpus_per_actor``, or less when the
-    pool would hold every CPU of the cluster, so that one stays free for the stages before
-    the pool (see pipeline.processor, Scheduling); a ``[min, max]`` pool counts ``max``."""
+@dataclass(frozen=True)
+class PoolPlan:
+    """The actor pool as Ray Data runs it.
+
+    Attributes:
+        min_size, max_size: the pool's size (equal: a fixed pool).
+        cpus: the CPUs each actor reserves from Ray (it still runs ``compute.cpus_per_actor``
+            torch threads).
+        gpus: the GPUs each actor reserves (``compute.gpus_per_actor``).
+    """
+
+    min_size: int
+    max_size: int
+    cpus: float
+    gpus: float
+
+    def strategy(self):
+        """Ray Data's ``ActorPoolStrategy``: ``size=N``, or ``min_size=``/``max_size=``."""
+        from ray.data import ActorPoolStrategy
+
+        if self.min_size == self.max_size:
+            return ActorPoolStrategy(size=self.min_size)
+        return ActorPoolStrategy(min_size=self.min_size, max_size=self.max_size)
+
+
+def pool_plan(cfg: JobConfig, embedded: bool, cluster_cpus: float | None = None) -> PoolPlan:
+    """The actor pool's sizes and the resources each actor reserves (see the module docstring).
+
+    - A ``[min, max]`` pool reserves the real ``compute.cpus_per_actor`` (and GPUs) per actor:
+      Ray Data's autoscaling pool adds an actor only when that much is free within its budget,
+      so it never runs more actors than the cluster holds at that size, and on an autoscaling
+      cluster its demand is real (the cluster grows for it).  On an embedded Ray whose CPUs its
+      ``min`` already fills, it cannot grow: it runs as a fixed pool of ``min``.
+    - A fixed pool of ``N`` reserves ``compute.cpus_per_actor`` each, or, when the pool would
+      hold every CPU of the cluster, ``(cluster CPUs - 1) / N`` (rounded down to Ray's unit of
+      0.0001), so that one stays free for the stages before it (each still runs
+      ``cpus_per_actor`` threads; an INFO line says so).
+
+    Args:
+        embedded: whether the cluster's resources are all there will be (an embedded Ray).
+        cluster_cpus: the cluster's CPUs (None: asked of Ray).
+    """
     c = cfg.compute
     if cluster_cpus is None:
         import ray
 
         cluster_cpus = ray.cluster_resources().get("CPU", 0)
-    if c.max_actors * c.cpus_per_actor < cluster_cpus or cluster_cpus <= 0:
-        return c.cpus_per_actor
-    share = max(0.0, (cluster_cpus - 1) / c.max_actors)
-    log.info("the actor pool (%d x %g CPUs) would hold all %g CPUs of the cluster: each actor reserves %.3g "
+    lo, hi, per = c.min_actors, c.max_actors, c.cpus_per_actor
+    if lo < hi:
+        if not (embedded and lo * per >= cluster_cpus):
+            return PoolPlan(lo, hi, per, c.gpus_per_actor)
+        log.info("the actor pool [%d, %d] at its min already holds all %g CPUs of this Ray: it runs %d actors "
+                 "and does not grow", lo, hi, cluster_cpus, lo)
+    if lo * per < cluster_cpus or cluster_cpus <= 0:
+        return PoolPlan(lo, lo, per, c.gpus_per_actor)
+    share = math.floor(max(0.0, (cluster_cpus - 1) / lo) / RAY_RESOURCE_UNIT) * RAY_RESOURCE_UNIT
+    log.info("the actor pool (%d x %g CPUs) would hold all %g CPUs of the cluster: each actor reserves %.4g "
              "so that one stays free for the stages before it (it still runs %g threads)",
-             c.max_actors, c.cpus_per_actor, cluster_cpus, share, c.cpus_per_actor)
-    return share
-
-
-def pool_strategy(cfg: JobConfig):
-    """Ray Data's ``ActorPoolStrategy`` for ``compute.num_actors``: ``size=N``, or
-    ``min_size=``/``max_size=`` for a ``[min, max]`` pool."""
-    from ray.data import ActorPoolStrategy
-
-    c = cfg.compute
-    if c.min_actors == c.max_actors:
-        return ActorPoolStrategy(size=c.min_actors)
-    return ActorPoolStrategy(min_size=c.min_actors, max_size=c.max_actors)
+             lo, per, cluster_cpus, share, per)
+    return PoolPlan(lo, lo, share, c.gpus_per_actor)
 
 
 def is_local_cluster() -> bool:
@@ -288,3 +329,80 @@ def is_local_cluster() -> bool:
     return len(nodes) == 1 and not os.environ.get("RAY_ADDRESS")
 
 
+
+
+#: the load board's name, followed by the Ray job's id (the driver's and its actors' alike)
+LOAD_BOARD = "specbatch_load_board"
+
+
+class _LoadBoard:
+    """What the actors' loads did, posted once per actor (a Ray actor holding a list)."""
+
+    def __init__(self) -> None:
+        self.posts: list = []
+
+    def post(self, facts) -> None:
+        self.posts.append(facts)
+
+    def read(self) -> list:
+        return list(self.posts)
+
+    def clear(self) -> None:
+        self.posts = []
+
+
+def _board_name() -> str:
+    import ray
+
+    return f"{LOAD_BOARD}_{ray.get_runtime_context().get_job_id()}"
+
+
+#: the driver's handles of its load boards, by name: a named actor that is not detached lives
+#: only while a handle to it does; the driver reads the board through this handle
+_OPEN_BOARDS: dict = {}
+
+
+def open_load_board():
+    """The load board of this Ray job (a named actor asking for no CPU), emptied of an earlier
+    pool's posts: opened by the processor when it builds its actor pool, which hands the
+    returned handle to each actor (:func:`post_load_facts`); read by the driver with
+    :func:`read_load_board`.  The driver keeps the handle (:data:`_OPEN_BOARDS`) for as long as
+    its Ray job runs."""
+    import ray
+
+    name = _board_name()
+    board = ray.remote(num_cpus=0)(_LoadBoard).options(name=name, get_if_exists=True).remote()
+    ray.get(board.clear.remote())
+    _OPEN_BOARDS[name] = board
+    return board
+
+
+def post_load_facts(facts, board) -> bool:
+    """Post ``facts`` (plain data) to ``board`` (the handle :func:`open_load_board` returned,
+    given to the actor by the processor); ``False`` where there is none (an actor built
+    outside a processor: the node benchmark, a test) or the post failed (logged)."""
+    if board is None:
+        return False
+    try:
+        import ray
+
+        ray.get(board.post.remote(facts), timeout=60)
+        return True
+    except Exception:  # noqa: BLE001 - the facts are a record: never a reason to fail a load
+        log.warning("could not post this actor's load facts to the driver", exc_info=True)
+        return False
+
+
+def read_load_board() -> list:
+    """Every post on the load board this driver opened last in its Ray job (``[]`` where it
+    opened none or the board cannot be read: logged)."""
+    try:
+        import ray
+
+        board = _OPEN_BOARDS.get(_board_name()) if ray.is_initialized() else None
+        if board is None:
+            return []
+        return ray.get(board.read.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - the summary goes on without them
+        log.warning("could not read the actors' load facts", exc_info=True)
+        return []

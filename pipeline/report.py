@@ -2,9 +2,12 @@
 
     python jobs/report.py out/xsum-plain out/xsum-draft out/xsum-pld --output reports/xsum
 
-Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL):
-its ``part-*.parquet`` files (``pipeline.schema.OUTPUT_SCHEMA``) and, beside them, the run
-summary ``_summary.json`` when present.  Everything in the report is recomputed from the
+Each input is a job output directory (local path, ``s3://bucket/prefix``, any fsspec URL),
+read as committed output (:class:`pipeline.output.reader.CommittedOutput`): the data files
+its commit log commits (``pipeline.schema.OUTPUT_SCHEMA``), never a killed run's parts that no
+record names nor staging, and the run summary ``_summary.json`` when present.  A run that did
+not finish (no ``_SUCCESS`` of the run whose ``final`` record ends the log) is reported on what it committed, and said to be unfinished; an
+output that mixes configs is refused.  Everything in the report is recomputed from the
 per-row Parquet, following ``docs/metrics.md``: tokens and steps are summed over rows
 first, then divided.
 
@@ -59,14 +62,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
-from fsspec.core import url_to_fs
 
 from pipeline.engine.cost_model import leviathan_speedup
 from pipeline.engine.stats import COLUMNS as STAT_COLUMNS
 from pipeline.engine.stats import RATE_COLUMNS, RowStats
 
-SUMMARY_NAMES = ("_summary.json", "summary.json")
 #: what a run output must hold: its rows' ids, methods and errors, and every statistics
 #: column that outputs of every version have (a newer one an older output lacks takes its
 #: default: pipeline.engine.stats.COLUMNS)
@@ -74,17 +74,20 @@ _NEEDED = ("id", "method", "error", *(c.name for c in STAT_COLUMNS if c.older is
 
 
 class ReportError(ValueError):
-    """A run output cannot be read (no Parquet, missing columns)."""
+    """A run output cannot be read (not a job output, mixed configs, missing columns)."""
 
 
 @dataclass
 class Run:
-    """One job output, loaded."""
+    """One job output, loaded: its committed rows, summary, and whether its run finished
+    (``note``: :meth:`~pipeline.output.reader.CommittedOutput.describe`)."""
 
     uri: str
     table: pa.Table
     summary: dict[str, Any] | None
     label: str = ""
+    finished: bool = True
+    note: str = ""
 
     @property
     def method(self) -> str:
@@ -96,47 +99,26 @@ class Run:
 
 
 def load_run(uri: str, storage_options: dict[str, Any] | None = None) -> Run:
-    """Read a run output: a directory of Parquet parts (names starting ``_``/``.`` skipped,
-    so staging directories are ignored; subdirectories are read only when the directory
-    itself holds no part) or one Parquet file; its summary JSON if present.
+    """Read a run output's committed rows and its summary
+    (:class:`pipeline.output.reader.CommittedOutput`: a folder holding one ``date=``
+    partition is read through it).
 
     Raises:
-        ReportError: nothing to read, or a needed column is missing.
+        ReportError: not a job output (missing, empty, no committed unit, several date
+            partitions), units of several configs, a needed column missing.
     """
-    fs, root = url_to_fs(uri, **(storage_options or {}))
-    root = root.rstrip("/") or "/"
-    if fs.isdir(root):
-        def visible(p):
-            return p.endswith((".parquet", ".pq")) and not any(
-                part.startswith(("_", ".")) for part in p[len(root):].strip("/").split("/"))
+    from pipeline.config import JobRefused
+    from pipeline.output.reader import CommittedOutput
 
-        # The parts directly in the directory; only when there are none, those below it
-        # (e.g. one run's ``date=YYYY-MM-DD`` partition), so two layouts are never mixed.
-        files = sorted(p for p in fs.find(root, maxdepth=1) if visible(p)) or sorted(
-            p for p in fs.find(root) if visible(p))
-        base = root
-    elif fs.exists(root):
-        files, base = [root], posixpath.dirname(root)
-    else:
-        raise ReportError(f"run output {uri!r} does not exist")
-    if not files:
-        raise ReportError(f"run output {uri!r} holds no Parquet files")
-    tables = []
-    for p in files:
-        with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f))
-    table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+    try:
+        out = CommittedOutput.open(uri, storage_options)
+        table = out.table(provenance=False)
+    except JobRefused as e:
+        raise ReportError(str(e)) from None
     missing = [c for c in _NEEDED if c not in table.column_names]
     if missing:
         raise ReportError(f"run output {uri!r} lacks column(s) {missing}; is it a specbatch job output?")
-    summary = None
-    for name in SUMMARY_NAMES:
-        p = posixpath.join(base, name)
-        if fs.exists(p):
-            with fs.open(p, "r") as f:
-                summary = json.load(f)
-            break
-    return Run(uri=uri, table=table, summary=summary)
+    return Run(uri=uri, table=table, summary=out.summary, finished=out.finished, note=out.describe())
 
 
 @dataclass
@@ -226,7 +208,8 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
         s_all = row_stats(r.table)
         s_c = row_stats(r.table, common)
         d: dict[str, Any] = {
-            "label": r.label, "method": r.method, "uri": r.uri, "rows": r.table.num_rows,
+            "label": r.label, "method": r.method, "uri": r.uri, "finished": r.finished, "output": r.note,
+            "rows": r.table.num_rows,
             "errors": r.table.num_rows - r.table.column("error").null_count,
             "acceptance_rate": s_all.acceptance_rate, "draft_steps": s_all.draft_steps,
             "mean_accepted_length": s_all.mean_accepted_length, "tokens_per_step": s_all.tokens_per_step,
@@ -397,10 +380,11 @@ def _run_models(run: Run | None) -> dict[str, Any]:
 def provenance(command: str | None = None) -> dict[str, Any]:
     """Where a measurement comes from, for its ``report.json``: the command, the commit of this
     checkout (``-dirty`` when tracked files differ from it; ``None`` outside a git checkout),
-    the machine (processor, cores, accelerator, torch version) and whether the engine's CPU
-    kernels were on (:mod:`pipeline.engine.kernels`; ``SPECBATCH_CPU_KERNELS=0`` turns them
-    off).  ``reports/README.md`` and the README's results block (``scripts/results_block.py``)
-    read it."""
+    the machine (processor, cores, accelerator, torch version) and the engine's CPU options in
+    this process (``cpu``: :class:`pipeline.engine.cpu.CpuOptions` with the environment's
+    overrides, as a model prepared here without other options gets them; ``cpu_kernels``: their
+    master switch).  ``reports/README.md`` and the README's results block
+    (``scripts/results_block.py``) read it."""
     import os
     import platform
     import subprocess
@@ -427,8 +411,14 @@ def provenance(command: str | None = None) -> dict[str, Any]:
         machine += f", torch {torch.__version__}"
     except Exception:  # noqa: BLE001 - provenance never fails a report
         pass
+    from pipeline.engine.cpu import with_environment
+
+    try:
+        cpu: dict[str, Any] = with_environment().to_dict()
+    except ValueError as e:  # a bad SPECBATCH_CPU_* variable: said, not raised (provenance never fails a report)
+        cpu = {"kernels": None, "error": str(e)}
     return {"command": command or " ".join(["python", *sys.argv]), "commit": commit, "machine": machine,
-            "cpu_kernels": os.environ.get("SPECBATCH_CPU_KERNELS", "1") != "0"}
+            "cpu_kernels": cpu["kernels"], "cpu": cpu}
 
 
 def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict | None = None,
@@ -462,6 +452,11 @@ def write_report(uris: list[str], out_dir: str | Path, *, storage_options: dict 
         lines.append(f"No `{baseline}` run given: no speedup column.")
     lines += ["", "Rates are run-level: tokens and steps summed over rows, then divided (docs/metrics.md).", ""]
     lines += ["## Runs", ""]
+    unfinished = [d["label"] for d in result["runs"] if not d["finished"]]
+    if unfinished:
+        lines += [f"**Unfinished:** {', '.join(unfinished)}: no `_SUCCESS` (a run was killed or is in progress); "
+                  "the figures cover the units it committed.", ""]
+    lines += [f"- `{d['output']}`" for d in result["runs"]] + [""]
     for d in result["runs"]:
         s = d["stats"]
         lines.append(f"- **{d['label']}** (`{d['uri']}`): {d['rows']} rows, {d['errors']} errors; "

@@ -39,10 +39,8 @@ import dataclasses
 import json
 import datetime as _dt
 import logging
-import platform
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -56,11 +54,11 @@ from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
-from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console  # noqa: F401
-from pipeline.read import Shard, partition_keys, read_units_batch, resolve_shards, units_of
+from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console, read_load_board  # noqa: F401
+from pipeline.input import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.schema import INPUT_SCHEMA
-from pipeline.summary import RunTotals
+from pipeline.summary import RunFacts, RunTotals, cpu_summary, run_summary, stored_summary
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +121,7 @@ def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Sh
     """:func:`pipeline.fingerprint.config_identity` of a run: with its resolved generation
     settings (greedy: no sampling settings), and ``input.format`` counted as ``auto`` when
     ``auto`` reads every shard in that format."""
-    from pipeline.read import file_kind
+    from pipeline.input import file_kind
 
     auto = cfg.input.model_copy(update={"format": "auto"})
     as_auto = cfg.input.format != "auto" and bool(shards) and all(
@@ -270,91 +268,23 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> dict[str, Any]:
 
 def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, progress: bool) -> dict[str, Any]:
     """:func:`run_job` after its preflight, holding the output's lease."""
-    shards, plan, writer, generation = pre.shards, pre.plan, pre.writer, pre.generation
-    todo = plan.todo
-    n_units = len(todo) + len(plan.done)
+    plan, writer = pre.plan, pre.writer
     if plan.nothing_to_do:
         log.info("%s is complete: all %d parts committed; nothing to do", writer.location.url(), len(plan.done))
-        summary = writer.location.read_summary()
-        summary["this_run"] = {"run_id": writer.run_id, "nothing_to_do": True, "units_run": [],
-                               "units_skipped": list(plan.done)}
-        return summary
-    total_rows = sum(u.num_rows for u in todo)
+        return stored_summary(writer.location.read_summary(), writer.run_id, plan.done)
+    total_rows = sum(u.num_rows for u in plan.todo)
     log.info("%d shards in %d units (%d committed earlier, skipped), %d rows to do -> %s (run %s)",
-             len(shards), n_units, len(plan.done), total_rows, writer.location.url(), writer.run_id)
+             len(pre.shards), len(plan.todo) + len(plan.done), len(plan.done), total_rows, writer.location.url(),
+             writer.run_id)
     try:
-        for u in todo:
-            if u.num_rows == 0:
-                writer.write_part(u, _empty_rows(writer))  # an empty file: no rows to decode
-        t_gen = time.perf_counter()
-        first: float | None = None  # seconds to the first unit's records
-        if total_rows:
-            embedded = init_ray(cfg)
-            ds = build_dataset(cfg, [u for u in todo if u.num_rows], writer, generation, embedded=embedded,
-                               partition_columns=writer.extra_columns)
-            describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
-            with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
-                for records in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                    beat()
-                    if records.num_rows == 0:
-                        continue
-                    if first is None:
-                        first = time.perf_counter() - t_gen
-                    before = writer.totals.rows
-                    writer.add_fragments(records)
-                    bar.update(writer.totals.rows - before)
-        generate_elapsed = time.perf_counter() - t_gen
-        missing = writer.missing()
-        if missing:
-            raise RunError(f"rows missing from the output (got, expected) per unit: {dict(list(missing.items())[:10])}"
-                           + (f" and {len(missing) - 10} more units" if len(missing) > 10 else ""))
-        overall = RunTotals()  # every committed part: earlier runs' and this run's
-        entries = [writer.entries[k] for k in sorted(writer.entries)]
-        for e in entries:
-            overall.merge(e.get("totals"))
-        this = writer.totals.to_dict(generate_elapsed_s=generate_elapsed)
-        summary = {
-            "run_id": writer.run_id,
-            "status": "succeeded",
-            "output": writer.location.url(),
-            "run_date": cfg.output.effective_run_date() if cfg.output.partition_by_date else None,
-            "started_at": started.isoformat(),
-            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-            "elapsed_s": time.perf_counter() - t0,
-            "shards": len(shards),
-            "units": n_units,
-            **overall.to_dict(),
-            "generate_elapsed_s": generate_elapsed,
-            "tokens_per_s": this["tokens_per_s"],  # this run's new tokens / this run's generate time
-            "first_batch_s": first,
-            "audit": {"fraction": cfg.audit.fraction, "seed": cfg.audit.seed,
-                      "greedy": not generation.do_sample},
-            # the settings rows were decoded with: generation: plus the checkpoint's defaults
-            "generation": dataclasses.asdict(generation),
-            "this_run": {
-                "run_id": writer.run_id,
-                "nothing_to_do": False,
-                "units_run": [u.part for u in todo],
-                "units_skipped": list(plan.done),
-                "rows": this["rows"], "errors": this["errors"], "new_tokens": this["new_tokens"],
-                "audit_rows": this["audit_rows"], "audit_mismatches": this["audit_mismatches"],
-            },
-            "runs": sorted({e.get("run_id") for e in entries if e.get("run_id")}),
-            "parts": [{k: e.get(k) for k in ("part", "files", "source_file", "start_row", "rows", "errors", "run_id")}
-                      for e in entries],
-            "config": cfg.resolved(),
-            "config_fingerprint": writer.config_fingerprint,
-            "environment": _environment(),
-        }
-        expected = sum(s.num_rows for s in shards)
-        if overall.rows != expected:
-            raise RunError(f"committed rows {overall.rows} != input rows {expected}")
+        generate_elapsed, first = _decode_and_commit(cfg, pre, total_rows, progress)
+        summary = _finish(cfg, pre, started, t0, generate_elapsed, first)
         writer.commit(summary)
-        log.info("run %s committed: %d rows (%d errors) in %s; this run: %d units, %d skipped",
-                 writer.run_id, overall.rows, overall.errors, writer.location.url(), len(todo), len(plan.done))
-        if overall.audit_rows:
+        log.info("run %s committed: %d rows (%d errors) in %s; this run: %d units, %d skipped", writer.run_id,
+                 summary["rows"], summary["errors"], writer.location.url(), len(plan.todo), len(plan.done))
+        if summary["audit_rows"]:
             log.info("audit: %d rows re-decoded with plain decoding, %d mismatches",
-                     overall.audit_rows, overall.audit_mismatches)
+                     summary["audit_rows"], summary["audit_mismatches"])
         return summary
     except BaseException as e:
         # a failing storage would make the clean-up hang too: a later successful run removes it,
@@ -366,6 +296,70 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
         if pool is not None:
             raise ActorPoolError(pool) from e
         raise
+
+
+def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int, progress: bool) -> tuple[float, float | None]:
+    """Decode this run's units on the actor pool and commit each as its records come back.
+    Returns the seconds of the Ray Data stage and to the first unit's records (None: no rows).
+
+    Raises:
+        RunError: a unit's rows did not all come back.
+    """
+    writer = pre.writer
+    for u in pre.plan.todo:
+        if u.num_rows == 0:
+            writer.write_part(u, _empty_rows(writer))  # an empty file: no rows to decode
+    t_gen = time.perf_counter()
+    first: float | None = None
+    if total_rows:
+        embedded = init_ray(cfg)
+        ds = build_dataset(cfg, [u for u in pre.plan.todo if u.num_rows], writer, pre.generation, embedded=embedded,
+                           partition_columns=writer.extra_columns)
+        describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
+        with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
+            for records in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                beat()
+                if records.num_rows == 0:
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t_gen
+                before = writer.totals.rows
+                writer.add_fragments(records)
+                bar.update(writer.totals.rows - before)
+    generate_elapsed = time.perf_counter() - t_gen
+    missing = writer.missing()
+    if missing:
+        raise RunError(f"rows missing from the output (got, expected) per unit: {dict(list(missing.items())[:10])}"
+                       + (f" and {len(missing) - 10} more units" if len(missing) > 10 else ""))
+    return generate_elapsed, first
+
+
+def _finish(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, generate_elapsed: float,
+            first: float | None) -> dict[str, Any]:
+    """The run summary (:func:`pipeline.summary.run_summary`) over every committed unit.
+
+    Raises:
+        RunError: the committed rows are not the input's.
+    """
+    writer = pre.writer
+    entries = [writer.entries[k] for k in sorted(writer.entries)]
+    overall = RunTotals()  # every committed part: earlier runs' and this run's
+    for e in entries:
+        overall.merge(e.get("totals"))
+    expected = sum(s.num_rows for s in pre.shards)
+    if overall.rows != expected:
+        raise RunError(f"committed rows {overall.rows} != input rows {expected}")
+    facts = RunFacts(
+        run_id=writer.run_id, output=writer.location.url(),
+        run_date=cfg.output.effective_run_date() if cfg.output.partition_by_date else None,
+        started_at=started.isoformat(), finished_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+        elapsed_s=time.perf_counter() - t0, shards=len(pre.shards), units=len(pre.plan.todo) + len(pre.plan.done),
+        generate_elapsed_s=generate_elapsed, first_batch_s=first,
+        audit={"fraction": cfg.audit.fraction, "seed": cfg.audit.seed, "greedy": not pre.generation.do_sample},
+        generation=dataclasses.asdict(pre.generation), config=cfg.resolved(),
+        config_fingerprint=writer.config_fingerprint,
+        cpu=cpu_summary(read_load_board()) if any(u.num_rows for u in pre.plan.todo) else None)  # the actors' CPU plans (load board)
+    return run_summary(facts, overall, writer.totals, entries, [u.part for u in pre.plan.todo], pre.plan.done)
 
 
 def _empty_rows(writer: OutputWriter):
@@ -451,16 +445,6 @@ def _shorten(text: str, n: int) -> str:
 def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return lines[0] if lines else ""
-
-
-def _environment() -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "host": socket.gethostname()}
-    for mod in ("torch", "transformers", "ray", "pyarrow"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:
-            pass
-    return env
 
 
 __all__ = ["run_job", "preflight", "Preflight", "build_dataset", "stall_guard",

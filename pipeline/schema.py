@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from pipeline.engine.stats import COLUMNS
 
-#: One row of input, as the actors receive it (see pipeline.read for the id rules).
+#: One row of input, as the actors receive it (see pipeline.input.rows for the id rules).
 INPUT_SCHEMA = pa.schema(
     [
         ("source_file", pa.string()),  # the shard's URL
@@ -50,6 +50,9 @@ OUTPUT_SCHEMA = pa.schema(
         *_stat_fields(appended=True),
         # lossless audit: seconds (engine clock) plain decoding of the row took; null = not audited
         ("audit_plain_time_s", pa.float64()),
+        # seconds (engine clock) the row's actor spent warming up its engines before its first batch:
+        # on the first row each actor returned, null on the others
+        ("warm_up_time_s", pa.float64()),
     ]
 )
 

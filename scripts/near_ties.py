@@ -1,7 +1,7 @@
 """Where two greedy job outputs differ, is the first difference a near-tie?
 
-Reads two job outputs of the same input (e.g. a speculative run and the plain run), finds the
-rows whose ``output_text`` differs, decodes those rows again in this process, each alone,
+Reads two job outputs of the same input (e.g. a speculative run and the plain run; their
+committed rows only, :mod:`pipeline.output.reader`), finds the rows whose ``output_text`` differs, decodes those rows again in this process, each alone,
 with the config's method and with plain decoding, and reports for each the first differing
 position and the target's top-2 logit gap there (:mod:`pipeline.engine.exactness`; a
 near-tie is a gap below 1e-3).  In float32, batched and single-row passes sum in different
@@ -26,10 +26,15 @@ sys.path.insert(0, str(REPO))
 
 
 def _texts(uri: str) -> dict[str, str | None]:
-    import pyarrow.parquet as pq
+    """The output texts of a job output's committed rows without error, by id
+    (:class:`pipeline.output.reader.CommittedOutput`: a killed run's parts are not read)."""
+    from pipeline.output.reader import CommittedOutput
 
-    t = pq.read_table(uri, columns=["id", "output_text", "error"]).to_pylist()
-    return {r["id"]: r["output_text"] for r in t if r["error"] is None}
+    out = CommittedOutput.open(uri)
+    if not out.finished:
+        print(f"note: {out.describe()}", file=sys.stderr)
+    return {r["id"]: r["output_text"] for r in out.rows(["id", "output_text", "error"], provenance=False)
+            if r["error"] is None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.engine.exactness import compare_rows, summarize
     from pipeline.loading import build_engine, load_engine
     from pipeline.prompts import PromptBuilder
-    from pipeline.read import read_shard, resolve_shards
+    from pipeline.input import read_shard, resolve_shards
 
     cfg = load_config(args.config, args.set)
     out, ref = _texts(args.output), _texts(args.reference)

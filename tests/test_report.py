@@ -1,6 +1,7 @@
 """The run report: figures recomputed from synthetic per-row Parquet, files written."""
 
 import json
+import posixpath
 import subprocess
 import sys
 from pathlib import Path
@@ -44,18 +45,35 @@ DRAFT = [_row("a", "draft_model", "x y", 10, 4, 12, 6, [4, 4, 4], [3, 2, 1], wal
 
 
 def _write_run(fs, root, rows, summary=None, split=False):
-    fs.makedirs(root, exist_ok=True)
+    """A committed job output at ``root`` of ``fs``, written by the output package's writer
+    (one unit per chunk), finished (``_SUCCESS``) with ``summary`` (or ``{}``); then a
+    leftover staging part and an orphan (a data file tagged with the run's id that no record
+    of the commit log names, as a killed run leaves), which the report must not read."""
+    from pipeline.config import OutputConfig
+    from pipeline.output import OutputWriter
+
+    url = fs.unstrip_protocol(root) if fs.protocol != "file" and "file" not in fs.protocol else root
+    w = OutputWriter(OutputConfig(uri=url))
+    w.prepare([])
     chunks = [rows[:1], rows[1:]] if split else [rows]
     for n, chunk in enumerate(chunks):
-        with fs.open(f"{root}/part-{n:05d}.parquet", "wb") as f:
-            pq.write_table(pa.Table.from_pylist(chunk, schema=OUTPUT_SCHEMA), f)
-    # A leftover staging part must be ignored.
-    fs.makedirs(f"{root}/_staging/old", exist_ok=True)
-    with fs.open(f"{root}/_staging/old/part-00000.parquet", "wb") as f:
-        pq.write_table(pa.Table.from_pylist(rows[:1], schema=OUTPUT_SCHEMA), f)
-    if summary is not None:
-        with fs.open(f"{root}/_summary.json", "w") as f:
-            json.dump(summary, f)
+        w.write_part(n, pa.Table.from_pylist(chunk, schema=OUTPUT_SCHEMA))
+    w.commit(summary or {})
+    for name in ("_staging/old/part-00000.parquet", f"part-00007-u00000.{w.run_id}.parquet"):
+        fs.makedirs(posixpath.dirname(f"{root}/{name}"), exist_ok=True)
+        with fs.open(f"{root}/{name}", "wb") as f:
+            pq.write_table(pa.Table.from_pylist(rows[:1], schema=OUTPUT_SCHEMA), f)
+
+
+def _commit_by_hand(folder: Path, table: pa.Table) -> None:
+    """An output of an older version: ``part-00000.parquet`` (whatever its schema) and its
+    manifest entry in the layout before units, ``_SUCCESS``."""
+    folder.mkdir()
+    pq.write_table(table, folder / "part-00000.parquet")
+    (folder / "_manifest").mkdir()
+    (folder / "_manifest" / "part-00000.json").write_text(json.dumps(
+        {"part": "part-00000.parquet", "files": ["part-00000.parquet"], "rows": table.num_rows, "run_id": "old"}))
+    (folder / "_SUCCESS").write_text("old\n")
 
 
 @pytest.fixture
@@ -145,8 +163,7 @@ def test_mean_accepted_length_leaves_steps_without_a_draft_out(tmp_path, schema)
                                  pa.nulls(table.num_rows, pa.int64()))
     elif schema == "no draft_steps column":
         table = table.drop_columns(["draft_steps", "tokens_per_step"])
-    (tmp_path / "pld").mkdir()
-    pq.write_table(table, tmp_path / "pld" / "part-00000.parquet")
+    _commit_by_hand(tmp_path / "pld", table)
     d = summarize_runs([load_run(str(tmp_path / "pld"))])["runs"][0]
     assert d["draft_steps"] == 6
     assert d["mean_accepted_length"] == pytest.approx(1 + 5 / 6)

@@ -88,7 +88,7 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- text sources
 def load_xsum(data: Path) -> list[dict]:
-    from jobs.prepare_inputs import HELM_PREFIX, HELM_SUFFIX, _strip
+    from pipeline.corpora import HELM_PREFIX, HELM_SUFFIX, strip_wrapper as _strip
 
     rows = []
     with open(data / "xsum_helm_1000" / "xsum_0shot.jsonl", encoding="utf-8") as f:
@@ -183,8 +183,10 @@ def generate_with_features(target, prompts: list[list[int]], layers: list[int], 
     keeping features and top-k of every position; calls ``on_records(records, next_index)``
     every ``flush_every`` finished rows (in prompt order) and at the end.  Stops admitting
     new prompts at ``deadline`` (``time.time()``).  Returns how many prompts were finished."""
+    from pipeline.engine.cpu import prepare
     from pipeline.engine.runner import ModelRunner
 
+    prepare(target, None, "target")  # the engine's CPU kernels and lean pass, as a job's target (once)
     runner = ModelRunner(target, rows)
     runner.cache.reserve(max(len(p) for p in prompts) + max_new + 1 if prompts else 64)
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
@@ -452,6 +454,7 @@ def cost_ratio(target, head_path: Path, prompt: list[int], rows_list=(1, 8), rep
     """``c`` = one head draft step (a chained one-token pass + its output layer, every row) /
     one target decode step (one token per row, the same context), float32, 1 thread,
     medians of ``reps`` alternating measurements."""
+    from pipeline.engine.cpu import prepare
     from pipeline.engine.draft_head import load_draft_head
     from pipeline.engine.proposers.eagle import EagleProposer
     from pipeline.engine.runner import ModelRunner
@@ -461,9 +464,11 @@ def cost_ratio(target, head_path: Path, prompt: list[int], rows_list=(1, 8), rep
     out = {}
     try:
         for rows in rows_list:
+            prepare(target, None, "target")  # as the engine prepares its models (once)
             runner = ModelRunner(target, rows)
             head = load_draft_head(head_path, target)
             prop = EagleProposer(target, head, draft_vocab_size)
+            prepare(prop.head, None, "draft head")
             prop.bind(rows, runner)
             slots = list(range(rows))
             ids = torch.tensor(prompt)

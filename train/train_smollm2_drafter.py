@@ -70,7 +70,7 @@ def log(msg: str) -> None:
 
 
 def load_xsum() -> list[dict]:
-    from jobs.prepare_inputs import HELM_PREFIX, HELM_SUFFIX, _strip
+    from pipeline.corpora import HELM_PREFIX, HELM_SUFFIX, strip_wrapper as _strip
 
     rows = []
     with open(DATA / "xsum_helm_1000" / "xsum_0shot.jsonl", encoding="utf-8") as f:

@@ -233,8 +233,11 @@ class DraftBudget:
         self.reset_learning()
 
     def reset_learning(self) -> None:
-        """Forget acceptance (calibration, positions, the tree's side-node gain, probes); keep
-        the cost curve (the engine's :meth:`~pipeline.engine.loop.StepEngine.reset_learning`)."""
+        """Forget acceptance (calibration, positions, the tree's side-node gain, probes) and the
+        recorded admissions; keep the cost curve (the engine's
+        :meth:`~pipeline.engine.loop.StepEngine.reset_learning`)."""
+        self.history = []
+        self.last = None
         self.acceptance = Acceptance()
         self.trees = TreeSizer()
         self.kept: dict[int, list[float]] = {}  # draft position -> [verified, proposed] (what cut() keeps)

@@ -121,6 +121,24 @@ class DraftHeadConfig:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    def fit_problems(self, target_config) -> list[str]:
+        """What keeps this head from fitting a target of ``target_config`` (a model's config, or
+        a model): its hidden size, its vocabulary, and the hidden states the head reads (a
+        head that reads the final hidden state reads it of a target of the same depth).
+        Empty: it fits.  The one rule of both checks (:func:`check_fit`)."""
+        c = text_config(target_config)
+        problems = []
+        if c.hidden_size != self.hidden_size:
+            problems.append(f"hidden size {c.hidden_size} != the head's {self.hidden_size}")
+        if c.vocab_size != self.target_vocab_size:
+            problems.append(f"vocabulary {c.vocab_size} != the {self.target_vocab_size} it was trained for")
+        deepest = max(self.feature_layers)
+        if c.num_hidden_layers < deepest or (
+                c.num_hidden_layers != self.target_num_hidden_layers and deepest == self.target_num_hidden_layers):
+            problems.append(f"{c.num_hidden_layers} layers, the head reads hidden_states {self.feature_layers} "
+                            f"of a {self.target_num_hidden_layers}-layer target")
+        return problems
+
     def llama_config(self):
         """The ``LlamaConfig`` of the head's decoder layer (SDPA attention)."""
         from transformers import LlamaConfig
@@ -135,6 +153,18 @@ class DraftHeadConfig:
         )
         cfg._attn_implementation = "sdpa"
         return cfg
+
+
+def check_fit(head: DraftHeadConfig, target_config, more: list[str] | None = None) -> None:
+    """Raise ``ValueError`` naming every mismatch (:meth:`DraftHeadConfig.fit_problems`, then
+    ``more``) unless a head of ``head`` fits a target of ``target_config`` (a config or a
+    model).  The one check of both paths: the driver's, from the configs alone
+    (:func:`pipeline.engine.proposers.eagle.check_drafter`), and the engine's, when the head is
+    attached (:meth:`DraftHead.check_target`): the same head is refused with the same message."""
+    problems = head.fit_problems(target_config) + list(more or [])
+    if problems:
+        raise ValueError(f"method 'eagle': the draft head (trained for {head.target or 'another target'!r}) does not "
+                         "fit the target: " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------- the head
@@ -180,22 +210,11 @@ class DraftHead(nn.Module):
         return self.fc.weight.dtype
 
     def check_target(self, target) -> None:
-        """Raise ``ValueError`` (naming the mismatch) unless ``target`` fits this head."""
-        c, h = text_config(target), self.head_config
-        problems = []
-        if c.hidden_size != h.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} != the head's {h.hidden_size}")
-        if c.vocab_size != h.target_vocab_size:
-            problems.append(f"vocabulary {c.vocab_size} != the {h.target_vocab_size} it was trained for")
-        if c.num_hidden_layers < max(h.feature_layers) or (
-                c.num_hidden_layers != h.target_num_hidden_layers and max(h.feature_layers) == h.target_num_hidden_layers):
-            problems.append(f"{c.num_hidden_layers} layers, the head reads hidden_states {h.feature_layers} "
-                            f"of a {h.target_num_hidden_layers}-layer target")
-        if int(self.draft_vocab.max()) >= c.vocab_size or int(self.draft_vocab.min()) < 0:
-            problems.append("draft vocabulary ids outside the target's vocabulary")
-        if problems:
-            raise ValueError(f"method 'eagle': the draft head (trained for {h.target or 'another target'!r}) does not "
-                             f"fit this target ({type(target).__name__}): " + "; ".join(problems))
+        """Raise ``ValueError`` (:func:`check_fit`'s message) unless ``target`` fits this head:
+        its config, and the draft vocabulary's ids (in the weights) within its vocabulary."""
+        vocab = text_config(target).vocab_size
+        ids_outside = int(self.draft_vocab.max()) >= vocab or int(self.draft_vocab.min()) < 0
+        check_fit(self.head_config, target, ["draft vocabulary ids outside the target's vocabulary"] * ids_outside)
 
     def attach(self, target) -> "DraftHead":
         """Read the target's input embeddings (shared) and, tied, copy its output-layer rows of

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from .batch import RowState
+from .cpu import CpuOptions, CpuPlan, prepare
 from .draft_budget import DraftBudget
 from .proposers import METHODS, ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
@@ -88,6 +89,11 @@ class StepEngine:
             (seconds): ``time.perf_counter`` (default, wall time) or e.g.
             ``time.process_time`` (CPU time of the process: steadier on a shared CPU
             machine, but blind to GPU work and summed over threads).
+        cpu: the CPU acceleration's parts (:class:`~pipeline.engine.cpu.CpuOptions`, the
+            environment overriding them; ``None``: a model's existing plan, else all on).  Every
+            model the engine runs is prepared here, once (:func:`pipeline.engine.cpu.prepare`:
+            **its linear layers are rewritten in place**, kernels measured and compiled);
+            :attr:`cpu_plans` says what was chosen.
 
     Raises:
         ValueError: a bad setting (naming it), a method without the model it needs, a
@@ -105,6 +111,7 @@ class StepEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         draft_length: str = "auto",
         clock: Callable[[], float] = time.perf_counter,
+        cpu: CpuOptions | None = None,
     ):
         self.spec = (speculation or SpeculationSettings()).validate()
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
@@ -116,8 +123,15 @@ class StepEngine:
         self.target_vocab = text_config(target).vocab_size
         #: the method's spec: the proposer's capabilities, read once (never probed on the proposer)
         self.method = METHODS[self.spec.method]
+        #: what preparing each model the engine runs did, by role (pipeline.engine.cpu.CpuPlan)
+        self.cpu_plans: dict[str, CpuPlan] = {}
+
+        def prepare_model(model, role: str) -> None:
+            self.cpu_plans[role] = prepare(model, cpu, role)
+
+        prepare_model(target, "target")
         self.proposer: Proposer | None = build_proposer(
-            ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer)
+            ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer, prepare_model)
         )
         self._hook = self.method.hooks_target
         self._move = self.method.moves_tree_state  # TreeState: state from the target's passes, moved with a tree's path
@@ -153,11 +167,18 @@ class StepEngine:
         return self._hook
 
     def reset_learning(self) -> None:
-        """Forget what the engine learnt from the rows decoded so far: the proposer's job-wide
-        pool (suffix's tree of finished outputs) and the controller's acceptance history; keep
-        its measured costs.  Call it after a warm-up (the costs it measured are the job's; its
-        rows are not) and between timed runs of the same rows (a pool that holds their outputs
-        would replay them).  Call it between steps, not while rows are in flight."""
+        """Forget what the engine learnt from the rows it decoded, keeping what it measured of
+        the machine: after a warm-up on synthetic rows (:meth:`SpeculativeEngine.warm_up`), or
+        between timed runs of the same rows, so that no draft source has seen the rows it is
+        timed on (suffix replaying its own outputs measured acceptance 0.88 instead of 0.39).
+
+        Cleared: the proposer's job-wide state (its ``reset_learning()``: suffix's tree of
+        finished outputs) and the controller's learning
+        (:meth:`~pipeline.engine.draft_budget.DraftBudget.reset_learning`: the calibration of
+        confidence, the acceptance by position, the token-tree sizer's gain per side node, the
+        probe schedule, the recorded admissions).  Kept: the controller's cost curve
+        t(tokens, rows), the CPU plans and compiled kernels, the caches.  Rows in flight keep
+        their own evidence: call it between runs, not while rows are in flight."""
         if self.method.learns_from_outputs:
             self.proposer.reset_learning()
         if self.budget is not None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fused, kernels
+from . import cpu
 from .cache import SlotCache
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
@@ -162,6 +162,10 @@ def model_layout(model, role: str = "target", method: str = "plain") -> ModelLay
 class ModelRunner:
     """One model, its :class:`SlotCache` and the masks of its forward passes.
 
+    The runner chooses no kernel: a model prepared at load (:func:`pipeline.engine.cpu.prepare`)
+    runs its plan's lean forward where the plan takes the pass, and its own forward (with the
+    plan's attention and linear kernels) otherwise; a model never prepared runs its own forward.
+
     Args:
         model: a causal LM in eval mode.
         max_rows: rows in flight (slots of the cache).
@@ -175,9 +179,8 @@ class ModelRunner:
         self.device = model.device
         self.impl = getattr(text_config(model), "_attn_implementation", None) or "eager"
         self.dtype = _float_dtype(model)
-        kernels.pack_linears(model)  # CPU: oneDNN packed linear layers (pipeline.engine.kernels)
-        self.small_query = kernels.uses_small_query_attention(model)
-        self.fused = fused.supports(model)  # a Llama on the CPU: the lean pass (pipeline.engine.fused)
+        #: what pipeline.engine.cpu.prepare did to the model at load (None: its own forward, default kernels)
+        self.cpu = cpu.plan_of(model)
 
     # ------------------------------------------------------------------ inputs
     def inputs(self, slots: list[int], tokens: list[torch.Tensor], starts: list[int], trees=None):
@@ -304,11 +307,12 @@ class ModelRunner:
             mask = None  # every row starts at 0 with the same length: SDPA's own causal kernel
         self.cache.step(slots, write, kv_len)
         feed = {"input_ids": inputs} if inputs.dim() == 2 else {"inputs_embeds": inputs}
+        plan = self.cpu if model is self.model else cpu.plan_of(model)
         try:
-            if (self.fused and model is self.model and kwargs.keys() <= {"output_hidden_states"} and inputs.dim() == 2
-                    and not torch.is_grad_enabled() and not fused.has_hooks(model)):
-                return _Output(*fused.forward(model, inputs, position_ids, mask, self.cache, logits_to_keep, **kwargs))
-            with kernels.attention_implementation(model, self.small_query and mask is not None):
+            lean = plan.forward_of(model, inputs, kwargs) if plan is not None else None
+            if lean is not None:
+                return _Output(*lean(model, inputs, position_ids, mask, self.cache, logits_to_keep, **kwargs))
+            with cpu.attention_implementation(model, plan is not None and plan.small_query_attention and mask is not None):
                 return model(**feed, position_ids=position_ids, attention_mask=mask, cache=self.cache,
                              use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
         finally:

@@ -22,36 +22,22 @@ a heartbeat more than :data:`CLOCK_SKEW_TOLERANCE_S` in the future is refused as
 (:class:`LeaseHeld`, naming it).  A ``_lease.json`` that is not a regular file (a named pipe)
 is refused without being read.
 
-How each storage makes it exclusive:
-
-- **Local disk** (and any POSIX filesystem mounted locally, NFS included): the lease is
-  created with ``O_CREAT | O_EXCL`` (only one creator succeeds); its content is written once
-  and the heartbeat is the file's mtime, touched through the open descriptor, so a holder
-  only ever touches its own file.  A stale lease is taken over, and a lease released,
-  under an exclusive ``flock`` on the output folder, so two takers cannot both succeed.
-  Ownership is the file's identity (device and inode) being the one the holder created.
-- **S3** (and S3-compatible stores): the lease is created with a conditional put
-  (``If-None-Match: *``, honoured by AWS S3 since August 2024, MinIO, moto); each
-  heartbeat and a takeover are puts with ``If-Match: <the ETag last seen>``, so a holder
-  never overwrites a lease it lost and only one of two takers wins; it is released with a
-  conditional delete.  Ownership is the ETag (each beat changes the content, so each ETag
-  is new).  Right after creating the lease, the run checks that the store refuses a
-  second conditional create and an ``If-Match`` with a wrong ETag; a store that ignores
-  either (some older S3-compatible servers) is logged as a warning and the lease falls
-  back to read-then-write with a read-back, which two runs starting within the same
-  instant could both pass (the later one's first check before publishing then stops the
-  one that lost).
-- **Other fsspec filesystems** (``gs://``, ``memory://``, ...): the same best-effort
-  read-then-write with a read-back, with a warning.
+The lease says who may write; the commit log fences (:mod:`pipeline.output.commit_log`):
+a run that lost its lease and resumes after a pause can commit nothing, since the run that
+took the lease over has appended its ``epoch`` record where the paused run's next record
+would go, and the storage refuses a second record there.  How each storage makes the lease
+itself exclusive (:mod:`pipeline.output.lease_backends`): on local disk an ``O_EXCL``
+create with the heartbeat the file's mtime and takeover under ``flock``; on S3 conditional
+puts (``If-None-Match: *`` to create, ``If-Match: <ETag>`` to beat and take over; a store
+that ignores them is named in a warning and the lease falls back to read-then-write with a
+read-back); on other fsspec filesystems a best-effort read-then-write with a read-back.
 
 Every storage call goes through the run's retry loop (:mod:`pipeline.retry`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import errno
 import getpass
 import json
 import logging
@@ -59,15 +45,16 @@ import math
 import os
 import posixpath
 import socket
-import stat
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeline.config import MAX_LEASE_TIMEOUT_S, JobRefused
+from pipeline.storage import is_local
 from pipeline.output.layout import LEASE  # noqa: F401 (the lease file, directly in the output folder)
+from pipeline.output.lease_backends import (GenericLeaseStore, Holder, LeaseStore, LeaseUnreadable,  # noqa: F401
+                                            LocalLeaseStore, S3LeaseStore)
 
 log = logging.getLogger("specbatch")
 
@@ -86,27 +73,6 @@ class LeaseHeld(JobRefused):
 class LeaseLost(RuntimeError):
     """This run no longer holds its output's lease (taken over by another run, removed, or
     its heartbeat failed for too long): it publishes nothing more."""
-
-
-class LeaseUnreadable(JobRefused):
-    """The output holds a ``_lease.json`` that is not a lease of this job."""
-
-
-@dataclass
-class Holder:
-    """A lease as read back: its content, and the age of its last heartbeat (seconds)."""
-
-    content: dict[str, Any]
-    age_s: float
-    token: Any  # what identifies this version of the lease (inode, ETag)
-
-    def describe(self) -> str:
-        c = self.content
-        who = c.get("owner") or "an unknown holder"
-        fp = f", config fingerprint {c['config_fingerprint']}" if c.get("config_fingerprint") else ""
-        started = f", started {c['acquired_at']}" if c.get("acquired_at") else ""
-        beat = f"{self.age_s:.0f} s ago" if self.age_s >= 0 else f"{-self.age_s:.0f} s in the future"
-        return f"run {c.get('run_id') or '?'} of {who} (pid {c.get('pid', '?')}{fp}{started}), last heartbeat {beat}"
 
 
 def lease_interval(timeout_s: float) -> float:
@@ -145,12 +111,12 @@ class OutputLease:
         self.config_fingerprint = config_fingerprint
         self.clock = clock
         protos = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-        if "file" in protos or "local" in protos:
-            self.backend: _Backend = _Local(self)
+        if is_local(fs):
+            self.backend: LeaseStore = LocalLeaseStore(self)
         elif any(p in ("s3", "s3a") for p in protos):
-            self.backend = _S3(self)
+            self.backend = S3LeaseStore(self)
         else:
-            self.backend = _Generic(self)
+            self.backend = GenericLeaseStore(self)
         self.held = False
         self.lost: str | None = None  # why the lease was lost (set by the heartbeat)
         self.beats = 0
@@ -169,7 +135,12 @@ class OutputLease:
                 "output": self.url, "timeout_s": self.timeout_s,
                 "acquired_at": getattr(self, "_acquired_at", now), "heartbeat_at": now, "beats": self.beats}
 
-    def _parse(self, raw: bytes) -> dict[str, Any]:
+    def parse(self, raw: bytes) -> dict[str, Any]:
+        """The content of a lease file as read (``raw``).
+
+        Raises:
+            LeaseUnreadable: it is not a lease of this job.
+        """
         try:
             c = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -180,7 +151,7 @@ class OutputLease:
                 "never deletes files it did not write: move it away or choose another output.uri")
         return c
 
-    def _bound(self, holder: Holder) -> float:
+    def bound(self, holder: Holder) -> float:
         """The stale bound for ``holder``: ours or the holder's own, whichever is longer; what
         a lease file claims counts as at most :data:`~pipeline.config.MAX_LEASE_TIMEOUT_S`
         (the longest bound a run can hold, so a forged ``"timeout_s": 1e308`` or ``Infinity``
@@ -239,7 +210,7 @@ class OutputLease:
             if holder is None:
                 continue
             self._refuse_skew(holder)
-            bound = self._bound(holder)
+            bound = self.bound(holder)
             leftover = holder.content.get("process") == _PROCESS and holder.content.get("run_id") not in _ACTIVE
             if leftover and self.backend.take_over(holder, force=True):
                 log.info("output %s: took over the lease an earlier run of this process left (run %s, after a "
@@ -318,9 +289,21 @@ class OutputLease:
             raise LeaseLost(self.lost)
 
     def _lose(self, why: str) -> None:
-        self.lost = (f"output {self.url!r}: this run lost its lease ({why}); it publishes nothing more, and the "
-                     "output now belongs to whichever run holds the lease")
-        log.error("%s", self.lost)
+        self.lose(f"output {self.url!r}: this run lost its lease ({why}); it publishes nothing more, and the "
+                  "output now belongs to whichever run holds the lease")
+
+    def lose(self, message: str) -> None:
+        """Mark the lease lost (``message`` says why, logged once): every later :meth:`check`
+        raises :class:`LeaseLost`, and the heartbeat stops."""
+        if not self.lost:
+            self.lost = message
+            log.error("%s", message)
+
+    @property
+    def atomic_create(self) -> bool:
+        """Whether the storage creates a file only when none is there (if not, the lease and
+        the commit log read back what they write: best effort)."""
+        return self.backend.atomic_create
 
     def beat(self) -> bool:
         """One heartbeat (the background thread calls it every :attr:`interval_s`).
@@ -351,402 +334,14 @@ class OutputLease:
                 log.exception("output %s: lease heartbeat failed", self.url)
 
 
-# ---------------------------------------------------------------------- backends
-class _Backend:
-    def __init__(self, lease: OutputLease):
-        self.lease = lease
-
-    def create(self) -> bool:
-        """Create the lease if there is none; True when this run now holds it."""
-        raise NotImplementedError
-
-    def read(self) -> Holder | None:
-        """The current lease, or None when there is none."""
-        raise NotImplementedError
-
-    def take_over(self, stale: Holder, force: bool = False) -> bool:
-        """Replace ``stale`` (still the current lease) by ours; False when it changed
-        meanwhile (or, unless ``force``, is no longer stale)."""
-        raise NotImplementedError
-
-    def after_acquire(self) -> None:
-        pass
-
-    def beat(self) -> str | None:
-        """Refresh the heartbeat; returns why the lease is no longer ours, else None."""
-        raise NotImplementedError
-
-    def still_ours(self) -> str | None:
-        raise NotImplementedError
-
-    def release(self) -> None:
-        raise NotImplementedError
-
-
-class _Local(_Backend):
-    """``O_EXCL`` create, heartbeat = mtime touched through our descriptor, takeover and
-    release under ``flock`` on the folder."""
-
-    def __init__(self, lease: OutputLease):
-        super().__init__(lease)
-        self.fd: int | None = None
-        self.ident: tuple[int, int] | None = None
-
-    @contextlib.contextmanager
-    def _folder_lock(self):
-        import fcntl
-
-        d = os.open(self.lease.root, os.O_RDONLY)
-        try:
-            fcntl.flock(d, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(d)  # closing drops the lock
-
-    def create(self) -> bool:
-        path = self.lease.path
-
-        def make() -> int | None:
-            os.makedirs(self.lease.root, exist_ok=True)
-            try:
-                return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            except FileExistsError:
-                return None
-
-        fd = self.lease.io(make, f"create the lease {self.lease.url}/{LEASE}")
-        if fd is None:
-            return False
-        try:
-            os.write(fd, json.dumps(self.lease.content(), indent=1).encode())
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        st = os.fstat(fd)
-        self.fd, self.ident = fd, (st.st_dev, st.st_ino)
-        return True
-
-    def read(self) -> Holder | None:
-        path = self.lease.path
-        for attempt in range(10):
-            try:  # O_NONBLOCK: opening a named pipe planted there returns at once (refused below)
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except FileNotFoundError:
-                return None
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is a symlink; the job writes its "
-                                          "lease only as a plain file: remove the link") from None
-                raise
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
-                    raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is not a regular file (a named pipe, "
-                                          "a device or a socket), so not a lease of this job: a read of it may "
-                                          "never return; move it away")
-                raw = os.read(fd, 1 << 20)
-            except IsADirectoryError:
-                raise LeaseUnreadable(f"output {self.lease.url!r}: {LEASE} is a folder, not a lease of this job: "
-                                      "move it away") from None
-            finally:
-                os.close(fd)
-            age = self.lease.clock() - st.st_mtime
-            if not raw.strip() and age < 5 and attempt < 9:  # the creator is writing it
-                time.sleep(0.05)
-                continue
-            if not raw.strip():
-                return Holder({"owner": "a run that died while creating it"}, age, (st.st_dev, st.st_ino))
-            return Holder(self.lease._parse(raw), age, (st.st_dev, st.st_ino))
-        return None
-
-    def take_over(self, stale: Holder, force: bool = False) -> bool:
-        with self._folder_lock():
-            now = self.read()
-            if now is None or now.token != stale.token or (not force and now.age_s <= self.lease._bound(now)):
-                return False
-            os.unlink(self.lease.path)
-            return self.create()
-
-    def _current(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.lease.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
-
-    def beat(self) -> str | None:
-        why = self.still_ours()
-        if why:
-            return why
-        os.utime(self.fd)  # our own file only, even if the path now names another
-        return None
-
-    def still_ours(self) -> str | None:
-        current = self._current()
-        if current == self.ident:
-            return None
-        if current is None:
-            return f"{LEASE} was removed"
-        holder = self.read()
-        return f"{LEASE} now belongs to {holder.describe() if holder else 'another run'}"
-
-    def release(self) -> None:
-        try:
-            with self._folder_lock():
-                if self._current() == self.ident:
-                    os.unlink(self.lease.path)
-        finally:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-
-
-def _precondition_failed(e: BaseException) -> bool:
-    """Whether ``e`` (or what it was raised from) is S3's 412 PreconditionFailed."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, FileExistsError):  # s3fs's translation of a failed If-None-Match
-            return True
-        resp = getattr(e, "response", None)
-        if isinstance(resp, dict):
-            err = resp.get("Error") or {}
-            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if err.get("Code") == "PreconditionFailed" or status == 412:
-                return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class _S3(_Backend):
-    """Conditional puts (``If-None-Match: *`` to create, ``If-Match: <ETag>`` to beat and
-    to take over), a conditional delete to release; ownership is the ETag."""
-
-    def __init__(self, lease: OutputLease):
-        super().__init__(lease)
-        bucket, key, _ = lease.fs.split_path(lease.path)
-        self.bucket, self.key = bucket, key
-        self.etag: str | None = None
-        self.honours_if_none_match = True
-        self.honours_if_match = True
-
-    def _call(self, method: str, what: str, **kw) -> tuple[dict | None, bool]:
-        """``(response, False)``, or ``(None, True)`` on 412 PreconditionFailed (not retried)."""
-        def go():
-            try:
-                return self.lease.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kw), False
-            except Exception as e:  # noqa: BLE001
-                if _precondition_failed(e):
-                    return None, True
-                raise
-
-        return self.lease.io(go, f"{what} {self.lease.url}/{LEASE}")
-
-    def _body(self) -> bytes:
-        return json.dumps(self.lease.content(), indent=1).encode()
-
-    def create(self) -> bool:
-        if self.read() is not None:  # never put over a lease, even on a store that ignores the condition
-            return False
-        resp, failed = self._call("put_object", "create the lease", Body=self._body(), IfNoneMatch="*",
-                                  ContentType="application/json")
-        if failed:
-            return False
-        self.etag = resp["ETag"]
-        return self._read_back()
-
-    def _read_back(self) -> bool:
-        """True when the lease now in the store is the one we wrote (a store ignoring the
-        conditions lets a concurrent writer replace it)."""
-        holder = self.read()
-        return holder is not None and holder.token == self.etag
-
-    def read(self) -> Holder | None:
-        from fsspec.asyn import sync
-
-        fs = self.lease.fs
-
-        async def get():  # one GET: the content and the ETag of the same version
-            try:
-                resp = await fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
-            except FileNotFoundError:
-                return None
-            async with resp["Body"] as stream:
-                return resp, await stream.read()
-
-        got = self.lease.io(lambda: sync(fs.loop, get), f"read the lease {self.lease.url}/{LEASE}")
-        if got is None:
-            return None
-        resp, raw = got
-        age = self.lease.clock() - resp["LastModified"].timestamp()
-        return Holder(self.lease._parse(raw), age, resp["ETag"])
-
-    def take_over(self, stale: Holder, force: bool = False) -> bool:
-        if not self.honours_if_match:
-            now = self.read()
-            if now is None or now.token != stale.token:
-                return False
-        resp, failed = self._call("put_object", "take over the lease", Body=self._body(), IfMatch=stale.token,
-                                  ContentType="application/json")
-        if failed:
-            return False
-        self.etag = resp["ETag"]
-        return self._read_back()
-
-    def after_acquire(self) -> None:
-        """Check the store honours both conditions (our own lease is the probe)."""
-        resp, failed = self._call("put_object", "check conditional create of", Body=self._body(), IfNoneMatch="*",
-                                  ContentType="application/json")
-        if not failed:  # the store let us overwrite the lease (with our own content)
-            self.honours_if_none_match = False
-            self.etag = resp["ETag"]
-        resp, failed = self._call("put_object", "check conditional write of", Body=self._body(),
-                                  IfMatch='"00000000000000000000000000000000"')
-        if not failed:
-            self.honours_if_match = False
-            self.etag = resp["ETag"]
-        if not (self.honours_if_none_match and self.honours_if_match):
-            from pipeline.retry import endpoint_of
-
-            ignored = " and ".join(h for h, ok in (("If-None-Match", self.honours_if_none_match),
-                                                   ("If-Match", self.honours_if_match)) if not ok)
-            log.warning("output %s: the store (%s) ignores conditional writes (%s): the output lease falls back to "
-                        "read-then-write with a read-back, which two runs starting at the same instant could both "
-                        "pass (the loser stops at its first check before publishing)",
-                        self.lease.url, endpoint_of(self.lease.fs), ignored)
-
-    def beat(self) -> str | None:
-        if not self.honours_if_match:
-            why = self.still_ours()
-            if why:
-                return why
-        resp, failed = self._call("put_object", "renew the lease", Body=self._body(), IfMatch=self.etag,
-                                  ContentType="application/json")
-        if failed:
-            return self._whose()
-        self.etag = resp["ETag"]
-        return None
-
-    def _whose(self) -> str:
-        holder = self.read()
-        return f"{LEASE} now belongs to {holder.describe()}" if holder else f"{LEASE} was removed"
-
-    def still_ours(self) -> str | None:
-        def head():
-            try:
-                return self.lease.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key)["ETag"]
-            except FileNotFoundError:
-                return None
-
-        etag = self.lease.io(head, f"check the lease {self.lease.url}/{LEASE}")
-        if etag == self.etag:
-            return None
-        return self._whose()
-
-    def release(self) -> None:
-        if self.honours_if_match:
-            _, failed = self._call("delete_object", "release the lease", IfMatch=self.etag)
-            if failed:
-                log.warning("output %s: the lease was no longer this run's at release; left as it is", self.lease.url)
-            return
-        if self.still_ours() is None:
-            self._call("delete_object", "release the lease")
-
-
-class _Generic(_Backend):
-    """Best effort for stores without an atomic create: read, write, read back; ownership
-    is the run id in the content."""
-
-    def after_acquire(self) -> None:
-        log.warning("output %s: this storage (%s) offers the job no atomic create, so the output lease is best "
-                    "effort (read, write, read back)", self.lease.url, self.lease.fs.protocol)
-
-    def _write(self) -> None:
-        def put():
-            with self.lease.fs.open(self.lease.path, "wb") as f:
-                f.write(json.dumps(self.lease.content(), indent=1).encode())
-
-        self.lease.io(put, f"write the lease {self.lease.url}/{LEASE}")
-
-    def read(self) -> Holder | None:
-        fs = self.lease.fs
-
-        def get():
-            fs.invalidate_cache(self.lease.path)
-            try:
-                info = fs.info(self.lease.path)
-                with fs.open(self.lease.path, "rb") as f:
-                    return info, f.read()
-            except FileNotFoundError:
-                return None
-
-        got = self.lease.io(get, f"read the lease {self.lease.url}/{LEASE}")
-        if got is None:
-            return None
-        info, raw = got
-        content = self.lease._parse(raw)
-        mtime = _mtime(info)
-        if mtime is None:  # no modification time here: the holder's own heartbeat stamp
-            mtime = _parse_iso(content.get("heartbeat_at"))
-        age = self.lease.clock() - mtime if mtime is not None else 0.0
-        return Holder(content, age, content.get("run_id"))
-
-    def create(self) -> bool:
-        if self.read() is not None:
-            return False
-        self._write()
-        return self.still_ours() is None
-
-    def take_over(self, stale: Holder, force: bool = False) -> bool:
-        now = self.read()
-        if now is None or now.token != stale.token:
-            return False
-        self._write()
-        return self.still_ours() is None
-
-    def beat(self) -> str | None:
-        why = self.still_ours()
-        if why:
-            return why
-        self._write()
-        return None
-
-    def still_ours(self) -> str | None:
-        holder = self.read()
-        if holder is None:
-            return f"{LEASE} was removed"
-        return None if holder.token == self.lease.run_id else f"{LEASE} now belongs to {holder.describe()}"
-
-    def release(self) -> None:
-        if self.still_ours() is None:
-            self.lease.io(lambda: self.lease.fs.rm(self.lease.path), f"release the lease {self.lease.url}/{LEASE}")
-
-
 # ---------------------------------------------------------------------- helpers
 def _iso(t: float) -> str:
     return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _parse_iso(s: Any) -> float | None:
-    try:
-        return _dt.datetime.fromisoformat(str(s)).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def _mtime(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        v = info.get(key)
-        if isinstance(v, (int, float)):
-            return float(v)
-        if isinstance(v, _dt.datetime):
-            return v.timestamp()
-        if isinstance(v, str):
-            t = _parse_iso(v.replace("Z", "+00:00"))
-            if t is not None:
-                return t
-    return None
+def holder_name() -> str:
+    """``user@host`` of this process, as leases and the commit log record it."""
+    return f"{_user()}@{socket.gethostname()}"
 
 
 def _user() -> str:
@@ -756,4 +351,5 @@ def _user() -> str:
         return f"uid {os.getuid()}"
 
 
-__all__ = ["LEASE", "OutputLease", "LeaseHeld", "LeaseLost", "LeaseUnreadable", "Holder", "lease_interval"]
+__all__ = ["LEASE", "OutputLease", "LeaseHeld", "LeaseLost", "LeaseUnreadable", "Holder", "lease_interval",
+           "holder_name"]

@@ -1,28 +1,27 @@
 """The output location: one output directory on its filesystem, listing, the manifest
-(read and checked), the foreign-file check, and clearing on ``overwrite``.  (The names
-and which files are the job's: :mod:`pipeline.output.layout`; the resume plan:
-:mod:`pipeline.output.resume`; committing units: :mod:`pipeline.output.writer`.)
+(read and checked: :mod:`pipeline.output.manifest`), the foreign-file check, orphans, and
+clearing on ``overwrite``.  (The names and which files are the job's:
+:mod:`pipeline.output.layout`; the commit log: :mod:`pipeline.output.commit_log`; the
+resume plan: :mod:`pipeline.output.resume`; committing units: :mod:`pipeline.output.writer`.)
 
-Names read back from ``_manifest/`` are never trusted: before any is used (to delete a
-dead run's files, to clear the output on ``overwrite``, to resume), every manifest entry
-and publish intent must name its own part (``part-NNNNN-uNNNNN.parquet`` for the file
-``part-NNNNN-uNNNNN.json``; ``part-NNNNN.parquet`` for a whole-shard part of the layout
-before units) and exactly that part's data files in this job's naming
-(:func:`~pipeline.output.layout.data_file_names`: plain names directly in the folder, no
-separator, no ``..``, not absolute); anything else is refused (:class:`OutputError`)
-naming the manifest file, and nothing is deleted.  On local disk, ``_manifest``,
-``_staging``, ``_SUCCESS`` and ``_summary.json`` (or anything under the two folders)
-being a symbolic link is refused too: the job would write, and delete, through it.
+On local disk, ``_manifest``, ``_staging``, ``_SUCCESS`` and ``_summary.json`` (or anything
+under the two folders) being a symbolic link is refused: the job would write, and delete,
+through it.
 
 Files the job did not write (anything :mod:`pipeline.output.layout` does not name as the
-job's, and data files no manifest entry or intent names) are *foreign*: the job refuses
-such a directory (:class:`OutputError`) unless ``output.allow_foreign_files: true``, and
-even then, and with ``overwrite``, never touches those files (a foreign file with a name
-the job would write, ``part-*.parquet``, ``_SUCCESS``, ``_summary.json``, is always refused).
+job's, and data files no committed unit, publish intent or run of the commit log names) are
+*foreign*: the job refuses such a directory (:class:`OutputError`) unless
+``output.allow_foreign_files: true``, and even then, and with ``overwrite``, never touches
+those files (a foreign file with a name the job would write, ``part-*.parquet``,
+``_SUCCESS``, ``_summary.json``, is always refused).  A data file of the job's own that no
+committed unit names (it carries the id of a run of the commit log: that run died, or lost
+its lease, after publishing it) is an *orphan*: named in a log line and removed by the next
+run that commits, by a run with nothing to do and by ``overwrite``.
 
-Overwrite (``overwrite: true``): ``_SUCCESS``, ``_summary.json``, the files the manifest
-and intents name, ``_manifest/`` and ``_staging/`` are deleted first and the run starts
-afresh.
+Overwrite (``overwrite: true``): once the run's ``overwrite`` epoch is in the commit log
+(:meth:`clear`, called by the writer), ``_SUCCESS``, ``_summary.json``, the data files the
+manifest and intents name, the orphans, the manifest's records and ``_staging/`` are
+deleted and the run starts afresh.
 
 Every storage call goes through :func:`pipeline.retry.with_retries` (transient errors
 retried with backoff, bounded by timeouts and a deadline; see ``retry:`` in the job config).
@@ -35,14 +34,16 @@ import json
 import logging
 import os
 import posixpath
-import re
 from typing import Any
 
 from pipeline.config import JobRefused, OutputConfig
-from pipeline.output.fs import is_local, is_object_store, prune_empty, unstrip
-from pipeline.output.layout import (DATA_FILE, ENTRY_FILE, INTENT_FILE, LEASE, MANIFEST, PENDING, STAGING, SUCCESS,
-                                    SUMMARY, TEMP_FILE, data_file_names, owned_layout_file, part_name, temp_name)
+from pipeline.output.commit_log import CommitLog
+from pipeline.output.layout import (DATA_FILE, LEASE, LOG, LOG_RECORD, MANIFEST, STAGING, SUCCESS, SUMMARY,
+                                    TEMP_FILE, data_file_run, owned_layout_file, owned_output_path, temp_name)
+from pipeline.output.manifest import Manifest, ManifestDamaged, read_manifest
 from pipeline.retry import endpoint_of, open_fs, retrying
+from pipeline.storage import (is_local, is_object_store, prune_empty, raise_refusal, refuse_special, resolved_location,
+                              under, unstrip)
 
 log = logging.getLogger("specbatch")
 
@@ -56,8 +57,9 @@ class OutputLocation:
     the foreign-file checks of :meth:`inspect`, and the storage helpers the unit commit
     (:class:`pipeline.output.writer.OutputWriter`) writes through.
 
-    After :meth:`inspect`: ``intents`` (publish intents earlier runs left) and ``foreign``
-    (files this job did not write, relative paths).
+    After :meth:`inspect`: ``intents`` (publish intents of earlier versions), ``foreign``
+    (files this job did not write) and ``orphans`` (its data files no committed unit names),
+    as relative paths.
 
     Args:
         cfg: the output section.
@@ -72,11 +74,34 @@ class OutputLocation:
         self.io = retrying(retry, endpoint_of(self.fs))
         self.intents: dict[str, dict[str, Any]] = {}
         self.foreign: list[str] = []
-        #: manifest records (paths) an earlier run began and never finished writing (empty, or
-        #: cut short): its own, naming nothing; removed by :meth:`inspect`
-        self.leftovers: list[str] = []
+        self.orphans: list[str] = []
         self.local = is_local(self.fs)
         self.object_store = is_object_store(self.fs)
+        self._resolved: str | None = None  # the folder's resolved URL (contains)
+
+    @classmethod
+    def whole(cls, cfg: OutputConfig, retry: Any = None) -> "OutputLocation":
+        """The whole output folder ``output.uri``, every ``date=`` partition in it (what the
+        input's listing asks :meth:`contains` of)."""
+        return cls(cfg.model_copy(update={"partition_by_date": False}), retry)
+
+    def contains(self, url: str) -> str | None:
+        """What this output folder holds at ``url`` (a resolved URL, as the input's listing
+        names its files and folders; :func:`pipeline.storage.resolved_location`):
+
+        - ``"own"``: a file or folder the job writes there (data files, markers, the lease,
+          ``_manifest/``, ``_staging/`` and everything in them; in the folder or a ``date=``
+          partition: :func:`~pipeline.output.layout.owned_output_path`);
+        - ``"other"``: the folder itself, or anything else in it (a file beside the output);
+        - None: a path outside it.
+        """
+        if self._resolved is None:
+            self._resolved = unstrip(self.fs, resolved_location(self.fs, self.root)).rstrip("/")
+        root = self._resolved
+        if not under(url, root):
+            return None
+        rel = url[len(root):].strip("/")
+        return "own" if rel and owned_output_path(rel) else "other"
 
     # ------------------------------------------------------------------ paths and storage
     def path(self, *names: str) -> str:
@@ -186,91 +211,30 @@ class OutputLocation:
                       if p.startswith(prefix) and not p.endswith("/"))
 
     # ------------------------------------------------------------------ the manifest
+    def commit_log(self, run_id: str | None = None, careful: bool = False) -> CommitLog:
+        """The output's commit log, for run ``run_id`` to append to (None: to read)."""
+        return CommitLog(self.fs, self.root, run_id, self.io, careful=careful)
+
+    def manifest(self, log: CommitLog | None = None) -> Manifest:
+        """The output's manifest, read and checked (:func:`pipeline.output.manifest.read_manifest`);
+        ``log``: the run's commit log, which learns where to append.
+
+        Raises:
+            OutputError: a record is not this job's (the message names it).
+            StorageError: the storage kept failing.
+        """
+        try:
+            return read_manifest(self.fs, self.root, self.io, self.url(), log or self.commit_log())
+        except ManifestDamaged as e:
+            raise OutputError(str(e)) from None
+
     def read_manifest(self) -> dict[str, dict[str, Any]]:
-        """Part name -> manifest entry, for every committed shard of this output.
+        """Part name -> manifest entry, for every committed unit of this output.
 
         Raises:
-            OutputError: an entry is not this job's (see :meth:`_checked`).
+            OutputError: a record is not this job's.
         """
-        out = {}
-        for path, rel, index, entry in self._read_json_files(self.path(MANIFEST, "part-*.json"), ENTRY_FILE,
-                                                            "the manifest"):
-            out[self._checked(rel, index, entry)["part"]] = entry
-        return out
-
-    def read_intents(self) -> dict[str, dict[str, Any]]:
-        """Intent path -> publish intent, for every intent an unfinished shard left.
-
-        Raises:
-            OutputError: an intent is not this job's (see :meth:`_checked`).
-        """
-        out = {}
-        for path, rel, index, entry in self._read_json_files(self.path(MANIFEST, PENDING, "part-*.json"),
-                                                            INTENT_FILE, "publish intents"):
-            entry = dict(self._checked(rel, index, entry), _path=path)
-            out[path] = entry
-        return out
-
-    def _read_json_files(self, pattern: str, name: re.Pattern, what: str) -> list[tuple[str, str, tuple, Any]]:
-        """``(path, relative path, (shard, split or None), parsed JSON)`` of the files matching the glob
-        ``pattern`` whose name is ``name`` (others there are foreign: never read)."""
-        prefix = self.root.rstrip("/") + "/"
-
-        def load() -> list[tuple[str, str, tuple, Any]]:
-            try:
-                paths = sorted(self.fs.glob(pattern))
-            except FileNotFoundError:
-                return []
-            out = []
-            for p in paths:
-                m = name.fullmatch(posixpath.basename(p))
-                if not m:
-                    continue
-                rel = p[len(prefix):] if p.startswith(prefix) else p
-                with self.fs.open(p, "rb") as f:
-                    raw = f.read()
-                unit = (int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
-                if _partial_record(raw, unit):
-                    if p not in self.leftovers:
-                        self.leftovers.append(p)
-                    continue
-                try:
-                    entry = json.loads(raw)
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise OutputError(f"output {self.url()!r}: {rel} is not a manifest record of this job ({e}); "
-                                      "the job never deletes files it did not write: remove it, or choose "
-                                      "another output.uri") from None
-                out.append((p, rel, unit, entry))
-            return out
-
-        return self.io(load, f"read {what} of {self.url()}")
-
-    def _checked(self, rel: str, unit: tuple[int, int | None], entry: Any) -> dict[str, Any]:
-        """``entry`` (from the manifest file ``rel`` of the part ``unit`` = ``(shard,
-        split)``) if it names its own part and exactly that part's data files in this job's
-        naming; else OutputError naming the file (a name from ``_manifest/`` is never used
-        before this check)."""
-        expect = part_name(*unit)
-        problem = None
-        if not isinstance(entry, dict):
-            problem = f"holds a {type(entry).__name__}, not a record"
-        elif entry.get("part") != expect:
-            problem = f"names the part {entry.get('part')!r}"
-        else:
-            files = entry.get("files", [expect])
-            if not isinstance(files, list) or not files or files != data_file_names(expect, len(files)):
-                problem = f"names the files {_short_list(files)}"
-        if problem is None:
-            if "files" not in entry:
-                entry["files"] = [expect]
-            return entry
-        stem = expect[: -len(".parquet")]
-        who = f"shard {unit[0]}" if unit[1] is None else f"unit {unit[1]} of shard {unit[0]}"
-        raise OutputError(
-            f"output {self.url()!r}: {rel} {problem}, which are not the names this job gives {who} "
-            f"({expect}, or {stem}-NNNNN.parquet, directly in the output folder); the job deletes only "
-            f"files it wrote, so it does nothing: remove {rel} (this job did not write it), or choose another "
-            "output.uri")
+        return self.manifest().entries
 
     def read_summary(self) -> dict[str, Any]:
         """The ``_summary.json`` of the last finished run."""
@@ -281,13 +245,15 @@ class OutputLocation:
         return self.io(load, f"read {SUMMARY}")
 
     # ------------------------------------------------------------------ the checks
-    def inspect(self) -> dict[str, dict[str, Any]]:
-        """Read and check the output folder: its listing, manifest and publish intents
-        (names checked), the foreign-file check; on ``overwrite``, clear this job's files.
+    def inspect(self, log: CommitLog | None = None) -> Manifest:
+        """Read and check the output folder: its listing, its manifest (names checked), the
+        foreign-file check and the orphans; records an earlier version began and never
+        finished are removed.  Nothing else is changed (``overwrite`` clears the output
+        later: :meth:`clear`).
 
         Returns:
-            The manifest (part name -> entry) the run starts from: empty after a clear.
-            ``intents`` and ``foreign`` are set on the location.
+            The :class:`~pipeline.output.manifest.Manifest`; ``foreign`` and ``orphans``
+            (relative paths) are set on the location.
 
         Raises:
             OutputError: the directory holds files this job did not write (see the module
@@ -300,22 +266,74 @@ class OutputLocation:
             self._refuse_links()
         try:
             files = self.listing()
-            self.leftovers = []
-            entries = self.read_manifest()
-            self.intents = self.read_intents()
-            self.foreign = self._foreign(files, entries)
-            self._check_foreign(entries)
-            self._remove_leftovers(files)
-            if self.cfg.overwrite:
-                self._clear(entries, files)
-                entries = {}
+            m = self.manifest(log)
+            self.intents = m.intents
+            self.foreign, self.orphans = self._foreign(files, m)
+            self._check_foreign(m.entries)
+            self._remove_leftovers(files, m.leftovers)
         except Exception as e:
-            self._refused(e, "usable")
-        return entries
+            self.refused(e, "usable")
+        return m
 
-    def complete(self) -> bool:
-        """Whether ``_SUCCESS`` is there (the last run finished)."""
-        return self.exists(self.path(SUCCESS))
+    def complete(self, m: Manifest | None = None) -> bool:
+        """Whether the output is complete: ``_SUCCESS`` is there and, with a commit log, names
+        the run of its last record, a ``final`` one (a ``_SUCCESS`` a run that had lost its
+        lease published late does not count).  ``m``: the manifest, if read already."""
+        if not self.exists(self.path(SUCCESS)):
+            return False
+        m = m or self.manifest()
+        if m.log.last_seq < 0:
+            return True  # an output of an earlier version: no commit log
+        if m.log.final is None:
+            return False
+
+        def load() -> bytes:
+            with self.fs.open(self.path(SUCCESS), "rb") as f:
+                return f.read()
+
+        return self.io(load, f"read {SUCCESS}").strip() == m.log.final["run_id"].encode()
+
+    def quarantine(self, run_id: str) -> None:
+        """Remove the staging folders of every run but ``run_id`` (runs that died or lost their
+        lease), before this run commits anything: a publish from them, by a run that lost its
+        lease and resumes, then fails (on local disk each folder is first renamed away at once).
+
+        Raises:
+            StorageError: the storage kept failing.
+        """
+        dead = sorted({rel.split("/", 2)[1] for rel in self.listing(STAGING) if rel.count("/") >= 2} - {run_id})
+        for run in dead:
+            under = posixpath.join(STAGING, run)
+            if self.local and not any(f.startswith(under + "/") for f in self.foreign):
+                # one rename takes every file of that run out of its reach at once (a foreign file there stays put)
+                away = f"{run_id}-quarantine-{run}"[:64]
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.path(under), self.path(STAGING, away))
+                    under = posixpath.join(STAGING, away)
+            log.info("output %s: quarantined the staging of run %s (that run died or lost its lease)", self.url(), run)
+            self.remove_owned(under)
+
+    def remove_orphans(self, m: Manifest) -> None:
+        """Remove the data files of the job's own that no committed unit names (of runs of the
+        commit log, or named by a publish intent of an earlier version), found now, and the
+        publish intents of earlier versions.  The caller holds the output's lease.
+
+        Raises:
+            StorageError: the storage kept failing.
+        """
+        files = self.listing()
+        _, orphans = self._foreign(files, m)
+        if orphans:
+            shown = ", ".join(orphans[:5]) + (f" and {len(orphans) - 5} more" if len(orphans) > 5 else "")
+            log.info("output %s: removing %d orphan(s), data files of this job that no committed unit names (a run "
+                     "died or lost its lease after publishing them): %s", self.url(), len(orphans), shown)
+        for rel in orphans:
+            self.remove(self.path(rel), f"remove the orphan {rel}")
+        for path in sorted(m.intents):
+            self.remove(path, f"remove the publish intent {posixpath.basename(path)}")
+        if m.intents:
+            self.remove_owned(posixpath.join(MANIFEST, "pending"))
+        self.intents, self.orphans = {}, []
 
     def make_ready(self, staging: str) -> None:
         """Before a run writes: remove the markers of the last run (the output no longer
@@ -339,36 +357,31 @@ class OutputLocation:
 
             self.io(write_probe, f"write to {self.url()}")
         except Exception as e:
-            self._refused(e, "writable")
+            self.refused(e, "writable")
 
-    def _refused(self, e: Exception, what: str) -> None:
+    def refused(self, e: Exception, what: str) -> None:
         """Re-raise ``e`` from a check of the location: an :class:`OutputError` or a
         transient :class:`StorageError` as it is, anything else as an OutputError saying the
-        output is not ``what`` (``usable``, ``writable``)."""
-        from pipeline.retry import StorageError
+        output is not ``what`` (``usable``, ``writable``): :func:`pipeline.storage.raise_refusal`."""
+        raise_refusal(e, OutputError, f"output {self.url()!r} is not {what}")
 
-        if isinstance(e, OutputError) or (isinstance(e, StorageError) and e.transient):
-            raise e
-        detail = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
-        raise OutputError(f"output {self.url()!r} is not {what}: {detail}") from None
-
-    def _remove_leftovers(self, files: list[str]) -> None:
+    def _remove_leftovers(self, files: list[str], leftovers: list[str]) -> None:
         """Remove what an earlier run of this job began to write and never finished: the
         temporary files of :meth:`put_atomic` (a run killed between write and rename) and the
-        manifest records found empty or cut short (:func:`_partial_record`: written by a
-        version that wrote them in place, on a full disk).  Each names no published file (an
+        manifest records found empty or cut short (:func:`pipeline.output.manifest.partial_record`:
+        written by a version that wrote them in place, on a full disk).  Each names no published file (an
         intent is complete before any file is published, an entry is the last write of its
         shard, whose intent still names the files), so nothing else goes with them.  The run
         holds the output's lease: no other run is writing them."""
         prefix = self.root.rstrip("/") + "/"
         temps = [self.path(rel) for rel in files if TEMP_FILE.fullmatch(posixpath.basename(rel))
                  and owned_layout_file(rel)]
-        for path in self.leftovers + temps:
+        for path in leftovers + temps:
             rel = path[len(prefix):] if path.startswith(prefix) else path
             log.info("output %s: removing %s, a record an earlier run began to write and never finished",
                      self.url(), rel)
             self.remove(path, f"remove the unfinished {rel}")
-        self.leftovers = []
+        leftovers.clear()
 
     def _refuse_links(self) -> None:
         """Local disk: refuse a symbolic link where this job writes its own files."""
@@ -393,39 +406,28 @@ class OutputLocation:
 
     def _refuse_special(self, p: str, dir_ok: bool) -> None:
         """Local disk: refuse a named pipe, device or socket where the job reads or writes
-        its own files (a read of it may never return); a folder too, unless ``dir_ok``."""
-        import stat
-
-        try:
-            mode = os.lstat(p).st_mode
-        except OSError:  # missing, or not reachable: left to the caller's own checks
-            return
-        if stat.S_ISREG(mode) or (dir_ok and stat.S_ISDIR(mode)):
-            return
+        its own files (a read of it may never return); a folder too, unless ``dir_ok``
+        (:func:`pipeline.storage.refuse_special`: links are refused before this)."""
         rel = p[len(self.root.rstrip("/")) + 1:]
-        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe, a device or a socket"
-        raise OutputError(f"output {self.url()!r}: {rel} is {kind}, not a file this job wrote: a read of it may "
-                          "never return and the job never deletes what it did not write: move it away")
+        refuse_special(p, f"output {self.url()!r}: {rel}", OutputError,
+                       "it is not a file this job wrote, and the job never deletes what it did not write: move it away",
+                       folder_ok=dir_ok)
 
-    def _owned_data_files(self, entries: dict[str, dict[str, Any]]) -> set[str]:
-        """The data files the (checked) manifest entries and intents name."""
-        named = set()
-        for e in list(entries.values()) + list(self.intents.values()):
-            named.update(e["files"])
-        return named
-
-    def _foreign(self, files: list[str], entries: dict[str, dict[str, Any]]) -> list[str]:
-        """The files (relative paths) this job did not write."""
-        named = self._owned_data_files(entries)
-        ours_markers = bool(entries or self.intents)
-        foreign = []
+    def _foreign(self, files: list[str], m: Manifest) -> tuple[list[str], list[str]]:
+        """``(foreign, orphans)``: the files (relative paths) this job did not write, and its
+        data files that no committed unit names (named by a publish intent, or carrying the
+        id of a run of the commit log)."""
+        committed, named, runs = m.committed_files(), m.named_files(), set(m.runs)
+        ours_markers = bool(m.entries or m.intents or runs)
+        foreign, orphans = [], []
         for rel in files:
-            if owned_layout_file(rel):
+            if owned_layout_file(rel) or rel in committed or (rel in (SUCCESS, SUMMARY) and ours_markers):
                 continue
-            if rel in named or (rel in (SUCCESS, SUMMARY) and ours_markers):
+            if rel in named or ("/" not in rel and DATA_FILE.match(rel) and data_file_run(rel) in runs):
+                orphans.append(rel)
                 continue
             foreign.append(rel)
-        return foreign
+        return foreign, orphans
 
     def _check_foreign(self, entries: dict[str, dict[str, Any]]) -> None:
         if not self.foreign:
@@ -453,39 +455,32 @@ class OutputLocation:
         log.warning("output %s holds %d file(s) this job did not write (left alone): %s",
                     self.url(), len(self.foreign), shown)
 
-    def _clear(self, entries: dict[str, dict[str, Any]], files: list[str]) -> None:
-        """Overwrite: delete this job's files (markers first, so the output never looks
-        complete; then the data files, then the manifest and staging files), nothing else."""
+    def clear(self, m: Manifest, keep_from: int) -> None:
+        """Overwrite, once this run's ``overwrite`` epoch is record ``keep_from`` of the commit
+        log: delete this job's files (markers first, so the output never looks complete; then
+        the data files committed, named by intents or orphaned, then the manifest's records
+        before ``keep_from`` but the ``epoch`` ones), nothing else.  Every file deleted belongs to a
+        run before this one: a run that took the output over from this one (were it paused here)
+        writes names this one never lists as its own.
+
+        Raises:
+            StorageError: the storage kept failing.
+        """
         for name in (SUCCESS, SUMMARY):
-            if self.exists(self.path(name)):
-                self.io(lambda n=name: self.fs.rm(self.path(n)), f"remove {name}")
-        for name in sorted(self._owned_data_files(entries)):
             self.remove(self.path(name), f"remove {name}")
+        files = self.listing()
+        _, orphans = self._foreign(files, m)
+        for name in sorted(m.named_files() | set(orphans)):  # of runs before this one's epoch: never a later run's
+            self.remove(self.path(name), f"remove {name}")
+        kept = set(m.log.epochs)  # the runs that wrote the output stay known: their late files are orphans
         for rel in files:
-            if rel != LEASE and owned_layout_file(rel):
-                self.remove(self.path(rel), f"remove {rel}")
+            if rel == LEASE or rel.startswith(STAGING + "/") or not owned_layout_file(rel):
+                continue  # (the staging of other runs: quarantine())
+            record = LOG_RECORD.fullmatch(posixpath.basename(rel)) if rel.startswith(f"{MANIFEST}/{LOG}/") else None
+            if record and (int(record.group(1)) >= keep_from or int(record.group(1)) in kept):
+                continue
+            self.remove(self.path(rel), f"remove {rel}")
         if self.local:
             for d in (MANIFEST, STAGING):
                 prune_empty(self.path(d))
-        self.intents = {}
-
-def _partial_record(raw: bytes, unit: tuple[int, int | None]) -> bool:
-    """Whether ``raw``, read from the manifest record of the part ``unit`` = ``(shard,
-    split)``, is one this job began and never finished: empty, or the start of the record
-    it writes (``{"part": "part-NNNNN-uNNNNN.parquet"...``, JSON cut short, inside its first
-    key too).  Anything else that does not parse is not the job's, and is refused."""
-    if not raw:
-        return True
-    head = ('{"part": "%s"' % part_name(*unit)).encode()
-    if not (raw.startswith(head) or head.startswith(raw)):
-        return False
-    try:
-        json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return True
-    return False
-
-
-def _short_list(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 120 else r[:117] + "..."
+        self.intents, self.orphans = {}, []

@@ -30,8 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-#: the column naming each row's unit (its part name), from the read stage to this one
-UNIT_COLUMN = "_unit"
+from pipeline.input.units import UNIT_COLUMN  # noqa: F401 (each row's unit, from the read stage; re-exported)
 
 FRAGMENT_SCHEMA = pa.schema([
     ("part", pa.string()), ("path", pa.string()), ("first_row", pa.int64()), ("last_row", pa.int64()),
@@ -62,7 +61,7 @@ def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str,
         StorageError: a write failed after its retries (the task fails; Ray Data retries it).
     """
     from pipeline.config import OutputConfig
-    from pipeline.output.fs import is_object_store
+    from pipeline.storage import is_object_store
     from pipeline.retry import endpoint_of, open_fs, retrying
     from pipeline.schema import conform
     from pipeline.summary import RunTotals

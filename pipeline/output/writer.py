@@ -2,31 +2,42 @@
 in the driver, from the write stage's records (:mod:`pipeline.output.sink`): no output
 row passes through here.
 
+The run holds the output's lease (:meth:`OutputWriter.acquire_lease`, :mod:`pipeline.output.lease`)
+from before it reads the manifest to its end.  Every commit is a record of the output's
+commit log (:mod:`pipeline.output.commit_log`), created once by the storage's
+create-exclusive write after the last record the run has seen: a run that lost its lease
+(a paused process whose lease went stale and was taken over) finds that place taken by the
+taker's ``epoch`` record, and its commit fails (:class:`~pipeline.output.lease.LeaseLost`),
+whatever the timing.  The lease is also checked before each unit, to stop early.
+
+Begin (:meth:`OutputWriter.prepare`): read the manifest, plan the resume; unless there is
+nothing to do, append this run's ``epoch`` record (from now on no other run can commit),
+then quarantine the staging of every other run (a run that lost its lease can then publish
+none of its files: they are gone), and on ``overwrite`` clear the output.
+
 Commit protocol, per unit.  The write stage (on the workers) writes a unit's rows to
 ``_staging/<run_id>/<part stem>/`` as fragments of at most ``max_rows_per_file`` rows and
 returns one record per fragment.  When the records of a unit cover its rows (every row
-once, in row order: checked), the driver commits it: a *publish intent*
-``_manifest/pending/<part stem>.<run_id>.json`` names the final file names; the fragments
-are published (a rename on a local filesystem; copy + delete on S3, where a copy is
-atomic: the object appears whole or not at all); then the unit's **manifest entry**
-``_manifest/<part stem>.json`` is written: its files, the source URL and its fingerprint
-(size + mtime or ETag), its shard, split, first row and rows, ``input.split_rows``, the
-config fingerprint (pipeline.fingerprint), row and error counts, the run id and the
-unit's totals.  The manifest entry is the unit's commit point; the intent is then
-removed.  Files named by an intent but by no entry (a run died between the two) are not
-committed: a later run rewrites the unit and removes them.  Units commit in the order
-they complete.
+once, in row order: checked), the driver commits it: the fragments are published under
+names carrying the run's id (:func:`~pipeline.output.layout.data_file_names`: two runs
+never write one name), by a rename on a local filesystem, a copy + delete on S3 (where a
+copy is atomic: the object appears whole or not at all); then the unit's ``unit`` record
+(its manifest entry: its files, the source URL and its fingerprint (size + mtime or ETag),
+its shard, split, first row and rows, ``input.split_rows``, the config fingerprint
+(pipeline.fingerprint), row and error counts, the run id and the unit's totals) is
+appended to the commit log: the unit's commit point.  Files published by a run that then
+died or lost its lease are *orphans* (its run id is in the log, no committed unit names
+them): the next run removes them.  Units commit in the order they complete.
 
-The run holds the output's lease (:meth:`OutputWriter.acquire_lease`, :mod:`pipeline.output.lease`)
-from before it reads the manifest to its end; every unit's commit and the final commit
-first check that the lease is still this run's (:class:`pipeline.output.lease.LeaseLost`
-otherwise), so a run that lost it publishes nothing more.
-
-The run ends with :meth:`OutputWriter.commit`: files of dead publish intents are removed,
-then ``_summary.json`` is written, every ``_staging/`` folder's files (this run's, and any
-an interrupted run left) are removed, then ``_SUCCESS`` is written.  A reader that wants a
-complete output checks ``_SUCCESS``; pyarrow's dataset discovery skips names starting
-with ``_`` or ``.``, so ``pq.read_table(<dir>)`` reads the published files.
+The run ends with :meth:`OutputWriter.commit`: the manifest is read again and every entry
+must carry this run's config fingerprint; orphans are removed; ``_summary.json`` and
+``_SUCCESS`` are staged; the ``final`` record is appended (the run's own commit point);
+then ``_summary.json`` and ``_SUCCESS`` are published from staging (so a run that lost its
+lease, whose staging was quarantined, cannot publish them) and the staging removed.  A
+reader that wants a complete output checks :func:`pipeline.output.is_complete` (``_SUCCESS``
+naming the run of the log's last record, a ``final`` one); pyarrow's dataset discovery
+skips names starting with ``_`` or ``.``, so ``pq.read_table(<dir>)`` reads the published
+files of a complete output.
 
 Every storage call goes through :func:`pipeline.retry.with_retries` (transient errors
 retried with backoff, bounded by timeouts and a deadline; see ``retry:`` in the job config).
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import posixpath
 import uuid
 from typing import Any
@@ -44,14 +56,16 @@ import pyarrow as pa
 
 from pipeline.config import OutputConfig
 from pipeline.fingerprint import config_fingerprint
-from pipeline.output.layout import MANIFEST, PENDING, STAGING, SUCCESS, SUMMARY, data_file_names, entry_name
-from pipeline.output.lease import OutputLease
+from pipeline.output.commit_log import SlotTaken
+from pipeline.output.layout import STAGING, SUCCESS, SUMMARY, data_file_names
+from pipeline.output.lease import LeaseLost, OutputLease, holder_name
 from pipeline.output.location import OutputError, OutputLocation
+from pipeline.output.manifest import Manifest
 from pipeline.output.resume import ResumePlan, plan_resume
-from pipeline.output.sink import UNIT_COLUMN, write_fragments
+from pipeline.input.units import UNIT_COLUMN, Shard, Split, Unit
+from pipeline.output.sink import write_fragments
 from pipeline.schema import output_schema
 from pipeline.summary import RunTotals
-from pipeline.units import Shard, Split, Unit
 
 
 class RunError(RuntimeError):
@@ -96,6 +110,8 @@ class OutputWriter:
         self._fragments: dict[str, list[dict[str, Any]]] = {}  # part -> records of a unit in flight
         self._rows: dict[str, int] = {}
         self.lease: OutputLease | None = None
+        self.log = self.location.commit_log(self.run_id)  # where this run's commits go
+        self.manifest: Manifest | None = None  # as read by prepare
 
     def acquire_lease(self, config_fingerprint: str | None = None) -> OutputLease:
         """Take the output's lease for this run (``output.lease_timeout_s``; see
@@ -115,11 +131,10 @@ class OutputWriter:
                             timeout_s=self.cfg.lease_timeout_s, config_fingerprint=config_fingerprint)
         try:
             lease.acquire()
-        except StorageError as e:
-            if e.transient:
-                raise
-            raise OutputError(f"output {loc.url()!r} is not writable: {e}") from None
+        except StorageError as e:  # transient: raised as it is; else a refusal (pipeline.storage.raise_refusal)
+            loc.refused(e, "writable")
         self.lease = lease
+        self.log.careful = not lease.atomic_create  # a store that ignores conditional writes: read back
         return lease
 
     def release_lease(self) -> None:
@@ -139,13 +154,14 @@ class OutputWriter:
 
     def prepare(self, units: list | None = None, identity: dict[str, Any] | None = None) -> ResumePlan:
         """Check the location for this run (:meth:`OutputLocation.inspect`: foreign files,
-        names, overwrite), plan the resume (:func:`pipeline.output.resume.plan_resume`),
-        and unless there is nothing to do make the location ready (markers removed, a
-        writable staging folder).  Records the config identity every unit this run commits
-        will carry.
+        names, orphans), plan the resume (:func:`pipeline.output.resume.plan_resume`), and
+        unless there is nothing to do begin the run: its ``epoch`` record in the commit log
+        (no other run can commit after it), the staging of every other run quarantined, the
+        output cleared on ``overwrite``, the markers removed and a writable staging folder.
+        Records the config identity every unit this run commits will carry.
 
         Args:
-            units: this run's units (:class:`pipeline.read.Unit`; :class:`pipeline.read.Shard`
+            units: this run's units (:class:`pipeline.input.units.Unit`; :class:`pipeline.input.units.Shard`
                 objects stand for their units); None = no resume check (an output holding
                 committed units is then refused).
             identity: :func:`pipeline.fingerprint.config_identity` of this run's config; None = not checked.
@@ -155,20 +171,69 @@ class OutputWriter:
 
         Raises:
             OutputError, StorageError: as :meth:`OutputLocation.inspect` and :func:`plan_resume`.
+            LeaseLost: other runs keep committing to the output (this run holds no lease).
         """
         self.identity = identity
         self.config_fingerprint = config_fingerprint(identity) if identity is not None else None
         loc = self.location
-        entries = loc.inspect()
-        if units is None and entries:
-            raise OutputError(f"output {loc.url()!r} already holds committed units; set output.overwrite: true")
         units = [u for x in (units or []) for u in (x.units() if hasattr(x, "units") else [x])]
-        plan = plan_resume(loc.url(), units, entries, identity, complete=bool(entries) and loc.complete())
-        if not plan.nothing_to_do:
-            loc.make_ready(self.staging)
-        self.entries = dict(plan.entries)
+        for _ in range(5):  # another run committed between our read and our epoch: read again
+            m = loc.inspect(self.log)
+            if self.cfg.overwrite:
+                plan = plan_resume(loc.url(), units, {}, identity)
+            else:
+                if not units and m.entries:
+                    raise OutputError(f"output {loc.url()!r} already holds committed units; set output.overwrite: true")
+                plan = plan_resume(loc.url(), units, m.entries, identity,
+                                   complete=bool(m.entries) and loc.complete(m))
+                if plan.nothing_to_do:
+                    if loc.orphans or m.intents:
+                        loc.remove_orphans(m)
+                    self.manifest, self.entries = m, dict(plan.entries)
+                    return plan
+            try:
+                epoch = self._begin()
+            except Exception as e:  # noqa: BLE001 - the first write: a location that is not writable
+                loc.refused(e, "writable")
+            if epoch is not None:
+                break
+        else:
+            raise LeaseLost(f"output {loc.url()!r}: other runs keep committing to it while this one starts; is a run "
+                            "without the lease writing it?")
+        loc.quarantine(self.run_id)
+        if self.cfg.overwrite:
+            loc.clear(m, keep_from=epoch)
+        loc.make_ready(self.staging)
+        self.manifest, self.entries = m, dict(plan.entries)
         self._units = {u.part: u for u in plan.todo}
         return plan
+
+    def _begin(self) -> int | None:
+        """Append this run's ``epoch`` record; None when another run wrote there first."""
+        try:
+            return self.log.append({"kind": "epoch", "overwrite": bool(self.cfg.overwrite),
+                                    "config_fingerprint": self.config_fingerprint, "owner": holder_name(),
+                                    "pid": os.getpid(), "at": _now()})
+        except SlotTaken:
+            return None
+
+    def _append(self, record: dict[str, Any], what: str) -> int:
+        """Append a ``unit`` or ``final`` record; a place taken means another run took the
+        output over: :class:`LeaseLost`, and the lease is given up."""
+        try:
+            return self.log.append(record)
+        except SlotTaken as e:
+            taken = e
+        taker = taken.record.get("run_id") if isinstance(taken.record, dict) else None
+        raise self._lost(f"record {taken.seq} of its commit log, where {what} was to go, was written by run "
+                         f"{taker or 'another run'}, which took the output over")
+
+    def _lost(self, why: str) -> LeaseLost:
+        message = (f"output {self.location.url()!r}: this run lost the output ({why}); it publishes nothing more, "
+                   "and the output belongs to the run that took it over")
+        if self.lease is not None:
+            self.lease.lose(message)
+        return LeaseLost(message)
 
     def sink_kwargs(self) -> dict[str, Any]:
         """The ``fn_kwargs`` of :func:`pipeline.output.sink.write_fragments` for this run."""
@@ -210,23 +275,27 @@ class OutputWriter:
 
     def commit_unit(self, unit: Any, fragments: list[dict[str, Any]]) -> list[str]:
         """Commit one unit from the records of its staged fragments (in row order once sorted
-        by their first row): record the publish intent, publish the files under their final
-        names, then write the manifest entry (the commit point).  Returns the final paths."""
+        by their first row): publish the files under their final names (carrying this run's
+        id), then append the unit's record to the commit log (the commit point).  Returns the
+        final paths.
+
+        Raises:
+            LeaseLost: this run lost the output (its lease, its staging or its place in the log).
+            StorageError: the storage kept failing.
+        """
         frags = sorted(fragments, key=lambda r: r["first_row"])
-        self._check_lease()  # a run that lost its lease publishes nothing
+        self._check_lease()  # stop early; the commit log is what fences
         name = unit.part
-        names = data_file_names(name, len(frags))
+        names = data_file_names(name, len(frags), self.run_id)
         totals = RunTotals()
         for r in frags:
             totals.merge(json.loads(r["totals"]))
-        intent_path = self.location.path(MANIFEST, PENDING, f"{name[: -len('.parquet')]}.{self.run_id}.json")
-        intent = {"part": name, "files": names, "run_id": self.run_id}
-        self._write_json(intent_path, intent, f"write the publish intent of {name}")
         finals = [self.location.path(n) for n in names]
         for r, dst, n in zip(frags, finals, names):
             self._publish(r["path"], dst, n)
         shard = unit.shard
         entry = {
+            "kind": "unit",
             "part": name,
             "files": names,
             "source_file": shard.url,
@@ -239,21 +308,18 @@ class OutputWriter:
             "config_fingerprint": self.config_fingerprint,
             "config_identity": self.identity,
             "errors": totals.errors,
-            "run_id": self.run_id,
-            "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "committed_at": _now(),
             "totals": totals.state(),
         }
-        self._write_json(self.location.path(MANIFEST, entry_name(name)), entry,
-                         f"write the manifest entry of {name}", staged_as=posixpath.join(self.staging, name + ".json"))
-        self.location.remove(intent_path, f"remove the publish intent of {name}")
+        seq = self._append(entry, f"the commit of {name}")
         self.written.extend(finals)
-        self.entries[name] = entry
+        self.entries[name] = dict(entry, seq=seq, run_id=self.run_id)
         return finals
 
     def write_part(self, unit: Any, table: pa.Table) -> str:
         """Stage and commit one unit given all its rows, in this process (tools and tests;
-        the job writes on the workers).  ``unit``: a :class:`pipeline.read.Unit`, a
-        :class:`pipeline.read.Shard` of one unit, or a bare shard index (its unit 0, no
+        the job writes on the workers).  ``unit``: a :class:`pipeline.input.units.Unit`, a
+        :class:`pipeline.input.units.Shard` of one unit, or a bare shard index (its unit 0, no
         fingerprint).  Returns the path of its first data file."""
         unit = _as_unit(unit, table.num_rows)
         self._units.setdefault(unit.part, unit)
@@ -279,45 +345,66 @@ class OutputWriter:
             records = write_fragments(rows, **self.sink_kwargs())
         return self.commit_unit(unit, records.to_pylist())[0]
 
-    def _write_json(self, path: str, obj: dict[str, Any], what: str, staged_as: str | None = None) -> None:
-        """Write a small JSON file whole or not at all (:meth:`OutputLocation.put_atomic`: a
-        full disk leaves no empty or partial record); with ``staged_as``, write it there and
-        publish it to ``path``."""
-        self.location.put_atomic(staged_as or path, json.dumps(obj, default=str).encode(), what)
-        if staged_as:
-            self.io(lambda: self.location.makedirs(posixpath.dirname(path)), f"create {posixpath.dirname(path)}")
-            self._publish(staged_as, path, what.replace("write ", ""))
-
     def _publish(self, src: str, dst: str, what: str) -> None:
-        if self.location.local:  # an atomic rename
-            self.io(lambda: self.fs.mv(src, dst), f"publish {what}")
-            return
+        """Move a staged file of this run to its final name (a rename; on an object store an
+        atomic copy, then the staged object removed).
 
-        def copy() -> None:  # S3: an atomic server-side copy, then drop the staged object
-            self.fs.copy(src, dst)
+        Raises:
+            LeaseLost: the staged file is gone: another run quarantined this run's staging.
+        """
+        def move() -> None:
+            if self.location.local:
+                os.rename(src, dst)
+            else:
+                self.fs.copy(src, dst)
 
-        self.io(copy, f"publish {what}")
-        self.location.remove(src, f"remove staged {what}")
+        try:
+            self.io(move, f"publish {what}")
+            gone = False
+        except Exception as e:  # noqa: BLE001 - a missing source (or a StorageError raised from one)
+            if not isinstance(e, FileNotFoundError) and not isinstance(e.__cause__, FileNotFoundError):
+                raise
+            gone = True
+        if gone:  # (raised outside the handler: the storage did not fail, the run lost the output)
+            raise self._lost(f"its staged {posixpath.basename(src)} for {what} is gone: another run quarantined "
+                             "this run's staging")
+        if not self.location.local:
+            self.location.remove(src, f"remove staged {what}")
 
     def commit(self, summary: dict[str, Any]) -> None:
-        """Finish the output: remove the files of dead publish intents (never named by a
-        manifest entry), write the summary, remove every staging folder, then ``_SUCCESS``."""
+        """Finish the output: check that every committed unit carries this run's config
+        fingerprint, remove orphans, append the ``final`` record, then publish
+        ``_summary.json`` and ``_SUCCESS`` from staging and remove the staging.
+
+        Raises:
+            RunError: the manifest now holds units of another config, or others than this run knows.
+            LeaseLost: this run lost the output.
+            StorageError: the storage kept failing.
+        """
         loc = self.location
         self._check_lease()
-        self.fs.invalidate_cache()
-        intents = loc.read_intents()  # names checked: each is one of its shard's data files
-        committed = {n for e in self.entries.values() for n in e.get("files") or [e["part"]]}
-        for path, intent in sorted(intents.items()):
-            for n in intent["files"]:
-                if n not in committed:
-                    loc.remove(loc.path(n), f"remove uncommitted {n}")
-            loc.remove(path, f"remove the publish intent {posixpath.basename(path)}")
-        loc.remove_owned(posixpath.join(MANIFEST, PENDING))
-
-        loc.put_atomic(loc.path(SUMMARY), json.dumps(summary, indent=2, default=str).encode(), f"write {SUMMARY}")
-        loc.remove_owned(STAGING)
-        # atomic: a _SUCCESS cut short by a full disk must not say the output is complete
-        loc.put_atomic(loc.path(SUCCESS), (self.run_id + "\n").encode(), f"write {SUCCESS}")
+        m = loc.manifest(self.log)
+        if m.log.holder not in (None, self.run_id):
+            raise self._lost(f"its commit log's last run is {m.log.holder}")
+        fingerprints = sorted({str(e.get("config_fingerprint")) for e in m.entries.values()})
+        if len(fingerprints) > 1 or (m.entries and self.config_fingerprint is not None
+                                     and fingerprints != [self.config_fingerprint]):
+            raise RunError(f"output {loc.url()!r}: its committed units carry {len(fingerprints)} config fingerprints "
+                           f"({', '.join(fingerprints[:3])}), not only this run's {self.config_fingerprint}: not "
+                           "marked complete; rerun with --overwrite")
+        if set(m.entries) != set(self.entries):
+            extra = sorted(set(m.entries) ^ set(self.entries))
+            raise RunError(f"output {loc.url()!r}: its manifest and this run disagree on {len(extra)} unit(s) "
+                           f"({', '.join(extra[:3])}): not marked complete; rerun to resume")
+        loc.remove_orphans(m)
+        staged = {name: posixpath.join(self.staging, name) for name in (SUMMARY, SUCCESS)}
+        loc.put_atomic(staged[SUMMARY], json.dumps(summary, indent=2, default=str).encode(), f"stage {SUMMARY}")
+        loc.put_atomic(staged[SUCCESS], (self.run_id + "\n").encode(), f"stage {SUCCESS}")
+        self._append({"kind": "final", "config_fingerprint": self.config_fingerprint, "units": len(m.entries),
+                      "rows": sum(e.get("rows") or 0 for e in m.entries.values()), "at": _now()}, "its final record")
+        self._publish(staged[SUMMARY], loc.path(SUMMARY), SUMMARY)
+        self._publish(staged[SUCCESS], loc.path(SUCCESS), SUCCESS)  # last: the output is complete
+        loc.remove_owned(posixpath.join(STAGING, self.run_id))  # (other runs' went at the start: quarantine)
 
     def abort(self, cleanup: bool = True) -> None:
         """Drop this run's units in flight and (with ``cleanup``, best effort, no retries) its staging
@@ -331,6 +418,10 @@ class OutputWriter:
             self.location.remove_owned(posixpath.join(STAGING, self.run_id), retry=False)
         except Exception:  # noqa: BLE001 - best effort
             pass
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat()
 
 
 def _check_cover(unit: Any, frags: list[dict[str, Any]]) -> None:
@@ -349,7 +440,7 @@ def _check_cover(unit: Any, frags: list[dict[str, Any]]) -> None:
 
 
 def _as_unit(unit: Any, rows: int):
-    """A :class:`pipeline.read.Unit` from a Unit, a one-unit Shard or a bare shard index."""
+    """A :class:`pipeline.input.units.Unit` from a Unit, a one-unit Shard or a bare shard index."""
     if isinstance(unit, int):
         return Unit(Shard(index=unit, url=None, format="jsonl", num_rows=rows), 0, Split(0, rows))
     if isinstance(unit, Shard):

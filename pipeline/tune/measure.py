@@ -3,7 +3,7 @@ the confirmation runs of candidates.  Every time is seconds of one clock (the tu
 wall time, or the process's CPU time on a shared CPU machine).
 
 - :func:`read_pilot` -- the first rows of the job's own input (stage 1 and 2 of the job:
-  :mod:`pipeline.read`, :mod:`pipeline.prompts`), each prompt built and timed; rows the
+  :mod:`pipeline.input`, :mod:`pipeline.prompts`), each prompt built and timed; rows the
   job would turn into error rows are set aside (and counted);
 - :func:`run_pilot` -- one engine over the pilot rows: per-row statistics (acceptance by
   draft position, prefill, new tokens), the engine's time and the time outside its steps;
@@ -21,7 +21,7 @@ from pipeline import loading
 from pipeline.config import JobConfig
 from pipeline.engine import GenerationResult, GenerationSettings, RowStats
 from pipeline.prompts import PromptBuilder
-from pipeline.read import read_shard, resolve_shards
+from pipeline.input import read_shard, resolve_shards
 
 
 @dataclass

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 
-from pipeline.config import ConfigError, JobConfig, apply_overrides
+from pipeline.config import ConfigError, JobConfig, apply_overrides, read_yaml
 from pipeline.engine import METHODS, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.methods import CONFIDENCE_FIELD, PLAIN, SCHEDULE_FIELD
 from pipeline.engine.cost_model import reach_from_counts
 from pipeline.engine.profile import EngineProfile, profile_engine
+from pipeline.engine.cpu import prepare
 from pipeline.loading import build_engine, generation_settings, limit_cpu_threads, load_job_models, process_cpus
 from pipeline.paths import resolve_config_paths
 from pipeline.tune.measure import PilotInput, PilotRun, measure_candidate, read_pilot, row_settings, run_pilot
@@ -301,6 +301,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     check_models(cfg.models, bool(cfg.models.drafter), method=cfg.method.name, pair=False)
     limit_cpu_threads(process_cpus(cfg))  # the actor's threads
     loaded = load_job_models(cfg, any_drafter=True)  # every method the models allow is tried
+    prepare(loaded.target, cfg.cpu.cpu_options(), "target")  # the job's CPU parts; every engine below keeps them
     machine.update(device=loaded.device, torch_threads=torch.get_num_threads(), torch=torch.__version__)
     choices, notes = allowed_methods(cfg, loaded, options)
     generation = generation_settings(cfg, loaded.target)
@@ -564,7 +565,7 @@ def read_raw_config(path: str | None, overrides: list[str] | None) -> dict[str, 
     elsewhere)."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = read_yaml(Path(path).read_text())
         data = resolve_config_paths(loaded, Path(path).parent) if isinstance(loaded, dict) else {}
     return apply_overrides(data, overrides)
 

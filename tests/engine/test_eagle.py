@@ -412,6 +412,29 @@ def test_a_head_for_another_target_is_refused(target, heads, tmp_path):
         SpeculativeEngine(target, SpeculationSettings(method="eagle"), drafter=str(tmp_path))
 
 
+@pytest.mark.parametrize("other, problem", [
+    (dict(layers=3), "3 layers, the head reads hidden_states [2] of a 2-layer target"),  # the rule the two checks disagreed on
+    (dict(layers=1), "1 layers"),
+    (dict(vocab=VOCAB + 8), "vocabulary 104 != the 96"),
+    (dict(hidden=48), "hidden size 48 != the head's 32"),
+])
+def test_a_head_that_does_not_fit_is_refused_by_the_driver_and_the_engine_with_one_message(target, tmp_path, other,
+                                                                                           problem):
+    """One fit check (draft_head.check_fit): the driver's, from the configs
+    (eagle.check_drafter, before any weights load), and the engine's when it attaches the head."""
+    from pipeline.engine.proposers.eagle import check_drafter
+
+    save_draft_head(random_head(target), tmp_path / "h")
+    wrong = tiny_target(**other)
+    with pytest.raises(ValueError) as driver:
+        check_drafter(str(tmp_path / "h"), wrong.config)
+    with pytest.raises(ValueError) as engine:
+        SpeculativeEngine(wrong, SpeculationSettings(method="eagle"), drafter=str(tmp_path / "h"))
+    assert str(driver.value) == str(engine.value)
+    assert str(driver.value).startswith("method 'eagle': the draft head (trained for") and problem in str(driver.value)
+    check_drafter(str(tmp_path / "h"), target.config)  # the target it was made for fits
+
+
 def test_settings():
     SpeculationSettings(method="eagle", draft_vocab_size=100).validate()
     for bad in (0, -3, 2.5, True):
@@ -491,10 +514,12 @@ def test_float32_with_the_cpu_kernels_and_a_head_loaded_under_inference_mode(tmp
     plain = SpeculativeEngine(target32, max_batch_size=4).generate_batch(SEEN, GenerationSettings(max_new_tokens=20))
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     assert sum(r.stats.accepted_tokens for r in results) > 0
-    from pipeline.engine import kernels
+    from pipeline.engine.cpu import linear
 
-    if kernels.enabled() and kernels._onednn_available():
-        assert any(type(m) is kernels.PackedLinear for m in engine.proposer.head.modules())
+    plan = engine.cpu_plans["draft head"]
+    assert plan.small_query_attention == (plan.why_off is None and plan.options.part_on("small_query_attention"))
+    if plan.why_off is None and plan.options.part_on("onednn") and linear.onednn_available():
+        assert any(type(m) is linear.PackedLinear for m in engine.proposer.head.modules())
         assert not any(p.is_inference() for p in engine.proposer.head.parameters())
 
 

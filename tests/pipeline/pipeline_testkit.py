@@ -143,6 +143,18 @@ class PausableProxy:
         self.sock.close()
 
 
+def committed(uri, storage_options=None) -> dict:
+    """Part name -> manifest entry of every committed unit of the output ``uri``, as the job
+    reads them back (the commit log, and the entries of earlier versions)."""
+    from pipeline.config import OutputConfig
+    from pipeline.output import OutputLocation
+
+    if isinstance(storage_options, str):
+        storage_options = json.loads(storage_options)
+    cfg = OutputConfig(uri=str(uri), partition_by_date=False, storage_options=storage_options or {})
+    return OutputLocation(cfg).read_manifest()
+
+
 class OutStore:
     """An output folder on local disk or in a moto bucket (``interrupts``): its files, a put, the ids of its rows."""
 
@@ -165,6 +177,10 @@ class OutStore:
                 if self.root.exists() else []
         return sorted(o["Key"][len(self.prefix):] for o in
                       self.client.list_objects_v2(Bucket="interrupts", Prefix=self.prefix).get("Contents", []))
+
+    def committed(self) -> dict:
+        """Part name -> manifest entry of every committed unit."""
+        return committed(self.uri, self.options)
 
     def get(self, rel) -> bytes:
         if self.kind == "local":

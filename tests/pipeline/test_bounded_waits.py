@@ -18,7 +18,7 @@ import pytest
 import pipeline.output.writer
 from pipeline_testkit import REPO, TEXTS, PausableProxy, job_config
 from pipeline.config import InputConfig, OutputConfig, RetryConfig
-from pipeline.read import resolve_shards
+from pipeline.input import resolve_shards
 from pipeline.retry import StorageError, open_fs, with_retries
 from pipeline.output import OutputWriter
 

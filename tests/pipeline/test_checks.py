@@ -144,6 +144,29 @@ def test_known_refusals_are_exit_2_in_one_line_before_ray_starts(tiny_models, tm
     assert "Started a local Ray instance" not in r.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("key, value", [("compute.cpus_per_actor", "0.00005"), ("compute.gpus_per_actor", "1e-5"),
+                                        ("serve.cpus_per_replica", "0.00009"), ("serve.gpus_per_replica", "5e-5")])
+def test_a_resource_ray_cannot_represent_is_refused_before_ray_starts_naming_the_key(tmp_path, capsys, key, value):
+    """Ray counts CPUs and GPUs in steps of 0.0001: a smaller amount (not 0) failed after Ray
+    started ("precision ... cannot go beyond 0.0001", exit 1); it is refused by the config."""
+    import ray
+
+    from pipeline.cli import main
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"{key}: {float(value):g} is less than 0.0001, the smallest amount"):
+        load_config(None, [f"{key}={value}"])
+    assert load_config(None, [f"{key}=0.0001"])  # the unit itself is fine, and so is no GPU
+    assert load_config(None, ["compute.gpus_per_actor=0", "serve.gpus_per_replica=0"])
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "text": TEXTS[0]}])
+    was_running = ray.is_initialized()
+    assert main("summarize", ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                              "--set", f"{key}={value}"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and key in err[0] and "0.0001" in err[0]
+    assert ray.is_initialized() == was_running and not (tmp_path / "out").exists()
+
+
 def test_a_run_where_every_row_failed_exits_1(ray_local, tiny_models, tmp_path, capsys):
     from pipeline.cli import main
 

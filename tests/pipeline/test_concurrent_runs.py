@@ -2,7 +2,9 @@
 settings started at the same instant, and 20 s apart: exactly one commits, the other exits 2
 naming the lease's holder, and the output is entirely the winner's config.  A SIGKILLed
 holder's lease refuses the next run until it goes stale (``output.lease_timeout_s``), then
-the next run takes it over, with a warning, and resumes."""
+the next run takes it over, with a warning, and resumes.  A job stopped (SIGSTOP) inside a
+unit's commit for longer than its lease is taken over by a run of another config, and on
+SIGCONT it publishes nothing and exits 1."""
 
 import contextlib
 import json
@@ -18,7 +20,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.output.lease import LEASE
-from pipeline_testkit import REPO, write_jsonl
+from pipeline_testkit import REPO, committed, write_jsonl
 
 WORDS = "the cat sat on the mat and looked at the dog".split()
 
@@ -65,7 +67,7 @@ def _entirely_one_config(out: Path, summary_run_id: str, method: str):
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["run_id"] == summary_run_id and (out / "_SUCCESS").read_text().strip() == summary_run_id
     assert summary["config"]["method"]["name"] == method
-    entries = [json.loads(p.read_text()) for p in sorted((out / "_manifest").glob("part-*.json"))]
+    entries = list(committed(out).values())
     assert entries and {e["config_fingerprint"] for e in entries} == {summary["config_fingerprint"]}
     assert {e["run_id"] for e in entries} == {summary_run_id}
     table = pq.read_table(out)
@@ -117,7 +119,7 @@ def test_a_run_started_20_s_after_another_is_refused_and_the_first_commits(tiny_
     actor = None
     try:
         deadline = time.time() + 240
-        while not any((out / "_manifest").glob("part-*.json")):
+        while not committed(out):
             assert first.poll() is None and time.time() < deadline, first.logs[1].read_text()[-3000:]
             time.sleep(0.05)
         actor = _actor_of(first)
@@ -155,7 +157,7 @@ def test_a_killed_holders_lease_refuses_until_stale_then_is_taken_over(ray_local
     try:
         deadline = time.time() + 240
         held = None
-        while not any((out / "_manifest").glob("part-*.json")):
+        while not committed(out):
             assert holder.poll() is None and time.time() < deadline, holder.logs[1].read_text()[-3000:]
             if held is None and (out / LEASE).exists():  # taken before any work starts
                 with contextlib.suppress(ValueError):  # created, then written: it may be empty a moment
@@ -185,3 +187,73 @@ def test_a_killed_holders_lease_refuses_until_stale_then_is_taken_over(ray_local
     ids = pq.read_table(out).column("id").to_pylist()
     assert sorted(ids) == sorted(f"{s}-{i}" for s in range(shards) for i in range(rows))  # every row once
     assert not (out / LEASE).exists() and not (out / "_staging").exists()
+
+
+#: summarize.py, with the driver stopping itself (SIGSTOP) right after the lease check of its
+#: second unit commit: the window between the check and the publish, as a VM freeze would hit it
+_STOPS_IN_ITS_COMMIT = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import pipeline.output.writer as w
+check, calls = w.OutputWriter._check_lease, []
+def stopping(self):
+    check(self)
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+w.OutputWriter._check_lease = stopping
+from pipeline.cli import main
+sys.exit(main("summarize", sys.argv[2:]))
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_a_job_paused_past_its_lease_publishes_nothing_after_the_taker(ray_local, tiny_models, tmp_path, capsys,
+                                                                       caplog):
+    """A real job process stops (SIGSTOP) inside a unit's commit, after its lease check, for
+    longer than ``output.lease_timeout_s``; a run of another config takes the output over
+    (--overwrite) and completes it; on SIGCONT the paused job publishes nothing, exits 1 in
+    one line, and the output is entirely the taker's, every row once; a rerun has nothing to do."""
+    inp, out = _inputs(tmp_path / "in", 3, 4), tmp_path / "out"
+    common = ["--rows-per-batch", "1", "--set", "output.lease_timeout_s=4", "--set", "input.split_rows=2"]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", XDG_STATE_HOME=str(tmp_path / "state"))
+    env.pop("RAY_ADDRESS", None)
+    env.pop("PYTHONPATH", None)
+    with open(tmp_path / "paused.err", "w") as err:
+        paused = subprocess.Popen([sys.executable, "-c", _STOPS_IN_ITS_COMMIT, str(REPO),
+                                   *_args(tiny_models, inp, out, "plain", 16, *common)],
+                                  stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not _stopped(paused.pid):
+            assert paused.poll() is None and time.time() < deadline, (tmp_path / "paused.err").read_text()[-3000:]
+            time.sleep(0.1)
+        held = json.loads((out / LEASE).read_text())
+        time.sleep(4.5)  # its lease goes stale: its heartbeat is stopped with it
+        taker = _args(tiny_models, inp, out, "draft_model", 6, *common, "--overwrite")
+        capsys.readouterr()
+        with caplog.at_level("WARNING", logger="specbatch"):
+            assert main("summarize", taker) == 0
+        run_id = json.loads(capsys.readouterr().out)["run_id"]
+        assert any(f"took over the stale lease of run {held['run_id']}" in r.getMessage() for r in caplog.records)
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LEASE}
+        os.kill(paused.pid, signal.SIGCONT)
+        paused.wait(timeout=120)
+    finally:
+        if paused.poll() is None:
+            os.killpg(paused.pid, signal.SIGKILL)
+            paused.wait()
+    err = (tmp_path / "paused.err").read_text()
+    said = _said(err)
+    assert paused.returncode == 1 and len(said) == 1, err[-3000:]
+    assert "lost the output" in said[0] and "publishes nothing more" in said[0], said
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LEASE} == before
+    _entirely_one_config(out, run_id, "draft_model")
+    capsys.readouterr()
+    assert main("summarize", _args(tiny_models, inp, out, "draft_model", 6, *common)) == 0
+    assert json.loads(capsys.readouterr().out)["this_run"]["nothing_to_do"] is True

@@ -110,6 +110,32 @@ def test_method_params_pass_through_to_speculation_settings():
     assert cfg.model_dump()["method"]["prompt_lookup_num_tokens"] == 4
 
 
+@pytest.mark.parametrize("key", [
+    "input.split_rows", "input.preflight_read_max_bytes", "compute.rows_per_batch", "compute.cpus_per_actor",
+    "compute.stall_timeout_s", "output.max_rows_per_file", "output.lease_timeout_s", "retry.attempts",
+    "audit.seed", "audit.fraction", "generation.max_new_tokens", "generation.top_k", "serve.port",
+    "method.num_assistant_tokens", "method.assistant_ensemble_weight"])
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_a_boolean_is_not_a_count(key, value):
+    """``input.split_rows: true`` was read as 1: a boolean given for a number is refused by
+    name, in every section (and in the YAML file as with --set); a real boolean still loads."""
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}: {value} is a boolean, not a number"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_numbers_are_numbers_and_booleans_booleans(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("input:\n  split_rows: yes\n")  # YAML 1.1: yes is a boolean
+    with pytest.raises(ConfigError, match="input.split_rows: true is a boolean"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="input.split_rows"):
+        load_config(None, ["input.split_rows='500'"])  # a string, even of digits, is not a count
+    cfg = load_config(None, ["input.split_rows=500", "compute.cpus_per_actor=2", "generation.do_sample=true",
+                             "generation.temperature=1"])
+    assert cfg.input.split_rows == 500 and cfg.compute.cpus_per_actor == 2.0
+    assert cfg.generation.do_sample is True
+
+
 def test_overrides_parse_yaml_scalars():
     d = apply_overrides({}, ["a.b=3", "a.c=true", "a.d=null", "a.e=[x, y]", "a.f=s3://b/k", "a.g=0.5"])
     assert d == {"a": {"b": 3, "c": True, "d": None, "e": ["x", "y"], "f": "s3://b/k", "g": 0.5}}
@@ -142,3 +168,16 @@ def test_the_draft_length_is_the_controllers_unless_fixed_and_the_old_key_names_
     for old in ("true", "false", "null"):
         with pytest.raises(ConfigError, match="compute.adaptive_draft_length was replaced by compute.draft_length"):
             load_config(None, [f"compute.adaptive_draft_length={old}"])
+
+
+def test_exponent_floats_read_as_numbers_in_files_and_overrides(tmp_path):
+    """PyYAML follows YAML 1.1, where ``1e-3`` (no dot) is a string, which the strict config
+    then refused as "not a valid number"; every user means a number."""
+    from pipeline.config import ConfigError, load_config
+
+    p = tmp_path / "job.yaml"
+    p.write_text("generation:\n  temperature: 7e-1\n  top_p: 9.5E-1\n")
+    cfg = load_config(p, ["compute.cpus_per_actor=5e-1"])
+    assert (cfg.generation.temperature, cfg.generation.top_p, cfg.compute.cpus_per_actor) == (0.7, 0.95, 0.5)
+    with pytest.raises(ConfigError, match="generation.temperature"):
+        load_config(None, ["generation.temperature=e-1"])  # not a number: still refused by name

@@ -13,7 +13,7 @@ import pytest
 from ray import cloudpickle
 
 from actors.generate import GenerateActor
-from pipeline_testkit import job_config
+from pipeline_testkit import committed, job_config
 from pipeline.run import run_job
 
 WORDS = "the cat sat on the mat and looked at the dog a storm hit the coast on monday".split()
@@ -103,5 +103,5 @@ def test_driver_memory_is_flat_in_the_shard_size(ray_local, tiny_models, tmp_pat
     # ... and the 5,000-row file sits near the ten small files, far from its rows held
     # (allocator noise under a loaded machine is a few MB)
     assert big < small + max(6.0, 0.4 * (whole - small)), (big, small, whole)
-    entries = sorted((tmp_path / "out" / "big" / "_manifest").glob("part-*.json"))
+    entries = committed(tmp_path / "out" / "big")
     assert len(entries) == 10 and pq.read_table(tmp_path / "out" / "big").num_rows == 5000

@@ -14,7 +14,7 @@ from pipeline_testkit import TEXTS, job_config, write_jsonl
 from pipeline.engine import SpeculativeEngine
 from pipeline.models import ModelError, load_models
 from pipeline.prompts import PromptBuilder
-from pipeline.read import InputError
+from pipeline.input import InputError
 from pipeline.run import run_job
 from pipeline.config import OutputConfig
 from pipeline.output import is_complete
@@ -53,8 +53,9 @@ def result(ray_local, tiny_models, inputs, tmp_path_factory):
 def test_one_output_row_per_input_row(result, inputs):
     cfg, out, summary = result
     assert is_complete(str(out))
-    assert sorted(p.name for p in out.iterdir()) == [
-        "_SUCCESS", "_manifest", "_summary.json", "part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"]
+    run = summary["run_id"]
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest", "_summary.json"] + [
+        f"part-{i:05d}-u00000.{run}.parquet" for i in range(3)]
     table = pq.read_table(out)
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
     assert table.num_rows == 11
@@ -62,7 +63,7 @@ def test_one_output_row_per_input_row(result, inputs):
     for i, (name, ids) in enumerate([("s0.jsonl", ["0", "1", "2", "3"]),
                                      ("s1.jsonl", ["n", "e", "i", "long", "ok"]),
                                      ("s2.parquet", ["p0", "p1"])]):
-        part = pq.read_table(out / f"part-{i:05d}-u00000.parquet")
+        part = pq.read_table(out / f"part-{i:05d}-u00000.{run}.parquet")
         assert part.column("id").to_pylist() == ids
         assert set(part.column("source_file").to_pylist()) == {str(inputs / name)}
     assert table.schema.field("error").type == pa.string()
@@ -171,3 +172,17 @@ def test_failed_run_publishes_nothing(ray_local, tiny_models, inputs, tmp_path):
     assert not isinstance(e.value, (ModelError, InputError)), e.value  # it failed in the actor
     assert not is_complete(str(out))
     assert not (out / "_staging").exists()
+
+
+def test_the_summary_names_the_cpu_kernels_each_actor_chose(result):
+    """Each actor posts its models' CPU plans at load; the summary groups identical choices and
+    keeps the slowest actor's compile time; the printed headline names them."""
+    _, out, summary = result
+    cpu = json.loads((out / "_summary.json").read_text())["cpu"]
+    assert cpu == summary["cpu"] and cpu["actors"] >= 1 and sum(p["actors"] for p in cpu["plans"]) == cpu["actors"]
+    roles = cpu["plans"][0]["roles"]
+    assert set(roles) == {"target", "drafter"}  # the job's method drafts with a draft model
+    for plan in roles.values():
+        assert plan["options"]["kernels"] is True and "linear_kernels" in plan and "compile_s" not in plan
+    assert cpu["compile_s_max"] >= 0 and cpu["prepare_s_max"] > 0
+    assert cpu["headline"].startswith("target: ")

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.cli import _write_log, log_dir, main
 from pipeline.config import InputConfig
-from pipeline.read import InputError, resolve_shards
+from pipeline.input import InputError, resolve_shards
 from pipeline_testkit import REPO, TEXTS, write_jsonl
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import pipeline.output.writer
 from actors.generate import GenerateActor
-from pipeline_testkit import TEXTS, PausableProxy, free_port, job_config, write_jsonl
+from pipeline_testkit import TEXTS, PausableProxy, committed, free_port, job_config, write_jsonl
 from pipeline.retry import StorageError
 from pipeline.run import ActorPoolError, run_job
 
@@ -53,7 +53,7 @@ def test_actor_killed_mid_run_is_restarted_and_every_row_is_written_once(ray_loc
     def killer():
         deadline = time.time() + 120
         while time.time() < deadline and not killed:
-            if any((out / "_manifest").glob("part-*.json")):  # a unit committed (in completion order)
+            if len(list((out / "_manifest" / "log").glob("*.json"))) >= 2:  # the run's epoch and a unit committed
                 for aid, a in _alive_generate_actors(ray_local).items():
                     os.kill(a["Pid"], signal.SIGKILL)
                     killed[aid] = a["Pid"]
@@ -112,7 +112,7 @@ def test_a_batch_that_keeps_killing_its_actor_fails_the_run_bounded(ray_local, t
     assert isinstance(e.value, ActorPoolError), repr(e.value)
     assert str(e.value).startswith("a batch failed after compute.max_batch_retries=1 resubmissions: its actor kept "
                                    "dying (2 actor restarts so far, compute.max_actor_restarts=2")
-    assert not (out / "_manifest" / "part-00001-u00000.json").exists() and not (out / "_SUCCESS").exists()
+    assert "part-00001-u00000.parquet" not in committed(out) and not (out / "_SUCCESS").exists()
 
 
 # ---------------------------------------------------------------------------- storage
@@ -209,16 +209,16 @@ def test_persistent_outage_fails_clearly_and_a_rerun_completes_only_the_missing_
     calls = _outage_at_commit(monkeypatch, proxy, 1)  # never comes back during run 1
     cfg = _cfg(tiny_models, proxy, "s3://faults/out/resumed", "retry.attempts=2", "retry.initial_backoff_s=0.2")
     try:
-        with pytest.raises(StorageError, match=r"(part-0000\d-u00000.parquet|the lease).*failed after 2 attempts"):
+        with pytest.raises(StorageError, match=r"(part-0000\d-u00000|the lease|the commit log).*failed after 2 attempts"):
             run_job(cfg, progress=False)
     finally:
         proxy.resume()
     monkeypatch.undo()
     first, failed = calls[0], calls[1]
     keys = _keys(client, "out/resumed/")
-    entry = lambda p: "out/resumed/_manifest/" + p.replace(".parquet", ".json")  # noqa: E731
-    assert entry(first) in keys  # committed before the outage: intact
-    assert "out/resumed/_SUCCESS" not in keys and entry(failed) not in keys
+    entries = committed(cfg.output.uri, cfg.output.storage_options)
+    assert first in entries  # committed before the outage: intact
+    assert "out/resumed/_SUCCESS" not in keys and failed not in entries
 
     summary = run_job(_cfg(tiny_models, proxy, "s3://faults/out/resumed"), progress=False)
     assert summary["this_run"]["units_skipped"] == [first]

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline_testkit import TEXTS
+from pipeline_testkit import TEXTS, write_jsonl
 from pipeline.config import InputConfig, OutputConfig
-from pipeline.read import InputError, file_kind, read_shard, resolve_shards
+from pipeline.input import InputError, file_kind, read_shard, resolve_shards
 from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
 
@@ -124,7 +124,7 @@ def test_hive_partitioned_parquet_keeps_the_partition_columns(tmp_path):
     rows = [r for s in shards for r in read_shard(s, cfg).to_pylist()]
     assert [(r["id"], r["lang"]) for r in rows] == [("a", "de"), ("b", "de"), ("c", "en"), ("d", "fr/be")]
     # the writer keeps them after the output columns
-    from pipeline.read import partition_keys
+    from pipeline.input import partition_keys
     from pipeline.schema import conform, output_schema
 
     keys = partition_keys(shards)
@@ -204,7 +204,7 @@ def test_the_output_inside_the_input_is_left_out(tmp_path, caplog):
     assert [s.name for s in resolve_shards(InputConfig(uri=str(d)), output=same)] == ["a.jsonl"]
     # a specbatch output named as the input itself is read (jobs chain: summarize -> translate)
     chained = resolve_shards(InputConfig(uri=str(d / "older"), text_column="output_text"))
-    assert [s.name for s in chained] == ["part-00000-u00000.parquet"]
+    assert [s.name.split(".")[0] for s in chained] == ["part-00000-u00000"]  # (its data file, tagged with its run)
 
 
 def test_an_input_inside_the_outputs_manifest_or_staging_is_refused(tmp_path):
@@ -213,11 +213,11 @@ def test_an_input_inside_the_outputs_manifest_or_staging_is_refused(tmp_path):
         (tmp_path / "out" / sub).mkdir(parents=True, exist_ok=True)
         (tmp_path / "out" / sub / "x.jsonl").write_bytes(PLAIN)
         for uri in (tmp_path / "out" / sub / "x.jsonl", tmp_path / "out" / sub, tmp_path / "out" / sub / "*.jsonl"):
-            with pytest.raises(InputError, match=r"lies inside the output's _(manifest|staging)/"):
+            with pytest.raises(InputError, match=r"lies inside the job's output .*_manifest/ or _staging/"):
                 resolve_shards(InputConfig(uri=str(uri)), output=out)
     # a data file of the output named as the input: refused too
     (tmp_path / "out" / "part-00000-u00000.parquet").write_bytes(b"")
-    with pytest.raises(InputError, match="a file of the job's output"):
+    with pytest.raises(InputError, match="lies inside the job's output .*one of the files"):
         resolve_shards(InputConfig(uri=str(tmp_path / "out" / "part-00000-u00000.parquet")), output=out)
 
 
@@ -275,5 +275,24 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
     for uri in (f"s3://{b}/in/./", f"s3://{b}/in/x/../"):
         with pytest.raises(InputError, match="input not found"):
             resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
-    with pytest.raises(InputError, match="inside the output's _manifest/"):
+    with pytest.raises(InputError, match=r"lies inside the job's output s3://.*/in/out"):
         resolve_shards(InputConfig(uri=f"s3://{b}/in/out/_manifest/", storage_options=opts), output=out)
+
+
+def test_an_input_with_no_text_column_at_all_is_refused_naming_it(tmp_path):
+    """Not "prompt is null" on every row: a Parquet file whose schema lacks the text column,
+    a JSONL file none of whose lines has the field, is refused before any work, naming the
+    key and what the file has; a JSONL file where some line has it is read (the others are
+    the rows' own errors)."""
+    pq.write_table(pa.table({"id": ["a"], "article": ["x"]}), tmp_path / "a.parquet")
+    with pytest.raises(InputError, match=r"a\.parquet' has no column 'text' \(input.text_column\); its columns are "
+                                         r"\['id', 'article'\]"):
+        resolve_shards(InputConfig(uri=str(tmp_path / "a.parquet")))
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "a", "body": "x"}, {"id": "b", "body": "y"}])
+    with pytest.raises(InputError, match=r"b\.jsonl' has no field 'text' \(input.text_column\) on any of its 2 lines"):
+        resolve_shards(InputConfig(uri=str(tmp_path / "b.jsonl")))
+    (shard,) = resolve_shards(InputConfig(uri=str(tmp_path / "b.jsonl"), text_column="body"))
+    assert shard.num_rows == 2
+    write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "body": "x"}, {"id": "b", "text": "y"}])
+    rows = read_shard(resolve_shards(InputConfig(uri=str(tmp_path / "c.jsonl")))[0], InputConfig(uri="x")).to_pylist()
+    assert [r["text"] for r in rows] == [None, "y"]

@@ -15,9 +15,11 @@ import time
 import uuid
 
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from pipeline.output.lease import LEASE, LeaseHeld, LeaseLost, LeaseUnreadable, OutputLease
 from pipeline.retry import open_fs, retrying
+from pipeline.storage import MTIME_KEYS
 from pipeline_testkit import REPO
 
 
@@ -176,7 +178,7 @@ def test_only_one_of_several_takers_of_a_stale_lease_wins(place):
         assert place.read()["run_id"] == winners[0]
     finally:
         [x.release() for x in takers]
-        if dead.backend.__class__.__name__ == "_Local" and dead.backend.fd is not None:
+        if dead.backend.__class__.__name__ == "LocalLeaseStore" and dead.backend.fd is not None:
             os.close(dead.backend.fd)
 
 
@@ -308,3 +310,67 @@ def test_a_store_that_ignores_conditional_writes_is_named_and_the_lease_still_re
     finally:
         a.release()
     assert place.read()["run_id"] == "intruder"  # not ours: left alone
+
+
+class _NoTimes(MemoryFileSystem):
+    """A store whose ``info()`` reports no modification time (the generic lease then ages a
+    lease by the holder's own ``heartbeat_at``)."""
+
+    protocol = "memory-without-times"
+
+    def info(self, path, **kwargs):
+        return {k: v for k, v in super().info(path, **kwargs).items() if k not in MTIME_KEYS}
+
+
+@pytest.mark.parametrize("store_times", [True, False], ids=["the-store-s-time", "the-heartbeat-stamp"])
+def test_a_generic_store_s_lease_ages_by_the_store_s_time_else_by_the_holder_s_heartbeat(store_times):
+    """The holder's clock runs 1000 s behind: its ``heartbeat_at`` says its lease is stale,
+    the store's modification time says it was written now.  The store's time wins where the
+    store reports one (``pipeline.storage.modified_at``), the stamp is read otherwise."""
+    fs = MemoryFileSystem() if store_times else _NoTimes()
+    root = f"/leases-{uuid.uuid4().hex[:8]}"
+
+    def lease(run_id, clock=time.time):
+        return OutputLease(fs, root, run_id, url=f"memory://{root}", io=retrying(None), timeout_s=60.0, clock=clock)
+
+    old = lease("old", clock=lambda: time.time() - 1000)
+    old.acquire()
+    try:
+        new = lease("new")
+        if store_times:
+            with pytest.raises(LeaseHeld, match="run old"):
+                new.acquire()
+        else:
+            new.acquire()  # stale by its stamp: taken over
+            try:
+                with pytest.raises(LeaseLost, match="now belongs to run new"):
+                    old.check()
+            finally:
+                new.release()
+    finally:
+        old.release()
+
+
+def test_a_lease_that_cannot_be_written_is_a_refusal_and_a_passing_fault_is_not(tmp_path, monkeypatch):
+    """``OutputWriter.acquire_lease``: a location where no lease can be created is refused
+    naming it (exit 2); a transient storage fault is raised as it is (exit 1: a rerun may
+    succeed), as every check before work does (``pipeline.storage.raise_refusal``)."""
+    from pipeline.config import OutputConfig
+    from pipeline.output import OutputError, OutputWriter
+    from pipeline.retry import StorageError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputError, match=r"output '.*/file/out' is not writable: NotADirectoryError"):
+        OutputWriter(OutputConfig(uri=str(blocker / "out"))).acquire_lease()
+    out, makedirs = tmp_path / "out", os.makedirs
+
+    def stalls(path, *args, **kwargs):
+        if str(path) == str(out):
+            raise TimeoutError("the disk did not answer")
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", stalls)
+    with pytest.raises(StorageError, match="the disk did not answer") as got:
+        OutputWriter(OutputConfig(uri=str(out)), retry={"attempts": 2, "initial_backoff_s": 0}).acquire_lease()
+    assert got.value.transient and not isinstance(got.value, OutputError)

@@ -1,9 +1,10 @@
 """The job never touches files that are not its own: a folder holding foreign files is
 refused (unless ``output.allow_foreign_files``), foreign files survive ``--overwrite`` and
-every commit, files of a run that died mid-publish are cleaned by the next run, stale
-``_staging/`` folders go after a successful run, and a shard larger than
-``output.max_rows_per_file`` is written as several files under one manifest entry.
-On local disk and on moto S3."""
+every commit, files of a run that died mid-publish (orphans) are cleaned by the next run, stale
+``_staging/`` folders go after a successful run, a shard larger than
+``output.max_rows_per_file`` is written as several files under one manifest entry, and names
+read back from the manifest (the commit log, and the records of earlier versions) are checked
+before any is used.  On local disk and on moto S3."""
 
 import io
 import json
@@ -12,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipeline.output.writer
 from pipeline.config import OutputConfig
 from pipeline.output import OutputError, is_complete
 from pipeline.output import OutputWriter
+from pipeline.output.commit_log import CommitLog
 from pipeline.schema import OUTPUT_SCHEMA
 
 
@@ -79,7 +80,18 @@ def _rows(n, start=0, errors=()):
 
 
 def _ours(files):
-    return {k: v for k, v in files.items() if k not in FOREIGN}
+    """The job's files but the commit log's records."""
+    return {k: v for k, v in files.items() if k not in FOREIGN and not k.startswith("_manifest/log/")}
+
+
+def _log(files):
+    """The commit log's records, in order."""
+    return [json.loads(v) for k, v in sorted(files.items()) if k.startswith("_manifest/log/")]
+
+
+def _committed(s):
+    """Part -> manifest entry, as the job reads them back."""
+    return OutputWriter(s.cfg()).location.read_manifest()
 
 
 def test_a_folder_with_foreign_files_is_refused_and_they_are_never_deleted(store):
@@ -100,12 +112,14 @@ def test_a_folder_with_foreign_files_is_refused_and_they_are_never_deleted(store
         w.commit({"rows": 3})
         files = s.files()
         assert {k: files[k] for k in FOREIGN} == FOREIGN
-        assert sorted(_ours(files)) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_summary.json", "part-00000-u00000.parquet"]
-        assert json.loads(files["_manifest/part-00000-u00000.json"])["run_id"] == w.run_id
+        assert sorted(_ours(files)) == ["_SUCCESS", "_summary.json", f"part-00000-u00000.{w.run_id}.parquet"]
+        assert _committed(s)["part-00000-u00000.parquet"]["run_id"] == w.run_id
     assert is_complete(s.base, s.options)
 
 
-@pytest.mark.parametrize("clash", ["part-00003-u00000.parquet", "part-00000-u00000-00001.parquet", "_summary.json"])
+@pytest.mark.parametrize("clash", ["part-00003-u00000.parquet", "part-00000-u00000-00001.parquet", "_summary.json",
+                                   # the naming of a run this output's commit log does not know
+                                   "part-00000-u00000.0123456789ab.parquet"])
 def test_a_foreign_file_with_a_name_the_job_writes_is_always_refused(store, clash):
     s = store()
     s.put(clash, b"not ours")
@@ -138,49 +152,76 @@ def test_a_large_unit_is_written_in_files_of_max_rows_per_file(store):
     w.write_part(1, _rows(4))
     w.commit({"rows": 29})
     files = s.files()
-    names = ["part-00000-u00000-00000.parquet", "part-00000-u00000-00001.parquet", "part-00000-u00000-00002.parquet"]
-    assert sorted(k for k in files if k.startswith("part-")) == names + ["part-00001-u00000.parquet"]
+    names = [f"part-00000-u00000.{w.run_id}.{i:05d}.parquet" for i in range(3)]
+    assert sorted(k for k in files if k.startswith("part-")) == names + [f"part-00001-u00000.{w.run_id}.parquet"]
     sizes = [pq.read_table(io.BytesIO(files[n])).num_rows for n in names]
     assert sizes == [10, 10, 5]
     ids = [i for n in names for i in pq.read_table(io.BytesIO(files[n])).column("id").to_pylist()]
     assert ids == [str(i) for i in range(25)]  # in row order across the files
-    entry = json.loads(files["_manifest/part-00000-u00000.json"])
-    assert entry["files"] == names and entry["rows"] == 25 and entry["errors"] == 3
-    assert json.loads(files["_manifest/part-00001-u00000.json"])["files"] == ["part-00001-u00000.parquet"]
+    entries = _committed(s)
+    assert entries["part-00000-u00000.parquet"]["files"] == names
+    assert entries["part-00000-u00000.parquet"]["rows"] == 25 and entries["part-00000-u00000.parquet"]["errors"] == 3
+    assert entries["part-00001-u00000.parquet"]["files"] == [f"part-00001-u00000.{w.run_id}.parquet"]
+    assert [r["kind"] for r in _log(files)] == ["epoch", "unit", "unit", "final"]
     assert not any(k.startswith(("_staging", "_manifest/pending")) for k in files)
 
 
 def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(store, monkeypatch):
-    """Run 1 publishes shard 0's files and dies before its manifest entry (and leaves its
-    staging behind, as a SIGKILL would).  Run 2 rewrites shard 0 (fewer files now) and its
-    commit removes the files only the dead run's publish intent names."""
+    """Run 1 publishes unit 0's files and dies before its record in the commit log (and leaves
+    its staging behind, as a SIGKILL would): its files are orphans, the job's own (they carry
+    the id of a run of the log), not foreign.  Run 2 rewrites unit 0 (fewer files now) and
+    its commit removes them, naming them."""
     s = store()
     s.put("notes.txt", b"keep me")
-    original = OutputWriter._write_json
+    original = CommitLog.append
 
-    def die_at_manifest_entry(self, path, obj, what, staged_as=None):
-        if "manifest entry" in what:
+    def die_at_the_unit_record(self, record):
+        if record["kind"] == "unit":
             raise RuntimeError("killed")
-        return original(self, path, obj, what, staged_as)
+        return original(self, record)
 
-    monkeypatch.setattr(OutputWriter, "_write_json", die_at_manifest_entry)
+    monkeypatch.setattr(CommitLog, "append", die_at_the_unit_record)
     w1 = OutputWriter(s.cfg(allow_foreign_files=True, max_rows_per_file=2))
     w1.prepare()
     with pytest.raises(RuntimeError, match="killed"):
         w1.write_part(0, _rows(5))
-    monkeypatch.setattr(OutputWriter, "_write_json", original)
+    monkeypatch.setattr(CommitLog, "append", original)
     s.put(f"_staging/{w1.run_id}/part-00001/00000.parquet", b"left by a killed run")
-    files = s.files()
-    assert {"part-00000-u00000-00000.parquet", "part-00000-u00000-00002.parquet",
-            f"_manifest/pending/part-00000-u00000.{w1.run_id}.json"} <= set(files)
-    assert "_manifest/part-00000-u00000.json" not in files
+    dead = [f"part-00000-u00000.{w1.run_id}.{i:05d}.parquet" for i in range(3)]
+    assert set(dead) <= set(s.files()) and _committed(s) == {}
 
     w2 = OutputWriter(s.cfg(allow_foreign_files=True))  # not refused: those files are ours
-    assert w2.prepare([]).done == [] and w2.location.foreign == ["notes.txt"]
+    assert w2.prepare([]).done == [] and w2.location.foreign == ["notes.txt"] and w2.location.orphans == dead
     w2.write_part(0, _rows(5))
     w2.commit({"rows": 5})
-    assert sorted(s.files()) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_summary.json", "notes.txt",
-                                 "part-00000-u00000.parquet"]
+    files = s.files()
+    assert sorted(_ours(files)) == ["_SUCCESS", "_summary.json", f"part-00000-u00000.{w2.run_id}.parquet"]
+    assert files["notes.txt"] == b"keep me"
+
+
+def test_an_orphan_is_removed_by_overwrite_and_by_a_run_with_nothing_to_do(store):
+    """A data file of the job's own that no committed unit names is never foreign: a rerun with
+    nothing to do removes it, and so does --overwrite."""
+    from pipeline.input.units import Shard, Split, Unit
+
+    s = store()
+    unit = Unit(Shard(index=0, url=None, format="jsonl", num_rows=2), 0, Split(0, 2))
+    w = OutputWriter(s.cfg())
+    w.prepare([unit])
+    w.write_part(unit, _rows(2))
+    w.commit({"rows": 2})
+    committed = f"part-00000-u00000.{w.run_id}.parquet"
+    for kw in ({}, {"overwrite": True}):
+        orphan = f"part-00000-u00000.{w.run_id}.00007.parquet"  # as a run that lost its lease leaves them
+        s.put(orphan, s.files()[committed])
+        again = OutputWriter(s.cfg(**kw))
+        plan = again.prepare([unit])
+        assert again.location.foreign == [] and orphan not in s.files()
+        if kw:
+            assert plan.done == [] and committed not in s.files()
+        else:
+            assert plan.nothing_to_do and plan.done == ["part-00000-u00000.parquet"] and committed in s.files()
+            assert is_complete(s.base, s.options)
 
 
 def test_the_issue_example_part_archive_survives_a_run(ray_local, tiny_models, tmp_path):
@@ -200,7 +241,8 @@ def test_the_issue_example_part_archive_survives_a_run(ray_local, tiny_models, t
     summary = run_job(cfg("output.overwrite=true", "output.allow_foreign_files=true"), progress=False)
     assert summary["rows"] == 3
     assert (out / "part-archive.parquet").read_bytes() == FOREIGN["part-archive.parquet"]
-    assert pq.read_table(out / "part-00000-u00000.parquet").num_rows == 3 and is_complete(str(out))
+    (part,) = out.glob("part-00000-u00000.*.parquet")
+    assert pq.read_table(part).num_rows == 3 and is_complete(str(out))
 
 
 # ---------------------------------------------------------------------------- names from _manifest/
@@ -232,7 +274,7 @@ FORGED_NAMES = ["relative", "absolute", "nested/part-00000-u00000.parquet", "par
                 "part-00000-u00000-00000.parquet"]
 
 
-@pytest.mark.parametrize("where", ["intent", "entry"])
+@pytest.mark.parametrize("where", ["intent", "legacy entry", "log record"])
 @pytest.mark.parametrize("forged", FORGED_NAMES)
 def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is_deleted(
         store, tmp_path, request, where, forged):
@@ -242,11 +284,14 @@ def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is
     w = OutputWriter(s.cfg())
     w.prepare()
     w.write_part(0, _rows(2))  # a real committed shard beside the forged record
-    if where == "intent":
+    if where == "intent":  # of an earlier version
         rel = "_manifest/pending/part-00000-u00000.0123456789ab.json"
         s.put(rel, json.dumps({"part": "part-00000-u00000.parquet", "files": [name], "run_id": "0123456789ab"}).encode())
-    else:
+    elif where == "legacy entry":
         rel = "_manifest/part-00000-u00000.json"
+        s.put(rel, json.dumps({"part": "part-00000-u00000.parquet", "files": [name]}).encode())
+    else:
+        rel = "_manifest/log/0000000001.json"
         entry = json.loads(s.files()[rel])
         s.put(rel, json.dumps(dict(entry, files=[name])).encode())
     before = s.files()
@@ -257,10 +302,9 @@ def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is
         assert s.files() == before and victim.intact()
     # and a commit that meets the forged intent (written while the run ran) deletes nothing either
     if where == "intent":
-        s.put("_manifest/part-00000-u00000.json", before.get("_manifest/part-00000-u00000.json", b""))
         with pytest.raises(OutputError, match=rel.replace(".", "[.]")):
             w.commit({"rows": 2})
-        assert victim.intact() and "part-00000-u00000.parquet" in s.files()
+        assert victim.intact() and f"part-00000-u00000.{w.run_id}.parquet" in s.files()
 
 
 @pytest.mark.parametrize("record", [{"part": "part-00001-u00000.parquet", "files": ["part-00001-u00000.parquet"]},
@@ -275,6 +319,7 @@ def test_a_manifest_entry_for_another_shard_or_of_another_shape_is_refused(store
 
 
 @pytest.mark.parametrize("rel", ["_manifest/input.jsonl", "_manifest/pending/notes.txt", "_manifest/part-1.json",
+                                 "_manifest/log/notes.txt", "_manifest/log/12.json",
                                  "_staging/data.csv", "_staging/0123456789ab/other.parquet",
                                  # digits that are not ASCII (Arabic-Indic, fullwidth) name no shard of the job
                                  "_manifest/part-\u0660\u0660\u0660\u0660\u0661.json",
@@ -293,11 +338,11 @@ def test_foreign_files_under_manifest_and_staging_are_foreign_and_survive_overwr
         w.commit({"rows": 1})
         files = s.files()
         assert files[rel] == b'{"id": "x", "text": "keep me"}\n'
-        assert sorted(set(files) - {rel}) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_summary.json",
-                                              "part-00000-u00000.parquet"]
+        assert sorted(set(_ours(files)) - {rel}) == ["_SUCCESS", "_summary.json",
+                                                     f"part-00000-u00000.{w.run_id}.parquet"]
 
 
-@pytest.mark.parametrize("link", ["_staging", "_manifest", "_manifest/pending", "_staging/0123456789ab",
+@pytest.mark.parametrize("link", ["_staging", "_manifest", "_manifest/pending", "_manifest/log", "_staging/0123456789ab",
                                   "_SUCCESS", "_summary.json"])
 def test_a_symlink_where_the_job_writes_its_own_files_is_refused(tmp_path, link):
     out = tmp_path / "out"
@@ -311,3 +356,26 @@ def test_a_symlink_where_the_job_writes_its_own_files_is_refused(tmp_path, link)
             OutputWriter(OutputConfig(uri=str(out), **kw)).prepare()
     assert (elsewhere / "data.txt").read_text() == "not the job's" and sorted(p.name for p in elsewhere.iterdir()) == [
         "data.txt"]
+
+
+@pytest.mark.parametrize("forge", ["not json", "a list", "another number", "another kind", "no run", "a unit of another part",
+                                   "untagged files"])
+def test_a_record_of_the_commit_log_that_is_not_the_job_s_is_refused_and_nothing_is_deleted(store, forge):
+    s = store()
+    w = OutputWriter(s.cfg())
+    w.prepare([])
+    w.write_part(0, _rows(2))
+    rel = "_manifest/log/0000000001.json"
+    unit = json.loads(s.files()[rel])
+    forged = {"not json": b"{unit", "a list": json.dumps([unit]).encode(),
+              "another number": json.dumps(dict(unit, seq=7)).encode(),
+              "another kind": json.dumps(dict(unit, kind="delete")).encode(),
+              "no run": json.dumps(dict(unit, run_id="../x")).encode(),
+              "a unit of another part": json.dumps(dict(unit, part="part-00001-u00000.parquet")).encode(),
+              "untagged files": json.dumps(dict(unit, files=["part-00000-u00000.parquet"])).encode()}[forge]
+    s.put(rel, forged)
+    before = s.files()
+    for kw in ({}, {"overwrite": True}):
+        with pytest.raises(OutputError, match=rel.replace(".", "[.]")):
+            OutputWriter(s.cfg(**kw)).prepare([])
+        assert s.files() == before

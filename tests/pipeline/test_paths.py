@@ -84,7 +84,9 @@ def test_resolve_config_paths_touches_only_path_keys(tmp_path):
     assert out["input"]["uri"] == str(tmp_path / "a.jsonl")
     data["input"]["uri"] = out["input"]["uri"]
     assert out == data  # gguf_file is a name inside models.target, never a path of its own
-    assert {k for k, _ in PATH_KEYS} <= {"input", "output", "models", "serve", "method"}
+    assert {k for k, _ in PATH_KEYS} <= {"input", "output", "models", "serve", "method", "cpu"}
+    # cpu.compile_cache (inductor's cache folder) is a local folder
+    assert resolve_config_paths({"cpu": {"compile_cache": "c"}}, tmp_path)["cpu"]["compile_cache"] == str(tmp_path / "c")
     # method.draft_vocab (draft_model's reduced vocabulary) is a file path
     assert resolve_config_paths({"method": {"draft_vocab": "v.json"}}, tmp_path)["method"]["draft_vocab"] == str(tmp_path / "v.json")
 

@@ -125,14 +125,14 @@ def test_partitioned_parquet_with_one_actor_per_cpu_equals_the_job(ray_local, ti
     import ray
 
     from pipeline.processor import build_processor
-    from pipeline.ray_setup import actor_cpus
+    from pipeline.ray_setup import pool_plan
 
     table = pa.table({"id": [r["id"] for r in ROWS], "text": [r["text"] for r in ROWS],
                       "lang": ["de", "en", "de", "en", "fr", "fr"]})
     pq.write_to_dataset(table, str(tmp_path / "ds"), partition_cols=["lang"])
     cpus = int(ray.cluster_resources()["CPU"])
     cfg = _cfg(tiny_models, tmp_path, f"compute.num_actors={cpus}", "compute.rows_per_batch=2")
-    assert actor_cpus(cfg) == (cpus - 1) / cpus  # one CPU left for the read tasks
+    assert pool_plan(cfg, embedded=True).cpus == pytest.approx((cpus - 1) / cpus, abs=1e-4)  # one CPU left for reads
     ds = ray.data.read_parquet(str(tmp_path / "ds")).filter(lambda r: r["lang"] != "fr")
     with stall_guard(180, lambda: "the processor stalled behind its own actor pool"):
         got = {r["id"]: r for r in build_processor(cfg)(ds).take_all()}
@@ -184,3 +184,38 @@ def test_the_documented_example_runs(ray_local, tmp_path, capsys):
     assert set(table.column_names) >= {"id", "lang", "text", "summary", "new_tokens", "acceptance_rate"}
     assert all(n <= 4 for n in table.column("new_tokens").to_pylist())  # the per-row budget
     assert set(table.column("lang").to_pylist()) == {"en"}
+
+
+def test_a_dataset_without_a_prompt_column_is_named_before_any_actor(ray_local, tiny_models, tmp_path):
+    """A dataset with no text column at all: refused by name when its schema is known
+    (``from_items``, ``read_parquet``), before any actor starts; with a preprocess (which
+    might add one) or an unknown schema, each row's error names the column instead of
+    "prompt is null".  The schema check runs nothing: no actor, no row decoded."""
+    import ray
+
+    from pipeline.config import ConfigError
+    from pipeline.processor import Processor
+
+    cfg = _cfg(tiny_models, tmp_path, "input.text_column=body")
+    proc = Processor(cfg, generation=object())  # no model is loaded: the check comes first
+    with pytest.raises(ConfigError, match=r"no column 'body' \(input.text_column\), nor prompt_token_ids, messages, "
+                                          r"prompt: its columns are \['id', 'text'\]"):
+        proc(ray.data.from_items([{"id": "a", "text": "x"}]))
+    pq.write_table(pa.table({"id": ["a"], "article": ["x"]}), tmp_path / "a.parquet")
+    with pytest.raises(ConfigError, match=r"its columns are \['id', 'article'\]"):
+        proc(ray.data.read_parquet(str(tmp_path / "a.parquet")))
+    for names in (["id", "body"], ["id", "prompt"], ["messages"], ["prompt_token_ids"]):
+        Processor(cfg, generation=object())._check_prompt_columns(ray.data.from_items([dict.fromkeys(names, "x")]))
+
+
+def test_a_batch_without_a_prompt_column_names_it_on_each_row():
+    from pipeline.processor import _NameMissingPrompt, missing_prompt
+
+    name = _NameMissingPrompt("text")
+    bad = pa.table({"id": ["a", "b"], "input_error": ["preprocess: ValueError: boom", None]})
+    got = name(bad).column("input_error").to_pylist()
+    assert got[0] == "preprocess: ValueError: boom"  # a row's own error is kept
+    assert got[1] == missing_prompt(["id", "input_error"], "text") and "no column 'text'" in got[1]
+    assert name(pa.table({"id": ["a"]})).column("input_error").to_pylist() == [missing_prompt(["id"], "text")]
+    ok = pa.table({"id": ["a"], "text": [None]})
+    assert name(ok) is ok  # a null text is the row's own problem ("prompt is null"), the column is there

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline_testkit import TEXTS, job_config, write_jsonl
 from pipeline.config import InputConfig
-from pipeline.read import InputError, read_shard, resolve_shards
+from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.run import run_job
 
 GOOD = json.dumps({"id": "g", "text": TEXTS[0]}).encode()
@@ -154,5 +154,5 @@ def test_job_on_s3_writes_the_good_rows_and_an_error_row_per_bad_line(ray_local,
                                 f"output.storage_options={opts}"])
     summary = run_job(cfg, progress=False)
     assert summary["errors"] == 3
-    body = client.get_object(Bucket="rows", Key="out/part-00000-u00000.parquet")["Body"].read()
+    body = client.get_object(Bucket="rows", Key=f"out/part-00000-u00000.{summary['run_id']}.parquet")["Body"].read()
     _check_messy_output(pq.read_table(io.BytesIO(body)))

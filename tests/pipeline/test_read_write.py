@@ -8,7 +8,7 @@ import pytest
 
 from pipeline_testkit import write_jsonl
 from pipeline.config import InputConfig, OutputConfig
-from pipeline.read import InputError, read_shard, resolve_shards
+from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.output import OutputError, is_complete
 from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
@@ -92,17 +92,20 @@ def test_commit_protocol(tmp_path):
     w = OutputWriter(OutputConfig(uri=str(out)))
     w.prepare()
     w.write_part(0, _table(3))
-    # a shard is published as soon as it is written: part first, then its manifest entry
-    assert (out / "part-00000-u00000.parquet").exists() and (out / "_manifest" / "part-00000-u00000.json").exists()
+    # a unit is published as soon as it is written: its files (named with the run's id), then its
+    # record in the commit log (the run's epoch is record 0)
+    part0, part1 = f"part-00000-u00000.{w.run_id}.parquet", f"part-00001-u00000.{w.run_id}.parquet"
+    assert (out / part0).exists() and (out / "_manifest" / "log" / "0000000001.json").exists()
     assert not is_complete(str(out))
     w.write_part(1, _table(2))
     w.commit({"rows": 5})
-    assert sorted(p.name for p in out.iterdir()) == [
-        "_SUCCESS", "_manifest", "_summary.json", "part-00000-u00000.parquet", "part-00001-u00000.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest", "_summary.json", part0, part1]
     assert pq.read_table(out).num_rows == 5  # pyarrow skips _-prefixed files
     assert json.loads((out / "_summary.json").read_text()) == {"rows": 5}
-    entry = json.loads((out / "_manifest" / "part-00001-u00000.json").read_text())
-    assert entry["rows"] == 2 and entry["run_id"] == w.run_id
+    records = [json.loads((out / "_manifest" / "log" / f"{i:010d}.json").read_text()) for i in range(4)]
+    assert [r["kind"] for r in records] == ["epoch", "unit", "unit", "final"]
+    assert records[2]["part"] == "part-00001-u00000.parquet" and records[2]["files"] == [part1]
+    assert records[2]["rows"] == 2 and {r["run_id"] for r in records} == {w.run_id}
 
     # An output written before manifests existed (parts + _SUCCESS only) is refused.
     old = tmp_path / "old"
@@ -114,7 +117,8 @@ def test_commit_protocol(tmp_path):
     # An overwriting run that fails: the old run no longer looks complete, no staging left.
     w2 = OutputWriter(OutputConfig(uri=str(out), overwrite=True))
     w2.prepare()
-    assert not is_complete(str(out)) and not (out / "_manifest").exists() and not list(out.glob("part-*"))
+    assert not is_complete(str(out)) and not list(out.glob("part-*"))
+    assert OutputWriter(OutputConfig(uri=str(out))).location.read_manifest() == {}
     w2.write_part(0, _table(1))
     w2.abort()
     assert not (out / "_staging").exists() and not is_complete(str(out))
@@ -125,7 +129,7 @@ def test_commit_protocol(tmp_path):
     w3.write_part(0, _table(4))
     w3.commit({"rows": 4})
     assert pq.read_table(out).num_rows == 4 and is_complete(str(out))
-    assert not (out / "part-00001-u00000.parquet").exists()
+    assert [p.name for p in out.glob("part-*")] == [f"part-00000-u00000.{w3.run_id}.parquet"]
 
 
 def test_unwritable_output(tmp_path):

@@ -57,6 +57,54 @@ def test_the_job_with_one_actor_per_cpu_of_its_embedded_ray_finishes(tiny_models
     assert pq.read_table(tmp_path / "out").num_rows == 12
 
 
+def _most_actors_at_once(since_ms: float) -> tuple[int, int]:
+    """(the most pool actors alive at once, how many were started) since ``since_ms``, from Ray's
+    actor table (each actor's start and end times)."""
+    from ray._private import state
+
+    now = time.time() * 1000
+    events = []
+    for a in state.actors().values():
+        if str(a.get("ActorClassName", "")).startswith("MapWorker(") and (a.get("StartTime") or 0) >= since_ms:
+            events += [(a["StartTime"], 1), ((a.get("EndTime") or 0) or now, -1)]
+    alive = most = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+        alive += step
+        most = max(most, alive)
+    return most, len(events) // 2
+
+
+class _Busy:
+    """An actor of the pool that takes a while over each batch (so the pool wants to grow)."""
+
+    def __call__(self, batch):
+        time.sleep(0.3)
+        return batch
+
+
+@pytest.mark.slow
+def test_a_min_max_pool_never_runs_more_actors_than_the_cpus_hold_at_cpus_per_actor(ray_local):
+    """A ``[min, max]`` pool with 1 CPU per actor on a 2-CPU Ray, given the plan the job gives
+    Ray Data (:func:`pipeline.ray_setup.pool_plan`) and 40 batches of work: at most 2 actors are
+    alive at once (when each reserved (CPUs - 1) / max of a CPU, 5 ran at once)."""
+    import ray
+
+    from pipeline.config import load_config
+    from pipeline.ray_setup import pool_plan
+
+    plan = pool_plan(load_config(None, ["compute.num_actors=[1, 6]", "compute.cpus_per_actor=1"]), embedded=True)
+    since = time.time() * 1000 - 1000
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        ds = ray.data.range(40, override_num_blocks=40).map_batches(
+            _Busy, batch_size=1, compute=plan.strategy(), num_cpus=plan.cpus, zero_copy_batch=True)
+        assert ds.count() == 40
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    most, started = _most_actors_at_once(since)
+    assert 1 <= most <= EMBEDDED_CPUS, (most, started)
+
+
 def test_a_plan_the_cluster_cannot_hold_is_refused_with_the_numbers(ray_local, tiny_models, tmp_path, caplog):
     cfg = lambda *o: job_config(tiny_models, "unused", str(tmp_path / "o"), overrides=list(o))
     with pytest.raises(PlanError, match=f"compute.num_actors=3 x compute.cpus_per_actor=1 = 3 CPUs, but the "

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import pipeline.output.writer
-from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
+from pipeline_testkit import REPO, TEXTS, committed, job_config, write_jsonl
 from pipeline.run import run_job
 from pipeline.output import OutputError, is_complete
 
@@ -67,9 +67,10 @@ def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_mod
     monkeypatch.setattr(pipeline.output.writer.OutputWriter, "commit_unit", original)
     done, missing = sorted(calls[:2]), calls[2]
     assert not is_complete(str(day)) and not (day / "_staging").exists()
-    assert sorted(p.name for p in (day / "_manifest").glob("part-*.json")) == [p.replace(".parquet", ".json") for p in done]
-    first_run = json.loads((day / "_manifest" / done[0].replace(".parquet", ".json")).read_text())["run_id"]
-    committed = {n: (day / n).read_bytes() for n in done}
+    entries = committed(day)
+    assert sorted(entries) == done
+    first_run = entries[done[0]]["run_id"]
+    kept = {n: (day / n).read_bytes() for p in done for n in entries[p]["files"]}
 
     # Run 2 (same job, same output) resumes: only the missing unit runs; committed parts untouched.
     summary = run_job(_cfg(tiny_models, inputs, out), progress=False)
@@ -79,7 +80,7 @@ def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_mod
     assert summary["rows"] == 6 and summary["shards"] == 3  # totals over every committed shard
     assert summary["runs"] == sorted({first_run, summary["run_id"]})
     assert {p["part"]: p["run_id"] for p in summary["parts"]} == {**{p: first_run for p in done}, missing: summary["run_id"]}
-    for n, data in committed.items():
+    for n, data in kept.items():
         assert (day / n).read_bytes() == data
     assert is_complete(str(day))
     assert _ids(day) == EXPECTED_IDS  # every input row exactly once
@@ -111,7 +112,7 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     import shutil
 
     from pipeline.fingerprint import config_identity
-    from pipeline.read import resolve_shards
+    from pipeline.input import resolve_shards
     from pipeline.output import OutputWriter
     import pyarrow as pa
     from pipeline.schema import OUTPUT_SCHEMA

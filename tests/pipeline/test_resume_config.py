@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_testkit import REPO, TEXTS, job_config, write_jsonl
+from pipeline_testkit import REPO, TEXTS, committed, job_config, write_jsonl
 from pipeline.fingerprint import config_fingerprint, config_identity, describe_changes, file_identity, model_files
-from pipeline.read import units_of, resolve_shards
+from pipeline.input import units_of, resolve_shards
 from pipeline.output import OutputError
 from pipeline.output import OutputWriter
 from pipeline.schema import OUTPUT_SCHEMA
@@ -278,7 +278,7 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
     w.prepare(shards, config_identity(cfg()))
     w.write_part(shards[0], pa.Table.from_pylist([{"id": f"1{i}", "source_row": i} for i in range(shards[0].num_rows)],
                                                 schema=OUTPUT_SCHEMA))
-    entry = json.loads(client.get_object(Bucket="fingerprints", Key="out/_manifest/part-00000-u00000.json")["Body"].read())
+    entry = committed("s3://fingerprints/out", opts)["part-00000-u00000.parquet"]
     assert entry["config_fingerprint"] == config_fingerprint(config_identity(cfg()))
     assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())).done == ["part-00000-u00000.parquet"]
     with pytest.raises(OutputError, match="generation.max_new_tokens: 12 -> 5"):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline_testkit import TEXTS, free_port, job_config
-from pipeline.read import InputError
+from pipeline.input import InputError
 from pipeline.run import run_job
 
 KEY, SECRET = "testing-key", "testing-secret"
@@ -49,8 +49,9 @@ def test_s3_in_s3_out(ray_local, tiny_models, s3_server, bucket):
     assert summary["rows"] == 6 and summary["errors"] == 0
 
     keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="prompts", Prefix="out/run1/")["Contents"])
-    assert keys == ["out/run1/_SUCCESS", "out/run1/_manifest/part-00000-u00000.json", "out/run1/_manifest/part-00001-u00000.json",
-                    "out/run1/_summary.json", "out/run1/part-00000-u00000.parquet", "out/run1/part-00001-u00000.parquet"]
+    run = summary["run_id"]
+    assert keys == ["out/run1/_SUCCESS"] + [f"out/run1/_manifest/log/{i:010d}.json" for i in range(4)] + [
+        "out/run1/_summary.json", f"out/run1/part-00000-u00000.{run}.parquet", f"out/run1/part-00001-u00000.{run}.parquet"]
 
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
@@ -83,7 +84,7 @@ def test_s3_credentials_and_endpoint_from_the_standard_chain(s3_server, bucket, 
     import pyarrow as pa
 
     from pipeline.config import InputConfig, OutputConfig
-    from pipeline.read import read_shard, resolve_shards
+    from pipeline.input import read_shard, resolve_shards
     from pipeline.output import is_complete
     from pipeline.output import OutputWriter
     from pipeline.schema import OUTPUT_SCHEMA

@@ -12,7 +12,7 @@ import pytest
 from actors.generate import GenerateActor
 from pipeline.config import TaskConfig
 from pipeline.prompts import PromptBuilder, PromptError, encode_chat, special_token_ids
-from pipeline.read import INPUT_SCHEMA
+from pipeline.schema import INPUT_SCHEMA
 from pipeline_testkit import TEXTS, job_config
 from tiny import make_tokenizer
 

@@ -26,7 +26,7 @@ import zstandard
 from pipeline.config import ConfigError, InputConfig, OutputConfig, load_config
 from pipeline.output.lease import LEASE, LeaseHeld, LeaseUnreadable, OutputLease
 from pipeline.output import OutputError, is_complete
-from pipeline.read import InputError, read_shard, resolve_shards
+from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.retry import StorageError, open_fs, retrying
 from pipeline.schema import OUTPUT_SCHEMA
 from pipeline.output import OutputWriter
@@ -151,7 +151,7 @@ def test_an_output_at_a_literal_double_slash_prefix_is_the_one_left_out(moto_s3)
     w.write_part(0, pa.Table.from_pylist([{"id": "x", "source_row": 0}], schema=OUTPUT_SCHEMA))
     w.commit({"rows": 1})
     written = {o["Key"] for o in c.list_objects_v2(Bucket=b, Prefix="in//out/")["Contents"]}
-    assert "in//out/part-00000-u00000.parquet" in written and "in//out/_SUCCESS" in written
+    assert f"in//out/part-00000-u00000.{w.run_id}.parquet" in written and "in//out/_SUCCESS" in written
     shards = resolve_shards(InputConfig(uri=f"s3://{b}/in/", storage_options=opts), output=out)
     assert [s.name for s in shards] == ["a.jsonl", "out/b.jsonl"]
 
@@ -195,9 +195,9 @@ def _no_partial_records(out):
                 json.loads(open(p, "rb").read())  # whole records only
 
 
-@pytest.mark.parametrize("when", ["intent", "summary"])
-def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_once(tiny_disk, when):
-    from pipeline.read import Shard, units_of
+@pytest.mark.parametrize("when", ["unit", "record", "summary"])
+def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_once(tiny_disk, when, monkeypatch):
+    from pipeline.input import Shard, units_of
 
     disk, fill = tiny_disk
     out = disk / "out"
@@ -208,10 +208,17 @@ def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_on
     cfg = OutputConfig(uri=str(out), max_rows_per_file=5)
     w = OutputWriter(cfg)
     w.prepare(units)
-    if when == "intent":
-        fill()
+    if when in ("unit", "record"):
+        if when == "record":  # the disk fills between the unit's files and its record in the commit log
+            from pipeline.output.commit_log import CommitLog
+
+            append = CommitLog.append
+            monkeypatch.setattr(CommitLog, "append", lambda self, r: (fill(), append(self, r))[1])
+        else:
+            fill()
         with pytest.raises((OSError, StorageError), match="No space left"):
-            w.write_part(units[0], rows[0])  # its publish intent (or its staged file) cannot be written
+            w.write_part(units[0], rows[0])  # its staged file, or its record, cannot be written
+        monkeypatch.undo()
     else:
         w.write_part(units[0], rows[0])
         w.write_part(units[1], rows[1])
@@ -224,7 +231,7 @@ def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_on
     os.unlink(disk / "filler")  # the space comes back
     w2 = OutputWriter(cfg)
     plan = w2.prepare(units)  # not wedged
-    assert [u.part for u in plan.todo] == ([u.part for u in units] if when == "intent" else [])
+    assert [u.part for u in plan.todo] == ([u.part for u in units] if when != "summary" else [])
     for u in plan.todo:
         w2.write_part(u, rows[u.shard.index])
     w2.commit({"rows": 8})
@@ -274,12 +281,12 @@ def test_records_a_run_began_and_never_finished_are_its_own_and_foreign_ones_are
     put(f"._SUCCESS.{uuid.uuid4().hex}.tmp", b"dead")
     w = OutputWriter(cfg)
     assert w.prepare([]).done == []
-    assert sorted(files()) == []  # all three removed (they named no published file)
+    assert sorted(files()) == ["_manifest/log/0000000000.json"]  # all four removed (they named no published file)
     w.write_part(0, _rows(2))
     w.write_part(1, _rows(2, 2))
     w.commit({"rows": 4})
-    assert sorted(files()) == ["_SUCCESS", "_manifest/part-00000-u00000.json", "_manifest/part-00001-u00000.json",
-                               "_summary.json", "part-00000-u00000.parquet", "part-00001-u00000.parquet"]
+    assert sorted(files()) == ["_SUCCESS"] + [f"_manifest/log/{i:010d}.json" for i in range(4)] + [
+        "_summary.json", f"part-00000-u00000.{w.run_id}.parquet", f"part-00001-u00000.{w.run_id}.parquet"]
     foreign = b'{"partial": true, "note": "not the job\'s"'
     put("_manifest/pending/part-00002-u00000.other.json", foreign)
     with pytest.raises(OutputError, match=r"part-00002-u00000\.other\.json is not a manifest record of this job"):
@@ -354,7 +361,7 @@ def test_a_fifo_in_a_model_folder_or_as_the_config_file_is_refused_not_waited_on
     (model / "sub").mkdir()
     os.unlink(model / "tokenizer.json")
     os.symlink("/dev/zero", model / "sub" / "model.safetensors")  # a link to a device, one folder down
-    with pytest.raises(ModelError, match=r"model\.safetensors' is a named pipe, a device"):
+    with pytest.raises(ModelError, match=r"model\.safetensors' is a character device, not a regular file"):
         _bounded(lambda: check_model_path(str(model), "models.target"))
     os.mkfifo(tmp_path / "job.yaml")
     with pytest.raises(ConfigError, match="config file not a regular file"):

@@ -102,7 +102,9 @@ def test_trains_on_the_jobs_answers_and_acceptance_rises(job_output, tmp_path, c
 def test_a_killed_run_resumes_to_the_uninterrupted_runs_head(job_output, tmp_path, monkeypatch):
     job = _job()
     assert job.main(_args(job_output, tmp_path / "straight", "--steps", "7")) == 0
-    monkeypatch.setattr(job, "SAVE_EVERY", 2)
+    import train.drafter_from_outputs as drafter
+
+    monkeypatch.setattr(drafter, "SAVE_EVERY", 2)
     calls = []
 
     import train.draft_head_training as training
@@ -156,8 +158,11 @@ def test_bad_inputs_are_refused_in_one_line(job_output, tmp_path, capsys):
     job = _job()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    (tmp_path / "empty").mkdir()
     cases = [
-        (["--from", str(tmp_path / "missing"), "--output", str(tmp_path / "o")], "is not a job output"),
+        (["--from", str(tmp_path / "missing"), "--output", str(tmp_path / "o")], "missing' does not exist"),
+        (["--from", str(tmp_path / "empty"), "--output", str(tmp_path / "o")], "empty' is an empty folder"),
+        (["--from", str(tmp_path / "foreign"), "--output", str(tmp_path / "o")], "no committed unit"),
         (["--from", str(job_output)], "--output is required"),
         (_args(job_output, tmp_path / "o", "--max-rows", "0"), "no usable rows"),
         (_args(job_output, tmp_path / "o", "--target", str(tmp_path / "nope")), "--target"),

@@ -20,11 +20,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_testkit import REPO, TEXTS, OutStore, job_config, write_jsonl
+from pipeline_testkit import REPO, TEXTS, OutStore, committed, job_config, write_jsonl
 from pipeline.config import InputConfig, OutputConfig, load_config
 from pipeline.fingerprint import config_identity
 from pipeline.output import OutputError, OutputWriter
-from pipeline.read import read_shard, read_unit, resolve_shards, units_of
+from pipeline.input import read_shard, read_unit, resolve_shards, units_of
 from pipeline.schema import OUTPUT_SCHEMA
 
 WORDS = "the cat sat on the mat and looked at the dog".split()
@@ -191,7 +191,7 @@ def test_a_shard_committed_both_whole_and_by_units_is_refused(tiny_models, tmp_p
 def test_a_unit_whose_rows_do_not_come_back_once_each_is_not_committed(tmp_path):
     """The driver commits a unit only when its fragments hold each of its rows once, in order."""
     from pipeline.output.writer import RunError
-    from pipeline.read import Shard, Split, Unit
+    from pipeline.input import Shard, Split, Unit
 
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "out")))
     unit = Unit(Shard(index=0, url="/x.jsonl", format="jsonl", num_rows=4), 0, Split(0, 4))
@@ -207,7 +207,7 @@ def test_a_unit_whose_rows_do_not_come_back_once_each_is_not_committed(tmp_path)
     w.prepare([unit])
     with pytest.raises(RunError, match="more output rows"):
         w.add_fragments(pa.Table.from_pylist([rec(0, 2, 3), rec(3, 4, 2)], schema=FRAGMENT_SCHEMA))
-    assert not list((tmp_path / "out2").glob("_manifest/part-*.json"))
+    assert committed(tmp_path / "out2") == {}
 
 
 # ---------------------------------------------------------------------------- with Ray
@@ -245,22 +245,31 @@ def test_the_driver_receives_no_output_row_and_a_min_max_pool_runs_the_job(ray_l
     assert writers and driver not in writers
     assert sorted(summary["this_run"]["units_run"]) == [f"part-00000-u{k:05d}.parquet" for k in range(3)]
     for k in range(3):
-        t = pq.read_table(tmp_path / "out" / f"part-00000-u{k:05d}.parquet")
+        t = pq.read_table(tmp_path / "out" / f"part-00000-u{k:05d}.{summary['run_id']}.parquet")
         assert t.column("source_row").to_pylist() == list(range(4 * k, 4 * k + 4))
         assert t.column("id").to_pylist() == [f"big.jsonl:{i}" for i in range(4 * k, 4 * k + 4)]
 
 
 def test_min_max_pools_plan_and_strategy():
-    from pipeline.ray_setup import actor_cpus, pool_strategy
+    from pipeline.ray_setup import pool_plan
 
     cfg = lambda *s: load_config(None, list(s))  # noqa: E731
     c = cfg("compute.num_actors=[1, 3]")
     assert (c.compute.min_actors, c.compute.max_actors) == (1, 3)
-    strategy = pool_strategy(c)
+    strategy = pool_plan(c, embedded=True, cluster_cpus=3).strategy()
     assert (strategy.min_size, strategy.max_size) == (1, 3)
-    assert pool_strategy(cfg("compute.num_actors=2")).min_size == pool_strategy(cfg("compute.num_actors=2")).max_size == 2
+    fixed = pool_plan(cfg("compute.num_actors=2"), embedded=True, cluster_cpus=8).strategy()
+    assert fixed.min_size == fixed.max_size == 2
     assert cfg("compute.num_actors=[2, 2]").compute.num_actors == 2
-    assert actor_cpus(c, cluster_cpus=3) == pytest.approx(2 / 3)  # max 3 x 1 CPU would hold all 3
+    # a [min, max] pool reserves the real CPUs of an actor: it grows only as they are free (3 at most here) ...
+    assert pool_plan(c, embedded=True, cluster_cpus=3).cpus == 1
+    assert pool_plan(cfg("compute.num_actors=[1, 6]", "compute.cpus_per_actor=2"), embedded=False, cluster_cpus=2).cpus == 2
+    # ... unless its min already holds every CPU of an embedded Ray: then it is a fixed pool of min, one CPU free
+    held = pool_plan(cfg("compute.num_actors=[2, 6]"), embedded=True, cluster_cpus=2)
+    assert (held.min_size, held.max_size, held.cpus) == (2, 2, 0.5)
+    # a fixed pool holding every CPU leaves one free, in Ray's unit (0.0001)
+    assert pool_plan(cfg("compute.num_actors=3"), embedded=True, cluster_cpus=3).cpus == pytest.approx(0.6666)
+    assert pool_plan(cfg("compute.num_actors=30000"), embedded=True, cluster_cpus=3).cpus == 0.0
     from pipeline.config import ConfigError
 
     for bad in ("[0, 2]", "[3, 2]", "[1, 2, 3]"):
@@ -308,7 +317,7 @@ def test_an_interrupt_inside_one_large_file_keeps_its_committed_units_and_the_re
                                stderr=errf, env=env, start_new_session=True)
     try:
         deadline = time.time() + 300
-        while not any(f.startswith("_manifest/part-") for f in out.files()):
+        while not out.committed():
             assert job.poll() is None and time.time() < deadline, errfile.read_text()[-3000:]
             time.sleep(0.1)
         if signame == "SIGTERM":
@@ -319,14 +328,10 @@ def test_an_interrupt_inside_one_large_file_keeps_its_committed_units_and_the_re
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    files = out.files()
-    committed = sorted(f[len("_manifest/"):].replace(".json", ".parquet") for f in files
-                       if f.startswith("_manifest/part-"))
+    entries = out.committed()
+    committed = sorted(entries)
     assert 1 <= len(committed) < 8, committed  # an interrupt loses at most the units in flight
-    kept = {}
-    for part in committed:
-        entry = json.loads(out.get(f"_manifest/{part.replace('.parquet', '.json')}"))
-        kept.update({n: out.get(n) for n in entry["files"]})
+    kept = {n: out.get(n) for entry in entries.values() for n in entry["files"]}
     if signame == "SIGKILL":
         time.sleep(5)  # the killed run's lease goes stale
     capsys.readouterr()

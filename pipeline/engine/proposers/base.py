@@ -29,7 +29,7 @@ a request for a sampled row, or one with logits processors, always has ``candida
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -40,7 +40,7 @@ from ..sampling import LogitsShaper
 #: own sequence: the target's positions for a draft head, the drafter's tokens for universal);
 #: its cache restarts there, positions shifted.  Drafts only: the target verifies as always.
 #: A catch-up over a whole prompt is a prefill by the proposer, paid at every probe of the
-#: draft-length policy even when drafting does not pay.
+#: draft-length controller even when drafting does not pay.
 CATCH_UP_WINDOW = 64
 
 
@@ -54,6 +54,15 @@ class ProposerInputs:
     drafter: Any = None
     tokenizer: Any = None
     drafter_tokenizer: Any = None
+    #: ``prepare_model(model, role)``: the engine's CPU preparation (:func:`pipeline.engine.cpu.prepare`
+    #: with the engine's options, recorded under ``role``), called by ``build`` on each model the
+    #: proposer runs through a runner of its own; ``None``: nothing is prepared
+    prepare_model: Callable[[Any, str], None] | None = None
+
+    def prepare(self, model, role: str) -> None:
+        """Prepare ``model`` for the CPU as the engine prepares its target (see :attr:`prepare_model`)."""
+        if self.prepare_model is not None:
+            self.prepare_model(model, role)
 
 
 #: where a draft's tokens come from (:attr:`Draft.source`): the row's own text (prompt and

@@ -130,9 +130,6 @@ class DraftModelProposer:
             if int(draft_vocab.max()) >= min(target_vocab_size, text_config(drafter).vocab_size):
                 raise ValueError("draft_vocab has ids outside the vocabulary the drafter and the target share")
             self.reduced = ReducedHeadLM(drafter, draft_vocab)
-            from .. import kernels
-
-            kernels.pack_linears(self.reduced)  # the row copy too runs the engine's CPU kernels
         self.layout = model_layout(drafter, "drafter", method)
         self.context = self.layout.context
         self.device = drafter.device
@@ -245,8 +242,12 @@ def build(inputs) -> DraftModelProposer:
     if spec.draft_vocab_size is not None and spec.draft_vocab is None:
         raise ValueError("draft_vocab_size needs draft_vocab (the ids, most frequent first) for method 'draft_model'")
     ids = read_draft_vocab(spec.draft_vocab, spec.draft_vocab_size) if spec.draft_vocab is not None else None
-    return DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
-                              spec.assistant_confidence_threshold, draft_vocab=ids)
+    inputs.prepare(inputs.drafter, "drafter")
+    proposer = DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
+                                  spec.assistant_confidence_threshold, draft_vocab=ids)
+    if proposer.reduced is not None:
+        inputs.prepare(proposer.reduced, "drafter's reduced head")
+    return proposer
 
 
 def check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:

@@ -37,16 +37,12 @@ import os
 
 import torch
 
-from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, is_draft_head, load_draft_head, \
-    read_draft_head_config
+from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, check_fit, is_draft_head, \
+    load_draft_head, read_draft_head_config
+from ..cpu import attention_implementation
 from ..runner import ModelLayout, ModelRunner, text_config
 from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, top_probability, with_leaves
 from .mtp import Positions, store_hidden
-
-try:  # the engine's CPU kernels (oneDNN packed linears, small-query attention), when present
-    from .. import kernels as _kernels
-except ImportError:  # pragma: no cover - an engine without them
-    _kernels = None
 
 
 # --------------------------------------------------------------------------- drafting
@@ -77,15 +73,12 @@ class EagleProposer:
         self.device = head.device
         self.vocab_ids = self.head.draft_vocab.to(self.device)  # (N,) target ids of the head's outputs
         self.runner: ModelRunner | None = None
-        if _kernels is not None:
-            _kernels.pack_linears(self.head)
 
     # ---- per-row state
     def bind(self, max_rows: int, target_runner) -> None:
         layout = ModelLayout(("full_attention",), None, target_runner.layout.context, None, False)
         self.runner = ModelRunner(self.head, max_rows, layout)
         self.runner.device = self.device
-        self.small_query = _kernels is not None and _kernels.uses_small_query_attention(self.head)
         self.feats = [Positions() for _ in range(max_rows)]  # p_j of committed positions
         self.length = [0] * max_rows  # real head KV entries: main positions offset .. n-1
         self.offset = [0] * max_rows  # head position = main position - offset (CATCH_UP_WINDOW)
@@ -200,11 +193,10 @@ class EagleProposer:
         x_e, *_ = runner.inputs(slots, [self.head.embed(t) for t in ids], starts)
         z = self.head.combine(x_p, x_e)
         runner.cache.step(slots, write, kv_len)
+        small_query = runner.cpu is not None and runner.cpu.small_query_attention
         try:
-            if self.small_query:
-                with _kernels.attention_implementation(self.head, True):
-                    return self.head.decode(z, positions, mask, runner.cache)
-            return self.head.decode(z, positions, mask, runner.cache)
+            with attention_implementation(self.head, small_query):
+                return self.head.decode(z, positions, mask, runner.cache)
         finally:
             runner.cache.current = None
 
@@ -225,7 +217,9 @@ def build(inputs) -> EagleProposer:
     if not isinstance(head, DraftHead):
         raise ValueError(f"method 'eagle' drafts with a draft head (DraftHead, load_draft_head); got "
                          f"{type(head).__name__} (a causal LM drafts with method 'draft_model')")
-    return EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
+    proposer = EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
+    inputs.prepare(proposer.head, "draft head")
+    return proposer
 
 
 def check_drafter(path: str, target_config) -> DraftHeadConfig:
@@ -233,23 +227,14 @@ def check_drafter(path: str, target_config) -> DraftHeadConfig:
     sizes fit the target's config; returns its :class:`DraftHeadConfig`.
 
     Raises:
-        ValueError: not a draft-head folder, or a head for another target (saying what differs).
+        ValueError: not a draft-head folder, or a head for another target (saying what differs:
+            :func:`pipeline.engine.draft_head.check_fit`, the engine's own check).
     """
     if not is_draft_head(path):
         raise ValueError(f"method 'eagle' drafts with a draft head folder (config.json with model_type {MODEL_TYPE!r} "
                          f"and {WEIGHTS_NAME}, e.g. models/smollm2-135m-eagle); {path!r} is not one")
     config = read_draft_head_config(path)
-    c = text_config(target_config)
-    problems = []
-    if c.hidden_size != config.hidden_size:
-        problems.append(f"hidden size {c.hidden_size} != the head's {config.hidden_size}")
-    if c.vocab_size != config.target_vocab_size:
-        problems.append(f"vocabulary {c.vocab_size} != the {config.target_vocab_size} it was trained for")
-    if c.num_hidden_layers < max(config.feature_layers):
-        problems.append(f"{c.num_hidden_layers} layers, the head reads hidden_states {config.feature_layers}")
-    if problems:
-        raise ValueError(f"the draft head {path!r} (trained for {config.target or 'another target'!r}) does not fit "
-                         "models.target: " + "; ".join(problems))
+    check_fit(config, target_config)
     return config
 
 

@@ -356,4 +356,6 @@ def build(inputs) -> MTPProposer:
             f"(or their MtpModel), got {type(inputs.drafter).__name__}"
         )
     mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
-    return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
+    proposer = MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
+    inputs.prepare(mtp, "MTP layers")
+    return proposer

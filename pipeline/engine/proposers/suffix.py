@@ -352,13 +352,14 @@ class SuffixProposer:
             row.tokens = row.tokens[: row.prompt_len] + [int(t) for t in generated]
             self._cache(row)
 
+    # ------------------------------------------------------------------ the job-wide tree
     def reset_learning(self) -> None:
-        """Empty the job-wide tree: outputs finished so far (a warm-up's) draft nothing more."""
+        """Empty the job-wide tree (the outputs of earlier rows) and the draft counters; the
+        rows in flight keep their own trees (:meth:`StepEngine.reset_learning`)."""
         self.global_tree = SuffixTree(self.max_tree_depth)
         self.cached.clear()
         self.drafts_from = {"row": 0, "job": 0}
 
-    # ------------------------------------------------------------------ the job-wide tree
     def _cache(self, row: _Row) -> None:
         output = row.tokens[row.prompt_len :]
         if not output or self.max_cached_requests <= 0:

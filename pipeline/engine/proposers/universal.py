@@ -34,7 +34,7 @@ vocabulary).  A drafter whose context cannot hold the row proposes nothing (the 
 is a plain decoding step).  Cost per step: one decode of the committed sequence and one
 encode of its text with the drafter's tokenizer (linear in the row's length); the drafter runs
 over at most :data:`~pipeline.engine.proposers.base.CATCH_UP_WINDOW` tokens of a row that it has not seen (a row's first draft,
-or the first after the draft-length policy drafted nothing for a while).
+or the first after the draft-length controller drafted nothing for a while).
 """
 
 from __future__ import annotations
@@ -201,7 +201,9 @@ class UniversalProposer:
 
 def build(inputs) -> UniversalProposer:
     """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
-    return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+    proposer = UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
+    inputs.prepare(inputs.drafter, "drafter")
+    return proposer
 
 
 def tune_candidate(settings, models) -> dict | None:

@@ -1,19 +1,27 @@
-"""The lean Llama pass (pipeline/engine/fused.py) against the model's own forward, through the
+"""The lean Llama pass (pipeline/engine/cpu/lean.py) against the model's own forward, through the
 runner: prefill, ragged decoding rows, a token tree; logits and the KV cache written, in
 float64 (to rounding) and float32; which models and passes take it; weights changed in
-place; forward hooks."""
+place; forward hooks; the compiled layer of 1-2 token passes, chosen when the model is prepared."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.engine import fused, kernels
+from pipeline.engine.cpu import CpuOptions, lean, layer, prepare
 from pipeline.engine.runner import ModelRunner
 
 from tiny_models import build, prompt_of
 
-pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="the CPU kernels are off (SPECBATCH_CPU_KERNELS=0)")
+#: the lean pass on or off, whatever the environment says (the tests compare both ways)
+ON, OFF = CpuOptions(lean_pass=True), CpuOptions(lean_pass=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_environment(monkeypatch):
+    for name in ("SPECBATCH_CPU_KERNELS", "SPECBATCH_CPU_LEAN_PASS", "SPECBATCH_FUSED", "SPECBATCH_INDUCTOR",
+                 "SPECBATCH_CPU_COMPILED_LAYER"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _passes(runner: ModelRunner):
@@ -32,10 +40,10 @@ def _cache(runner: ModelRunner):
     return [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
 
 
-def _run(model, use_fused: bool, calls: list | None = None):
+def _run(model, use_fused: bool):
+    plan = prepare(model, ON if use_fused else OFF)
+    assert (plan.lean is not None) == use_fused, "a Llama with SDPA on the CPU takes the lean pass"
     runner = ModelRunner(model, 2)
-    assert runner.fused, "a Llama with SDPA on the CPU takes the lean pass"
-    runner.fused = use_fused
     with torch.inference_mode():
         logits = _passes(runner)
     return logits, _cache(runner)
@@ -44,8 +52,8 @@ def _run(model, use_fused: bool, calls: list | None = None):
 @pytest.fixture
 def counted(monkeypatch):
     calls = []
-    real = fused.forward
-    monkeypatch.setattr(fused, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lean.LeanPass.__call__
+    monkeypatch.setattr(lean.LeanPass, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -68,12 +76,12 @@ def test_the_lean_pass_gives_the_models_logits_and_cache(counted, dtype, tol):
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 1), (6, 2)])
 def test_every_grouping_of_query_heads_gives_the_models_logits(heads, kv_heads, monkeypatch):
     """Verification passes fold each key/value head's query heads into the query length
-    (fused.FOLD_MAX_QUERY); a prefill, one-token passes and a model without grouped heads do not."""
+    (lean.FOLD_MAX_QUERY); a prefill, one-token passes and a model without grouped heads do not."""
     model = build("llama", layers=2, hidden=48, num_attention_heads=heads, num_key_value_heads=kv_heads).double()
     want, want_cache = _run(model, False)
     widths = []
     real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(fused.F, "scaled_dot_product_attention",
+    monkeypatch.setattr(lean.F, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: widths.append((q.shape[1], q.shape[2], "enable_gqa" in kw)) or
                         real(q, k, v, **kw))
     got, got_cache = _run(model, True)
@@ -111,11 +119,12 @@ def test_models_it_does_not_implement_take_their_own_forward(change):
         model = build("llama", layer_types=["sliding_attention", "full_attention"])
     else:
         model = build("qwen2")
-    assert not fused.supports(model)
+    assert not lean.supports(model) and prepare(model, ON).lean is None
 
 
 def test_forward_hooks_take_the_models_forward(counted):
     model = build("llama")
+    prepare(model, ON)
     runner = ModelRunner(model, 1)
     p = prompt_of(6, seed=3)[0]
     with torch.inference_mode():
@@ -137,8 +146,8 @@ def test_hidden_states_are_the_models(counted, select):
     model = build("llama", layers=3)
     out = {}
     for use in (False, True):
+        prepare(model, ON if use else OFF)
         runner = ModelRunner(model, 2)
-        runner.fused = use
         with torch.inference_mode():
             runner.forward([0], [prompt_of(7, seed=4)[0]], [0])
             runner.forward([1], [prompt_of(4, seed=5)[0]], [0])
@@ -155,18 +164,18 @@ def test_hidden_states_are_the_models(counted, select):
     assert sum(h is not None for h in got.hidden_states) >= (0 if select == 5 else 1)
 
 
-def test_its_timers_split_every_pass_into_its_parts():
-    import time
-
-    model = build("llama")
+def test_the_parts_a_bench_wraps_run_once_per_layer_and_pass(monkeypatch):
+    """bench/bench_llamacpp.py times a step by part by wrapping these module functions."""
+    model = build("llama", layers=3)
+    prepare(model, ON)
     runner = ModelRunner(model, 2)
-    with torch.inference_mode(), fused.timing(time.perf_counter) as timer:
-        _passes(runner)
-    assert timer.calls == 4 and set(timer.seconds) == set(fused.Timer.PARTS)
-    assert all(v > 0 for v in timer.seconds.values()), timer.seconds
+    seen = {name: 0 for name in ("attention_in_of", "attend", "attention_out_of", "mlp_of", "output_layer")}
+    for name in seen:
+        real = getattr(lean, name)
+        monkeypatch.setattr(lean, name, lambda *a, _n=name, _f=real, **k: seen.__setitem__(_n, seen[_n] + 1) or _f(*a, **k))
     with torch.inference_mode():
-        runner.forward([0], [torch.tensor([1])], [13])
-    assert timer.calls == 4  # no longer timing
+        _passes(runner)
+    assert seen == {**dict.fromkeys(("attention_in_of", "attend", "attention_out_of", "mlp_of"), 4 * 3), "output_layer": 4}
 
 
 def test_a_weight_replaced_is_fused_again(counted):
@@ -183,7 +192,8 @@ def test_a_weight_replaced_is_fused_again(counted):
 def test_a_pass_with_autograd_takes_the_models_forward(counted):
     """The fused weights are copies: gradients through them would never reach the model's."""
     model = build("llama")
-    with torch.inference_mode():  # the fused weights are made here first
+    prepare(model, ON)
+    with torch.inference_mode():
         ModelRunner(model, 1).forward([0], [prompt_of(5, seed=6)[0]], [0])
     assert len(counted) == 1
     runner = ModelRunner(model, 1)
@@ -200,6 +210,7 @@ def test_a_global_forward_hook_takes_the_models_forward(counted):
     from torch.nn.modules.module import register_module_forward_hook
 
     model = build("llama")
+    prepare(model, ON)
     runner = ModelRunner(model, 1)
     seen = []
     handle = register_module_forward_hook(lambda *a: seen.append(1))
@@ -214,9 +225,13 @@ def test_a_global_forward_hook_takes_the_models_forward(counted):
 def _few_token_passes(model, compiled: bool, monkeypatch):
     """Prefills of two rows, then passes of 1-5 tokens in all (one-token passes on slot rows 0
     and 1, two rows of one token, a row of 3 tokens, a token tree of 5 nodes) with hidden
-    states asked for: the logits, hidden states and the cache after them.  Passes of up to
-    fused.COMPILED_MAX_TOKENS (2) tokens take the compiled layer when it is on."""
-    monkeypatch.setattr(fused, "COMPILED_LAYER", compiled)
+    states asked for: the logits, hidden states and the cache after them.  With ``compiled``,
+    the model is prepared with the compiled layer taken wherever it compiles (passes of up to
+    lean.COMPILED_MAX_TOKENS tokens)."""
+    monkeypatch.setattr(lean.LeanPass, "_offers_compiled_layer", lambda self: compiled)
+    monkeypatch.setattr(lean.LeanPass, "_time", lambda self, tokens, graphs, costs: 0.0 if graphs else 1.0)
+    plan = prepare(model, CpuOptions(lean_pass=True, compiled_layer=compiled))
+    assert sorted(plan.lean.graphs) == ([1, 2] if compiled else [])
     runner = ModelRunner(model, 2)
     out = []
     with torch.inference_mode():
@@ -242,16 +257,18 @@ def test_passes_of_few_tokens_through_the_compiled_layer_give_the_models_logits_
     order than eager (float32 rounding, ~1e-7, would hide any other difference)."""
     model = build("llama", layers=2, hidden=64, num_attention_heads=4, num_key_value_heads=2).to(dtype)
     if dtype == torch.float64:
-        monkeypatch.setattr(fused, "_GRAPHS", {})  # compiled with this norm, and not kept
-        monkeypatch.setattr(fused, "_rms", _rms_in_the_models_dtype)
-        monkeypatch.setattr(fused, "_rms_norm", lambda norm, x: _rms_in_the_models_dtype(x, norm.weight, norm.variance_epsilon))
+        monkeypatch.setattr(layer, "rms", _rms_in_the_models_dtype)  # the graphs and the eager layer's norm alike
     calls = []
-    real = fused._graphs
-    monkeypatch.setattr(fused, "_graphs", lambda f, n: calls.append((n, real(f, n))) or calls[-1][1])
+    real = lean.LeanPass.__call__
+
+    def counted(self, *a, **k):
+        calls.append(sorted(self.graphs))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(lean.LeanPass, "__call__", counted)
     want, want_cache = _few_token_passes(model, False, monkeypatch)
-    assert not calls
     got, got_cache = _few_token_passes(model, True, monkeypatch)
-    assert sorted({n for n, g in calls if g is not None}) == [1, 2], calls
+    assert calls[-1] == [1, 2]
     for (gl, gh), (wl, wh) in zip(got, want):
         torch.testing.assert_close(gl, wl, rtol=tol, atol=tol)
         for g, w in zip(gh, wh, strict=True):
@@ -261,32 +278,27 @@ def test_passes_of_few_tokens_through_the_compiled_layer_give_the_models_logits_
         torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("compiled_seconds, chosen", [(0.5, True), (0.97, False), (2.0, False)])
-def test_the_compiled_layer_is_taken_where_measured_faster_by_the_margin(compiled_seconds, chosen, tokens, monkeypatch):
-    """Measured (COMPILED_LAYER None) per token count for float32 weights large enough; the
-    compiled layer must beat the eager one by kernels.MARGIN (0.95); remembered; never offered
-    beyond fused.COMPILED_MAX_TOKENS tokens."""
-    monkeypatch.setattr(fused, "COMPILED_LAYER", None)
-    monkeypatch.setattr(fused, "_CHOICE", {})
-    monkeypatch.setattr(fused, "_graphs", lambda f, n: ("graphs", n))
-    monkeypatch.setattr(kernels, "INDUCTOR_MIN_ELEMENTS", 1)
-    timed = []
-    monkeypatch.setattr(fused, "_time_layer",
-                        lambda f, n, compiled: timed.append((n, compiled)) or (compiled_seconds if compiled else 1.0))
-    f = fused._Fused(build("llama", layers=2).float())
-    assert (fused._compiled(f, tokens) == ("graphs", tokens)) is chosen
-    assert (fused._compiled(f, tokens) == ("graphs", tokens)) is chosen  # remembered
-    assert sorted(timed) == [(tokens, False), (tokens, True)]
-    assert fused._compiled(f, fused.COMPILED_MAX_TOKENS + 1) is None and len(timed) == 2
-    monkeypatch.setenv("SPECBATCH_INDUCTOR", "0")
-    monkeypatch.setattr(fused, "_CHOICE", {})
-    assert fused._compiled(f, tokens) is None and len(timed) == 2  # off: not measured
+def test_the_compiled_layer_is_taken_where_measured_faster_by_the_margin_at_load(compiled_seconds, chosen, monkeypatch):
+    """Measured when the model is prepared, per token count up to lean.COMPILED_MAX_TOKENS, for
+    float32 weights large enough; the compiled layer must beat the eager one by
+    measure.MARGIN (0.95); off: neither compiled nor measured; nothing is measured in a pass."""
+    compiled, timed = [], []
+    monkeypatch.setattr(lean.compiled, "compile_layer", lambda **kw: compiled.append(kw["tokens"]) or ("graphs", kw["tokens"]))
+    monkeypatch.setattr(lean.LeanPass, "_offers_compiled_layer", lambda self: True)
+    monkeypatch.setattr(lean.LeanPass, "_time", lambda self, n, graphs, costs: timed.append((n, graphs is not None))
+                        or (compiled_seconds if graphs else 1.0))
+    model = build("llama", layers=2).float()
+    plan = prepare(model, CpuOptions())
+    assert compiled == [1, 2] and sorted(timed) == [(1, False), (1, True), (2, False), (2, True)]
+    assert plan.lean.graphs == ({1: ("graphs", 1), 2: ("graphs", 2)} if chosen else {})
+    assert plan.describe()["compiled_layer_tokens"] == ([1, 2] if chosen else [])
+    compiled.clear(), timed.clear()
+    plan = prepare(build("llama", layers=2).float(), CpuOptions(compiled_layer=False))
+    assert not compiled and not timed and not plan.lean.graphs
 
 
 def test_float64_and_small_weights_are_not_offered_the_compiled_layer(monkeypatch):
-    monkeypatch.setattr(fused, "COMPILED_LAYER", None)
-    monkeypatch.setattr(fused, "_CHOICE", {})
-    monkeypatch.setattr(fused, "_time_layer", lambda f, n, compiled: pytest.fail("measured"))
-    assert fused._compiled(fused._Fused(build("llama", layers=2).double()), 1) is None
-    assert fused._compiled(fused._Fused(build("llama", layers=2).float()), 1) is None  # below INDUCTOR_MIN_ELEMENTS
+    monkeypatch.setattr(lean.LeanPass, "_time", lambda *a: pytest.fail("measured"))
+    assert not prepare(build("llama", layers=2).double(), CpuOptions()).lean.graphs
+    assert not prepare(build("llama", layers=2).float(), CpuOptions()).lean.graphs  # below INDUCTOR_MIN_ELEMENTS

@@ -1,0 +1,162 @@
+"""Preparing a model for the CPU, once at load: :func:`prepare` -> :class:`CpuPlan`."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import attention, lean
+from .linear import PREPARED_DTYPES, ShapeKernels, prepare_linears, restore_linears
+from .measure import Costs
+from .options import CpuOptions, use_compile_cache, with_environment
+
+
+@dataclass
+class CpuPlan:
+    """What :func:`prepare` did to one model: an explicit record, and the state its passes use.
+
+    Attributes:
+        options: the options it was prepared with (the environment's overrides applied).
+        role: what the model is to its engine (``target``, ``drafter``...), for the record.
+        why_off: why nothing was prepared (``None``: something was).
+        kernels: ``(shape, dtype) -> ShapeKernels``: each weight shape's kernel per row count
+            (the model's linear layers and the lean pass's fused projections).
+        lean: the lean forward (:class:`.lean.LeanPass`), or ``None``: the model's own forward.
+        small_query_attention: masked passes of the model's own forward take
+            :func:`.attention.small_query_attention`.
+        threads: torch's intra-op threads when the kernels were measured.
+        compile_s, measure_s, prepare_s: wall-clock seconds spent compiling (inductor),
+            timing candidates, and preparing in all.
+        compile_cache: inductor's cache folder (``None`` when nothing was compiled).
+    """
+
+    options: CpuOptions
+    role: str = "model"
+    why_off: str | None = None
+    kernels: dict = field(default_factory=dict)
+    lean: lean.LeanPass | None = None
+    small_query_attention: bool = False
+    threads: int = 1
+    compile_s: float = 0.0
+    measure_s: float = 0.0
+    prepare_s: float = 0.0
+    compile_cache: str | None = None
+
+    def forward_of(self, model, inputs: torch.Tensor, kwargs: dict):
+        """The lean forward for this pass of ``model``, or ``None`` for the model's own: the
+        pass feeds token ids, asks for nothing but hidden states, runs without autograd, and no
+        forward hook other than transformers' own is installed (it would not be called)."""
+        p = self.lean
+        if (p is None or inputs.dim() != 2 or not kwargs.keys() <= {"output_hidden_states"}
+                or torch.is_grad_enabled() or p.has_hooks(model)):
+            return None
+        return p
+
+    def describe(self) -> dict:
+        """Plain data for the run summary and reports: the options, each weight shape's kernel
+        per row count, which passes run the lean forward and the compiled layer, the seconds
+        spent; ``why_off`` when nothing was prepared."""
+        return {
+            "role": self.role, "why_off": self.why_off, "options": self.options.to_dict(), "threads": self.threads,
+            "linear_kernels": [k.describe() for k in self.kernels.values()],
+            "lean_pass": self.lean is not None,
+            "compiled_layer_tokens": sorted(self.lean.graphs) if self.lean is not None else [],
+            "small_query_attention": self.small_query_attention,
+            "compile_s": round(self.compile_s, 3), "measure_s": round(self.measure_s, 3),
+            "prepare_s": round(self.prepare_s, 3), "compile_cache": self.compile_cache,
+        }
+
+    def summary(self) -> str:
+        """One line: the parts in use and the kernels of each weight shape (a run's printed summary)."""
+        if self.why_off:
+            return f"{self.role}: off ({self.why_off})"
+        parts = [name for name, on in (("lean pass", self.lean is not None), ("small-query attention",
+                                                                               self.small_query_attention)) if on]
+        if self.lean is not None and self.lean.graphs:
+            parts.append("compiled layer for passes of " + " or ".join(map(str, sorted(self.lean.graphs))) + " tokens")
+        shapes = "; ".join(f"{k.shape[0]}x{k.shape[1]} " + "/".join(k.choice) + f" then {k.default}"
+                           for k in self.kernels.values())
+        return (f"{self.role}: {', '.join(parts) or 'no lean pass'}; linear kernels by rows 1-5: {shapes or 'none'}; "
+                f"compiled {self.compile_s:.1f} s, measured {self.measure_s:.1f} s")
+
+
+#: the plan of each model prepared in this process (keyed weakly: the plan keeps the model's
+#: modules, never the model, so a model no one holds goes, and its plan with it)
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, CpuPlan]" = weakref.WeakKeyDictionary()
+
+
+def plan_of(model) -> CpuPlan | None:
+    """The plan :func:`prepare` made for ``model``, or ``None`` (its passes then run PyTorch's
+    default kernels through its own forward)."""
+    try:
+        return _PLANS.get(model)
+    except TypeError:  # not weak-referenceable: never prepared
+        return None
+
+
+def _why_off(model, options: CpuOptions) -> str | None:
+    if not options.kernels:
+        return "cpu.kernels is off"
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params or params[0].device.type != "cpu":
+        return "the model is not on the CPU"
+    if not any(p.dtype in PREPARED_DTYPES + (torch.float64,) for p in params):
+        return f"the model's dtype {params[0].dtype} is not served"
+    return None
+
+
+def prepare(model, options: CpuOptions | None = None, role: str = "model") -> CpuPlan:
+    """Prepare ``model`` for decoding on the CPU, once, at load: **rewrites the model's
+    ``torch.nn.Linear`` modules in place** (their class becomes
+    :class:`~.linear.PackedLinear`; same parameters and ``state_dict``), measures each weight
+    shape's kernel for 1-5 rows of input over the model's own weights (:mod:`.linear`), builds
+    the lean forward of a Llama (:mod:`.lean`), compiles what it will use with inductor into
+    the node's cache (:func:`.options.use_compile_cache`) and times the compiled layer against
+    the eager one.  Nothing is chosen or compiled afterwards, in decoding.
+
+    Preparing a model again without options, or with the same ones, returns its plan; with
+    other options, it is restored and prepared anew.  A model not on the CPU, or with ``options.kernels`` off, is
+    left as it is (the plan says why).
+
+    Args:
+        model: a model in eval mode (a causal LM, a draft head, a module of MTP layers).
+        options: the parts to use (``None``: the model's plan when it has one, else the
+            defaults); the environment overrides them (:func:`.options.with_environment`).
+        role: what the model is to its engine, for the plan's record.
+
+    Returns:
+        The :class:`CpuPlan`: what was chosen and what it cost; the runner takes it from
+        :func:`plan_of`.
+
+    Raises:
+        ValueError: an environment variable that is not a boolean word (naming it).
+    """
+    old = plan_of(model)
+    if old is not None and (options is None or old.options == with_environment(options)):
+        return old
+    options = with_environment(options)
+    if old is not None:  # its own layers only (a submodule prepared on its own keeps its plan)
+        mine = set(map(id, old.kernels.values()))
+        restore_linears(m for m in model.modules() if id(getattr(m, "kernels", None)) in mine)
+    start = time.perf_counter()
+    plan = CpuPlan(options, role=role, why_off=_why_off(model, options), threads=torch.get_num_threads())
+    if plan.why_off is None:
+        costs = Costs()
+        if options.rowdot or options.compiled_layer:
+            plan.compile_cache = use_compile_cache(options)
+        plan.kernels = prepare_linears(model.modules(), options, costs=costs)
+        if options.part_on("lean_pass") and lean.supports(model):
+            plan.lean = lean.LeanPass(model, options, plan.kernels, costs)
+        plan.small_query_attention = options.part_on("small_query_attention") and attention.applies(model)
+        plan.compile_s, plan.measure_s = costs.compile_s, costs.measure_s
+        if not plan.compile_s:
+            plan.compile_cache = None
+    plan.prepare_s = time.perf_counter() - start
+    _PLANS[model] = plan
+    return plan
+
+
+__all__ = ["CpuPlan", "ShapeKernels", "plan_of", "prepare"]
