@@ -174,7 +174,11 @@ def test_eos_inside_accepted_blocks_per_row(oracle):
         assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
-def test_stop_strings_per_row(oracle):
+@pytest.mark.parametrize("draft_length", ["fixed", "auto"])
+def test_stop_strings_per_row(oracle, draft_length):
+    """Each row stops at its own stop string, completed inside a verified block, with every
+    row drafting its k and with the controller choosing (on a GPU-like cost curve, so that
+    blocks are verified): the output is plain greedy's up to the stop, whatever the lengths."""
     target, drafter = oracle
     tok = bracket_tokenizer()
     prompts = [prompt_of(n, seed=n + 50) for n in (5, 8, 13, 21)]
@@ -189,10 +193,15 @@ def test_stop_strings_per_row(oracle):
         expected.append(full[:n])
         assert stop in text
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=5),
-                               drafter=drafter, tokenizer=tok, max_batch_size=3, draft_length="fixed")
+                               drafter=drafter, tokenizer=tok, max_batch_size=3, draft_length=draft_length)
+    if draft_length == "auto":
+        from test_draft_budget import GPU
+
+        engine.budget.curve = GPU
     results = engine.generate_batch(prompts, settings)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "stop" for r in results)
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # blocks were verified
 
 
 # ---------------------------------------------------------------------------- batch API
