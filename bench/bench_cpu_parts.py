@@ -99,7 +99,7 @@ def worker(spec: dict) -> None:
     plan = prepare(models.target, options, "target")
     out["prepare"] = {"cpu_s": _cpu_seconds() - c0, "wall_s": time.perf_counter() - w0, "compile_s": plan.compile_s,
                       "measure_s": plan.measure_s, "prepare_s": plan.prepare_s, "kernels": plan.summary()}
-    engine = build_engine(models, None, cfg.compute.max_batch_size, False, time.process_time)  # keeps the plan
+    engine = build_engine(models, None, cfg.compute.max_batch_size, "fixed", time.process_time)  # keeps the plan
     for label in ("cold", "warm"):  # cold counts preparing: c0, w0 are from before it
         results = engine.generate_batch(prompts, settings)
         errors = [r.error for r in results if r.error]

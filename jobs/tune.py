@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults = {f.name: f.default for f in dataclasses.fields(TuneOptions)}
     defaults["batch_sizes"] = list(defaults["batch_sizes"])
-    del defaults["methods"], defaults["max_draft"], defaults["adaptive"]  # None / a switch: said in their help
+    del defaults["methods"], defaults["max_draft"], defaults["trees"]  # None / a switch: said in their help
     by_k: dict = {}
     for m in METHODS.values():
         if m.draft_length is not None:

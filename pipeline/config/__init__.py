@@ -12,7 +12,7 @@ A job config has twelve sections (see ``configs/summarize.yaml`` for a commented
                 suppress_tokens, seed, eos_token_id, stop_strings (GenerationSettings'
                 fields; unset ones take the target checkpoint's generation_config)
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
-                adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
+                draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
                 stall_timeout_s
     cpu:        kernels, onednn, transposed, rowdot, small_query_attention, lean_pass,
                 compiled_layer, compile_cache (CpuOptions' fields: the engine's CPU acceleration;

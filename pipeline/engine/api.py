@@ -79,11 +79,12 @@ class SpeculativeEngine(StepEngine):
     def warm_up(self, max_rows: int | None = None, prompt_tokens: int = 128, new_tokens: int = 8,
                 settings: GenerationSettings | None = None, seed: int = 0) -> float:
         """Decode synthetic rows once, through :meth:`generate_batch` (the one decode path), so
-        that what the first timed rows would pay once is paid here: kernels compiled by inductor
-        (:mod:`pipeline.engine.cpu`: the compiled layer, the row-dot kernels),
-        the CPU kernels measured per row count, the KV cache and the drafter's caches allocated,
-        the drafter's passes run.  Then :meth:`reset_learning`: the rows' acceptance teaches the
-        job nothing, while the costs measured stay.
+        that what the first timed rows would pay once is paid here: what inductor compiles on
+        first use (:mod:`pipeline.engine.cpu`'s compiled layer and kernels, per shape), the KV
+        cache and the drafter's caches allocated, the drafter's passes run, and the
+        draft-length controller's cost curve measured at every number of rows in flight.  Then
+        :meth:`reset_learning`: the rows' acceptance teaches the job nothing, while the cost
+        curve stays.
 
         ``max_rows`` rows (default: the engine's ``max_batch_size``) enter at once, each a
         prompt of ``prompt_tokens`` token ids, a random segment of :data:`WARM_UP_PERIOD` ids of

@@ -2,7 +2,7 @@
 pilot's acceptance and the measured costs.
 
 The step model is Leviathan et al. (2023, §3) generalised with measured costs, in one
-place (:mod:`pipeline.engine.cost_model`, shared with the engine's draft length by load):
+place (:mod:`pipeline.engine.cost_model`, shared with the engine's draft-length controller):
 a step of ``b`` rows drafting ``k`` tokens each emits ``E(k) = 1 + A_1 + … + A_k`` tokens
 per row and takes::
 
@@ -168,12 +168,12 @@ class Candidate:
     same_output: int | None = None
     compared_rows: int | None = None
     params: dict = field(default_factory=dict)
-    #: the engine's draft length by expected gain (each row drafts 0 .. ``k`` per step), not a fixed ``k``
-    adaptive_draft_length: bool = False
 
     @property
     def label(self) -> str:
-        k = (f" k<={self.k} by expected gain" if self.adaptive_draft_length else f" k={self.k}") if self.method != PLAIN else ""
+        """``method k=K[ extras] B=B``: ``k`` is the draft length the prediction assumes and the
+        cap of the draft-length controller in the confirmation runs and the tuned config."""
+        k = f" k={self.k}" if self.method != PLAIN else ""
         extra = ""
         if self.params.get("num_assistant_tokens_schedule", "constant") != "constant":
             extra += f" schedule={self.params['num_assistant_tokens_schedule']}"

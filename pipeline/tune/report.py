@@ -130,11 +130,10 @@ def _candidate_row(rank: int | str, c: Candidate, result: TuneResult) -> str:
              if c.measured_tokens_per_s and c.confirm_predicted_tokens_per_s else None)
     same = f"{c.same_output}/{c.compared_rows}" if c.same_output is not None else "–"
     chosen = " **chosen**" if c is result.chosen else ""
-    adaptive = c.adaptive_draft_length or c.params.get("num_assistant_tokens_schedule", "constant") != "constant" or \
-        c.params.get("assistant_confidence_threshold")
-    e = "–" if adaptive else f"{model.expected_tokens(c.k):.2f}"
+    modelled = c in result.candidates  # a variant (token trees) is measured, not modelled
+    e = f"{model.expected_tokens(c.k):.2f}" if modelled else "–"
     return (f"| {rank} | {c.label}{chosen} | {c.rows_per_batch} | {e} | "
-            f"{'–' if adaptive else f'{c.model_tokens_per_s:.1f}'} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
+            f"{f'{c.model_tokens_per_s:.1f}' if modelled else '–'} | {c.predicted_tokens_per_s:.1f} | {_fmt(c.confirm_predicted_tokens_per_s)} | "
             f"{_measured(c)} | {_fmt(ratio, '.2f')} | {same} |")
 
 
@@ -158,7 +157,7 @@ def summary(result: TuneResult) -> dict[str, Any]:
         "chosen": c.label,
         "method": result.tuned_config["method"],
         "compute": {k: result.tuned_config["compute"][k] for k in ("max_batch_size", "rows_per_batch",
-                                                                   "adaptive_draft_length")},
+                                                                   "draft_length")},
         "predicted_tokens_per_s": c.predicted_tokens_per_s,
         "model_tokens_per_s": c.model_tokens_per_s,
         "calibration": result.calibration,
@@ -176,24 +175,9 @@ def summary(result: TuneResult) -> dict[str, Any]:
     }
 
 
-def markdown(result: TuneResult) -> str:
-    s = summary(result)
-    c = result.chosen
-    base = result.baseline()
-    clock = result.options.clock
-    unit = "CPU seconds of the process" if clock == "cpu" else "wall seconds"
-    lines = [f"# Tuning of `{result.config_path or 'the default config'}`", ""]
-    speed = ""
-    if base is not None and base is not c and base.measured_tokens_per_s and c.measured_tokens_per_s:
-        speed = (f" — {c.measured_tokens_per_s / base.measured_tokens_per_s:.2f}× the best plain setting "
-                 f"({base.label}, {base.measured_tokens_per_s:.1f} tokens/s measured)")
-    lines += [f"**Chosen: {c.label}** (rows_per_batch {c.rows_per_batch}): predicted "
-              f"**{c.predicted_tokens_per_s:.1f} tokens/s**, measured {_fmt(c.measured_tokens_per_s)} tokens/s on the "
-              f"pilot rows{speed}. Tuned config: [`{TUNED_NAME}`]({TUNED_NAME}) (`method:` "
-              f"{json.dumps(result.tuned_config['method'])}; `compute:` {json.dumps(s['compute'])}).", ""]
-    lines += [f"Times are {unit} (`--clock {clock}`)"
-              + ("; on a machine shared with other work this is what a dedicated core would take, and wall time is "
-                 "longer by the share of the CPU the process gets." if clock == "cpu" else "."), ""]
+def _time_lines(result: TuneResult, s: dict[str, Any]) -> list[str]:
+    """The tuning's time, its share of the run, and the machine."""
+    lines: list[str] = []
     lines += ["## Tuning time", "",
               f"Tuning took **{s['tuning_s']:.0f} s** ({result.wall_timings['total']:.0f} s wall): "
               + ", ".join(f"{k} {v:.0f} s" for k, v in result.timings.items() if k != "total") + ".",
@@ -212,10 +196,15 @@ def markdown(result: TuneResult) -> str:
               f"Machine: {result.machine.get('cpu_count')} CPUs, device {result.machine.get('device')}, torch threads "
               f"{result.machine.get('torch_threads')}, load average {result.machine.get('load_average_start')} at the "
               f"start and {result.machine.get('load_average_end')} at the end.", ""]
+    return lines
 
+
+def _candidate_lines(result: TuneResult) -> list[str]:
+    """Every candidate's prediction, the confirmed ones' measurements."""
+    lines: list[str] = []
     lines += ["## Candidates", "",
               "Every (method, k, B) was predicted; the top ones (and the best plain one) were confirmed on the pilot "
-              "rows as the actor runs them, and the fastest measured was chosen. E(k) = expected tokens per row per "
+              "rows as the actor runs them (the draft-length controller on, k its cap), and the fastest measured was chosen. E(k) = expected tokens per row per "
               "step.", "",
               f"The model's figures are scaled by {result.calibration:.3f}, the pilot runs' measured time over the "
               "model's prediction of them (same rows, same minutes); confirmation runs decode the first "
@@ -230,12 +219,17 @@ def markdown(result: TuneResult) -> str:
         if cand in shown or cand in result.confirmed:
             lines.append(_candidate_row(i + 1, cand, result))
     for cand in result.confirmed:
-        if cand not in result.candidates:  # per-row adaptive variants: measured, not modelled
-            lines.append(_candidate_row("adaptive", cand, result))
+        if cand not in result.candidates:  # the token-tree variant: measured, not modelled
+            lines.append(_candidate_row("variant", cand, result))
     lines += ["", f"{len(result.candidates)} candidates in all.", "",
               "![predicted vs measured](tune_predicted_vs_measured.png)", "",
               "![predicted by draft length](tune_predicted_by_k.png)", ""]
+    return lines
 
+
+def _acceptance_lines(result: TuneResult) -> list[str]:
+    """Acceptance by draft position on the pilot, per method."""
+    lines: list[str] = []
     lines += ["## Acceptance on the pilot", "",
               "| method | K | draft tokens | acceptance rate | mean accepted length | tokens/step | steps with a draft "
               "| per-token α by position |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -248,9 +242,14 @@ def markdown(result: TuneResult) -> str:
                      f"{st.draft_steps}/{st.verify_steps} | "
                      + ", ".join(_fmt(a, ".2f") for a in st.token_acceptance_by_position) + " |")
     lines += ["", "![acceptance by position](tune_acceptance_by_position.png)", ""]
+    return lines
 
+
+def _cost_lines(result: TuneResult) -> list[str]:
+    """The measured costs and how the prediction uses them."""
     grid = result.profiles[PLAIN].verify_s
     widths = sorted({n for row in grid.values() for n in row})
+    lines: list[str] = []
     lines += ["## Measured costs", "",
               "Target verification pass t(n, B), ms (n tokens verified per row, B rows; median of "
               f"{result.options.repeats}):", "",
@@ -271,7 +270,7 @@ def markdown(result: TuneResult) -> str:
                          f"| {_fmt(c_ratio, '.3f')} | {m.admit_s_per_token * 1e3:.4f} |")
     lines += ["", "## How the prediction works", "",
               "Leviathan et al. (2023, §3) generalised with the measured costs "
-              "(`pipeline/engine/cost_model.py`, the formula the engine's draft length by load uses too): a step of "
+              "(`pipeline/engine/cost_model.py`, shared with the engine's draft-length controller): a step of "
               "b rows drafting k tokens emits E(k) = 1 + A_1 + … + A_k tokens per row, A_i being the pilot's share "
               "of verify steps whose first i draft tokens were all accepted, and takes "
               "T(b, k) = t(k+1, b)·P(some row drafts) + t(1, b)·(1 − P) + proposer(b, k) + bookkeeping(b). "
@@ -282,6 +281,30 @@ def markdown(result: TuneResult) -> str:
               f"(its method at its longest draft, {result.options.pilot_batch_size} rows in flight) against the "
               f"measured pilot time gives the calibration factor ({result.calibration:.3f}) applied to every "
               "candidate.", ""]
+    return lines
+
+
+def markdown(result: TuneResult) -> str:
+    """``tune_report.md``: the choice, the tuning's time, the candidates, the pilot's acceptance,
+    the measured costs and the notes."""
+    s = summary(result)
+    c = result.chosen
+    base = result.baseline()
+    clock = result.options.clock
+    unit = "CPU seconds of the process" if clock == "cpu" else "wall seconds"
+    lines = [f"# Tuning of `{result.config_path or 'the default config'}`", ""]
+    speed = ""
+    if base is not None and base is not c and base.measured_tokens_per_s and c.measured_tokens_per_s:
+        speed = (f" — {c.measured_tokens_per_s / base.measured_tokens_per_s:.2f}× the best plain setting "
+                 f"({base.label}, {base.measured_tokens_per_s:.1f} tokens/s measured)")
+    lines += [f"**Chosen: {c.label}** (rows_per_batch {c.rows_per_batch}): predicted "
+              f"**{c.predicted_tokens_per_s:.1f} tokens/s**, measured {_fmt(c.measured_tokens_per_s)} tokens/s on the "
+              f"pilot rows{speed}. Tuned config: [`{TUNED_NAME}`]({TUNED_NAME}) (`method:` "
+              f"{json.dumps(result.tuned_config['method'])}; `compute:` {json.dumps(s['compute'])}).", ""]
+    lines += [f"Times are {unit} (`--clock {clock}`)"
+              + ("; on a machine shared with other work this is what a dedicated core would take, and wall time is "
+                 "longer by the share of the CPU the process gets." if clock == "cpu" else "."), ""]
+    lines += _time_lines(result, s) + _candidate_lines(result) + _acceptance_lines(result) + _cost_lines(result)
     if result.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     return "\n".join(lines)
@@ -321,8 +344,8 @@ def write_outputs(result: TuneResult, out_dir: str | Path) -> dict[str, Path]:
             "notes": result.notes, "mismatches": result.mismatches,
             "candidates": [_cand(c) for c in result.candidates],
             "confirmed": [_cand(c) for c in result.confirmed],
-            # the chosen fixed k measured again in the adaptive variants' rounds: what they were compared with
-            "adaptive_reference": None if result.adaptive_reference is None else _cand(result.adaptive_reference),
+            # the chosen candidate measured again in its token-tree variant's rounds: what that was compared with
+            "variant_reference": None if result.variant_reference is None else _cand(result.variant_reference),
             "models": [vars(m) for m in result.models],
             "pilot": {name: {"k": r.k, "batch_size": r.batch_size, "seconds": r.seconds, **r.stats.to_dict()}
                       for name, r in result.pilots.items()},
@@ -337,4 +360,4 @@ def _cand(c: Candidate) -> dict[str, Any]:
             "predicted_tokens_per_s": c.predicted_tokens_per_s, "model_tokens_per_s": c.model_tokens_per_s,
             "confirm_predicted_tokens_per_s": c.confirm_predicted_tokens_per_s, "measured_s": c.measured_s,
             "measured_tokens_per_s": c.measured_tokens_per_s, "round_s": c.round_s, "same_output": c.same_output,
-            "compared_rows": c.compared_rows, "params": c.params, "adaptive_draft_length": c.adaptive_draft_length}
+            "compared_rows": c.compared_rows, "params": c.params}

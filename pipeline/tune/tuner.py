@@ -9,15 +9,21 @@ pilot sample of its own input, on the configured hardware, and predict its speed
        size B; each proposer's cost and the loop's bookkeeping per step (real steps)
     -> predict every (method, k, B) (:mod:`pipeline.tune.predict`), rank them
     -> confirm the top candidates (and the best plain one) on the pilot rows, as the actor
-       runs them, in interleaved rounds (each round runs every candidate once, the order
-       rotated by one per round, so that a change of the machine's speed meets them all);
-       the fastest median wins
-    -> confirm the adaptive draft lengths of the winner against its fixed k the same way
-       (the winner runs again in those rounds): the engine's draft length by expected gain
-       up to K (greedy jobs), and a method's per-row schedule; one replaces the fixed k only
-       when its median is ADAPTIVE_MARGIN faster
+       runs them: the draft-length controller on (``compute.draft_length: auto``, the job's
+       default), a candidate's k its cap; in interleaved rounds (each round runs every
+       candidate once, the order rotated by one per round, so that a change of the
+       machine's speed meets them all); the fastest median wins
+    -> confirm the winner's token trees (a method that drafts them, greedy jobs) against it
+       the same way (the winner runs again in those rounds); they replace it only when
+       their median is VARIANT_MARGIN faster
     -> the tuned config (the input config with ``method`` and ``compute`` filled in) and
        ``tune_report.md`` (:mod:`pipeline.tune.report`)
+
+Every measured engine is fresh and warmed up (:meth:`SpeculativeEngine.warm_up`, the job's
+generation settings, its rows in flight) outside the timed region, as an actor's is at start.
+The pilot and the profile run a fixed draft length (every row drafts ``k``: the acceptance by
+draft position and the costs the prediction needs); the tuner chooses the method, the rows
+in flight and the cap ``k`` on the draft length, not whether the controller runs.
 
 Times are seconds of one clock: ``wall`` (``time.perf_counter``) or ``cpu``
 (``time.process_time``: the process's CPU time, steadier when other processes share the
@@ -31,7 +37,6 @@ import copy
 import dataclasses
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +51,8 @@ from pipeline.engine.profile import EngineProfile, profile_engine
 from pipeline.engine.cpu import prepare
 from pipeline.loading import build_engine, generation_settings, limit_cpu_threads, load_job_models, process_cpus
 from pipeline.paths import resolve_config_paths
-from pipeline.tune.measure import PilotInput, PilotRun, measure_candidate, read_pilot, row_settings, run_pilot
+from pipeline.tune.confirm import TREE_CANDIDATES, VARIANT_MARGIN, Confirmation, keep_variant, tree_variant
+from pipeline.tune.measure import PilotInput, PilotRun, read_pilot, row_settings, run_pilot
 from pipeline.tune.predict import (
     Candidate,
     MethodModel,
@@ -61,13 +67,9 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 #: the batch-size sweep stops where a plain pass costs this much more per row than at a smaller batch
 BATCH_STOP_RATIO = 1.25
-#: the per-row adaptive knobs off, so that every step drafts k (a candidate's own settings; the
-#: adaptive ones are measured as variants of the chosen candidate): by knob, its fixed value
+#: transformers' per-row draft-length knobs off (the draft-length controller decides instead;
+#: the pilot needs every step to draft k): by knob, its fixed value
 FIXED_DRAFT_LENGTH = {SCHEDULE_FIELD: "constant", CONFIDENCE_FIELD: 0.0}
-#: transformers' default ``assistant_confidence_threshold``
-CONFIDENCE_THRESHOLD = 0.4
-#: an adaptive variant replaces the chosen fixed draft length only when measured this much faster
-ADAPTIVE_MARGIN = 0.05
 #: the corpus size the report states the tuning's share for (the issue's goal: under 10 %)
 REFERENCE_ROWS = 10_000
 
@@ -123,10 +125,9 @@ class TuneOptions:
         confirm_rounds: interleaved rounds of confirmation runs; a candidate's measured
             figure is the median of its rounds (each round builds its engines afresh, so a
             job-wide suffix tree never learns the rows it is timed on).
-        adaptive: also measure the chosen method with adaptive draft lengths: the engine's
-            draft length by expected gain up to ``K`` (greedy jobs), and for a method with a
-            per-row schedule transformers' heuristic schedule and a confidence threshold of
-            0.4 at ``K``; keep one only when it is measured 5 % faster than the fixed ``k``.
+        trees: also measure the chosen method with token trees of :data:`TREE_CANDIDATES`
+            branches (a method that drafts them, greedy jobs), kept only when measured
+            :data:`VARIANT_MARGIN` faster (:mod:`pipeline.tune.confirm`).
         clock: ``wall`` or ``cpu`` (module docstring).
     """
 
@@ -139,7 +140,7 @@ class TuneOptions:
     confirm: int = 3
     confirm_rows: int = 32
     confirm_rounds: int = 3
-    adaptive: bool = True
+    trees: bool = True
     clock: str = "wall"
 
 
@@ -166,8 +167,8 @@ class TuneResult:
     num_actors: int = 1
     calibration: float = 1.0
     mismatches: dict[str, int] = field(default_factory=dict)
-    #: the chosen fixed k measured again in the adaptive variants' rounds (what they were compared with)
-    adaptive_reference: Candidate | None = None
+    #: the chosen candidate measured again in its token-tree variant's rounds (what that was compared with)
+    variant_reference: Candidate | None = None
 
     @property
     def seconds_per_row(self) -> float:
@@ -195,7 +196,7 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
     ``models.drafter`` fits it; a method that drafts from the target's own layers when the
     target names them; any other only when the config's method is that one.  Each is tried
     at draft lengths 1 .. ``K`` (``--max-draft``, else the method's default longest draft,
-    or the config's when longer) with its per-row adaptive knobs off.
+    or the config's when longer) with transformers' per-row draft-length knobs off.
     """
     notes: list[str] = []
     spec = cfg.method.speculation_settings()
@@ -224,11 +225,19 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
     return out, notes
 
 
-def _engine(choice: MethodChoice, k: int, batch_size: int, loaded, clock, adaptive: bool = False) -> SpeculativeEngine:
-    """The engine of a candidate, built as the job builds its own (:func:`pipeline.loading.build_engine`),
-    with a fixed draft length (every step drafts ``k``), or with ``adaptive`` the engine's draft
-    length by expected gain up to ``k``."""
-    return build_engine(loaded, choice.speculation(k), batch_size, adaptive_draft_length=adaptive, clock=clock)
+def _engine(choice: MethodChoice, k: int, batch_size: int, loaded, clock, draft_length: str = "auto") -> SpeculativeEngine:
+    """The engine of a candidate, built as the job builds its own (:func:`pipeline.loading.build_engine`):
+    the draft-length controller with cap ``k`` (``"auto"``, the job's default), or every step
+    drafting ``k`` (``"fixed"``: the pilot's and the profile's)."""
+    return build_engine(loaded, choice.speculation(k), batch_size, draft_length=draft_length, clock=clock)
+
+
+def _warmed(engine: SpeculativeEngine, batch_size: int, generation) -> SpeculativeEngine:
+    """``engine`` warmed up outside any timed region as an actor's is at start: synthetic rows
+    at every number of rows in flight up to ``batch_size``, with the job's generation
+    settings (:meth:`SpeculativeEngine.warm_up`, which then forgets what its rows taught)."""
+    engine.warm_up(batch_size, settings=generation)
+    return engine
 
 
 def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineProfile,
@@ -251,9 +260,65 @@ def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineP
     return m
 
 
+@dataclass
+class _Clocks:
+    """The tuning's stage timer: seconds of the tuner's clock and of the wall per stage."""
+
+    clock: Callable[[], float]
+    timings: dict[str, float] = field(default_factory=dict)
+    wall_timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.start, self.wall_start = self.clock(), time.perf_counter()
+        self._mark = [self.start, self.wall_start]
+
+    def stage(self, name: str) -> None:
+        now, wall = self.clock(), time.perf_counter()
+        self.timings[name], self.wall_timings[name] = now - self._mark[0], wall - self._mark[1]
+        self._mark = [now, wall]
+
+    def total(self) -> None:
+        self.timings["total"] = self.clock() - self.start
+        self.wall_timings["total"] = time.perf_counter() - self.wall_start
+
+
+@dataclass
+class _Pilot:
+    """What the pilot phase measured (the input of the profile and the prediction)."""
+
+    pilot: PilotInput
+    settings: list
+    engines: dict[str, SpeculativeEngine]
+    pilots: dict[str, PilotRun]
+    choices: list[MethodChoice]
+    mismatches: dict[str, int]
+    ok: list[int]
+    rows: list[PilotRow]
+
+    @property
+    def reference(self) -> list:
+        return next(iter(self.pilots.values())).results
+
+
+def check_options(options: TuneOptions) -> None:
+    """Refuse options no tuning can run with.
+
+    Raises:
+        ConfigError: an unknown clock, a count below 1, no batch size or a batch size below 1.
+    """
+    if options.clock not in CLOCKS:
+        raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {options.clock!r}")
+    if min(options.rows, options.repeats, options.pilot_batch_size, options.confirm_rows,
+           options.confirm_rounds) < 1 or options.confirm < 0:
+        raise ConfigError("--rows, --repeats, --pilot-batch-size, --confirm-rows and --confirm-rounds must be >= 1 "
+                          "and --confirm >= 0")
+    if not options.batch_sizes or any(b < 1 for b in options.batch_sizes):
+        raise ConfigError(f"batch sizes must be positive integers, got {list(options.batch_sizes)}")
+
+
 def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict[str, Any] | None = None,
          config_path: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
-    """Tune ``cfg`` (see the module docstring).
+    """Tune ``cfg`` (see the module docstring): load, pilot, profile, predict, confirm.
 
     Args:
         cfg: the validated job config.
@@ -271,31 +336,48 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
             anything is measured).
         ValueError: no pilot row makes a usable prompt.
     """
+    options = options or TuneOptions()
+    check_options(options)
+    clock = CLOCKS[options.clock]
+    clocks = _Clocks(clock)
+    machine = {"cpu_count": os.cpu_count(), "load_average_start": _load(), "clock": options.clock}
+    loaded, choices, notes, plain_engine = _load_models(cfg, options, clock, machine)
+    generation = generation_settings(cfg, loaded.target)
+    clocks.stage("load")
+    run = _pilot_phase(cfg, options, loaded, choices, plain_engine, generation, clock, notes, log)
+    clocks.stage("pilot")
+    profiles, models, sizes = _profile_phase(options, run, plain_engine, generation, notes, log)
+    del plain_engine  # its caches (max(B) rows) are not needed any more
+    clocks.stage("profile")
+    candidates, factor = _predict_phase(cfg, run, models, sizes, log)
+    clocks.stage("predict")
+
+    def build(choice: MethodChoice, k: int, batch_size: int) -> SpeculativeEngine:
+        return _warmed(_engine(choice, k, batch_size, loaded, clock), batch_size, generation)
+
+    bench = Confirmation(build, clock, {c.method: c for c in run.choices}, log)
+    confirmed, chosen, again = _confirm_phase(options, run, bench, candidates, models, factor, notes,
+                                              generation.do_sample)
+    clocks.stage("confirm")
+    raw = copy.deepcopy(raw_config) if raw_config is not None else cfg.model_dump(mode="json")
+    tuned = tuned_config(raw, dataclasses.replace(bench.choices[chosen.method], params=dict(chosen.params)), chosen)
+    clocks.total()
+    machine["load_average_end"] = _load()
+    return TuneResult(config_path=config_path, options=options, chosen=chosen, candidates=candidates,
+                      confirmed=confirmed, models=models, choices=run.choices, pilots=run.pilots, profiles=profiles,
+                      pilot=run.pilot, pilot_rows=run.rows, tuned_config=tuned, timings=clocks.timings,
+                      wall_timings=clocks.wall_timings, machine=machine, notes=notes,
+                      num_actors=cfg.compute.num_actors, calibration=factor, mismatches=run.mismatches,
+                      variant_reference=again)
+
+
+def _load_models(cfg: JobConfig, options: TuneOptions, clock, machine: dict[str, Any]):
+    """Load the models as an actor does: ``(loaded, choices, notes, plain engine)`` (the plain
+    engine at the largest batch size, warmed up)."""
     import torch
 
     from pipeline.models import check_models
 
-    options = options or TuneOptions()
-    if options.clock not in CLOCKS:
-        raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {options.clock!r}")
-    if min(options.rows, options.repeats, options.pilot_batch_size, options.confirm_rows,
-           options.confirm_rounds) < 1 or options.confirm < 0:
-        raise ConfigError("--rows, --repeats, --pilot-batch-size, --confirm-rows and --confirm-rounds must be >= 1 "
-                          "and --confirm >= 0")
-    if not options.batch_sizes or any(b < 1 for b in options.batch_sizes):
-        raise ConfigError(f"batch sizes must be positive integers, got {list(options.batch_sizes)}")
-    clock = CLOCKS[options.clock]
-    timings: dict[str, float] = {}
-    wall_timings: dict[str, float] = {}
-    start, wall_start = clock(), time.perf_counter()
-    mark = [start, wall_start]
-
-    def stage(name: str) -> None:
-        now, wall = clock(), time.perf_counter()
-        timings[name], wall_timings[name] = now - mark[0], wall - mark[1]
-        mark[0], mark[1] = now, wall
-
-    machine = {"cpu_count": os.cpu_count(), "load_average_start": _load(), "clock": options.clock}
     # a bad path fails before any weights load; the pair is each method's to judge (allowed_methods)
     check_models(cfg.models, bool(cfg.models.drafter), method=cfg.method.name, pair=False)
     limit_cpu_threads(process_cpus(cfg))  # the actor's threads
@@ -303,10 +385,16 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     prepare(loaded.target, cfg.cpu.cpu_options(), "target")  # the job's CPU parts; every engine below keeps them
     machine.update(device=loaded.device, torch_threads=torch.get_num_threads(), torch=torch.__version__)
     choices, notes = allowed_methods(cfg, loaded, options)
-    generation = generation_settings(cfg, loaded.target)
     plain_engine = _engine(MethodChoice(PLAIN), 0, max(options.batch_sizes), loaded, clock)
-    stage("load")
+    _warmed(plain_engine, max(options.batch_sizes), generation_settings(cfg, loaded.target))
+    return loaded, choices, notes, plain_engine
 
+
+def _pilot_phase(cfg: JobConfig, options: TuneOptions, loaded, choices: list[MethodChoice], plain_engine,
+                 generation, clock, notes: list[str], log) -> _Pilot:
+    """Each method over the pilot rows at its longest draft ``K``, every row drafting ``K``
+    (``draft_length="fixed"``: the acceptance by position the prediction needs), on an
+    engine warmed up first; greedy outputs compared."""
     pilot = read_pilot(cfg, loaded.tokenizer, options.rows, plain_engine.context, clock)
     settings = row_settings(generation, pilot.keys)
     log(f"pilot: {len(pilot.prompts)} rows ({len(pilot.skipped)} of the first {options.rows} would be error rows); "
@@ -315,12 +403,12 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     pilots: dict[str, PilotRun] = {}
     for choice in [c for c in choices if c.method != PLAIN]:
         try:
-            engines[choice.method] = _engine(choice, choice.k_max, options.pilot_batch_size, loaded, clock)
+            engine = _engine(choice, choice.k_max, options.pilot_batch_size, loaded, clock, draft_length="fixed")
         except ValueError as e:
             notes.append(f"{choice.method} left out: {e}")
             continue
-        p = pilots[choice.method] = run_pilot(engines[choice.method], pilot.prompts, settings,
-                                              options.pilot_batch_size, clock)
+        engines[choice.method] = _warmed(engine, options.pilot_batch_size, generation)
+        p = pilots[choice.method] = run_pilot(engine, pilot.prompts, settings, options.pilot_batch_size, clock)
         log(f"pilot {choice.method} k={choice.k_max}: {p.stats.new_tokens} tokens in {p.seconds:.1f} s, "
             f"acceptance {p.stats.accepted_tokens}/{p.stats.draft_tokens}")
     choices = [c for c in choices if c.method == PLAIN or c.method in pilots]
@@ -329,81 +417,86 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     if not pilots:
         pilots[PLAIN] = run_pilot(plain_engine, pilot.prompts, settings, options.pilot_batch_size, clock)
     runs = list(pilots.values())
-    reference = runs[0].results
     mismatches = {} if generation.do_sample else _mismatches(pilots, notes)
     ok = [i for i in range(len(pilot.prompts)) if all(r.results[i].error is None for r in runs)]
-    rows = _pilot_rows(pilot, runs, ok)
-    stage("pilot")
+    return _Pilot(pilot, settings, engines, pilots, choices, mismatches, ok, _pilot_rows(pilot, runs, ok))
 
-    k_top = max([c.k_max for c in choices] + [1])
-    prompts = [pilot.prompts[i] + reference[i].token_ids[: len(reference[i].token_ids) // 2] for i in ok]
+
+def _profile_phase(options: TuneOptions, run: _Pilot, plain_engine, generation, notes: list[str], log):
+    """The target's verification cost ``t(n, B)`` (the plain engine, warmed up first) and each
+    method's proposer and bookkeeping (its pilot engine): ``(profiles, models, batch sizes)``."""
+    k_top = max([c.k_max for c in run.choices] + [1])
+    reference = run.reference
+    prompts = [run.pilot.prompts[i] + reference[i].token_ids[: len(reference[i].token_ids) // 2] for i in run.ok]
     prompts = prompts[: max(options.batch_sizes)]  # mid-generation contexts
     log(f"profile: target t(n, B) for n = 1..{k_top + 1}, B in {list(options.batch_sizes)}")
     profiles = {PLAIN: profile_engine(plain_engine, prompts, list(options.batch_sizes),
-                                        widths=list(range(1, k_top + 2)), repeats=options.repeats, settings=generation,
-                                        stop_ratio=BATCH_STOP_RATIO)}
-    plain_engine = None  # its caches (max(B) rows) are not needed any more
+                                      widths=list(range(1, k_top + 2)), repeats=options.repeats, settings=generation,
+                                      stop_ratio=BATCH_STOP_RATIO)}
     grid = profiles[PLAIN].verify_s
     sizes = sorted(grid)
     notes += _pruned_note(grid, options.batch_sizes)
     models = [_method_model(MethodChoice(PLAIN), None, profiles[PLAIN], grid, False, None)]
-    for choice in choices:
+    for choice in run.choices:
         if choice.method == PLAIN:
             continue
-        engine = engines.pop(choice.method)  # dropped after its profile, with its caches
+        engine = run.engines.pop(choice.method)  # dropped after its profile, with its caches
         ks = sorted({1, math.ceil(choice.k_max / 2), choice.k_max})
         log(f"profile: {choice.method}, k in {ks}")
         profiles[choice.method] = profile_engine(engine, prompts, sizes, draft_lengths=ks,
                                                  repeats=options.repeats, settings=generation)
-        models.append(_method_model(choice, pilots[choice.method], profiles[choice.method], grid,
+        models.append(_method_model(choice, run.pilots[choice.method], profiles[choice.method], grid,
                                     engine.uses_target_hook, METHODS[choice.method].max_rows))
-    if not any(c.method == PLAIN for c in choices):
+    if not any(c.method == PLAIN for c in run.choices):
         models = models[1:]
-    stage("profile")
+    return profiles, models, sizes
 
-    candidates = rank_candidates(models, rows, sizes, cfg.compute.rows_per_batch)
+
+def _predict_phase(cfg: JobConfig, run: _Pilot, models: list[MethodModel], sizes: list[int], log):
+    """Every (method, k, B) predicted and ranked, calibrated against the pilot runs' measured
+    time: ``(candidates, calibration factor)``."""
+    candidates = rank_candidates(models, run.rows, sizes, cfg.compute.rows_per_batch)
     by_model = {m.method: m for m in models}
-    build_s = sum(pilot.build_s[i] for i in ok)
+    build_s = sum(run.pilot.build_s[i] for i in run.ok)
+    runs = list(run.pilots.values())
     factor = calibrate(candidates,
-                       sum(predict_seconds(by_model[r.method], rows, r.k, r.batch_size, len(rows)) for r in runs),
+                       sum(predict_seconds(by_model[r.method], run.rows, r.k, r.batch_size, len(run.rows))
+                           for r in runs),
                        sum(r.seconds + build_s for r in runs))
     log(f"calibration: the pilot runs took {factor:.2f}x the model's prediction")
-    stage("predict")
+    return candidates, factor
 
-    subset = ok[: options.confirm_rows]
-    bench = _Confirmation(loaded, clock, {c.method: c for c in choices}, [pilot.prompts[i] for i in subset],
-                          [settings[i] for i in subset], sum(pilot.build_s[i] for i in subset),
-                          None if generation.do_sample else [reference[i].token_ids for i in subset], log)
+
+def _confirm_phase(options: TuneOptions, run: _Pilot, bench: Confirmation, candidates: list[Candidate],
+                   models: list[MethodModel], factor: float, notes: list[str], do_sample: bool):
+    """The top candidates (and the best plain one) measured on the first pilot rows with the
+    draft-length controller on, in interleaved rounds; then the winner's token trees against
+    it: ``(confirmed, chosen, the winner measured again in the variant's rounds)``."""
+    subset = run.ok[: options.confirm_rows]
+    bench.prompts = [run.pilot.prompts[i] for i in subset]
+    bench.settings = [run.settings[i] for i in subset]
+    bench.build_s = sum(run.pilot.build_s[i] for i in subset)
+    bench.reference = None if do_sample else [run.reference[i].token_ids for i in subset]
     confirmed = candidates[: options.confirm]
     plain = next((c for c in candidates if c.method == PLAIN), None)
     if plain is not None and plain not in confirmed:
         confirmed.append(plain)
-    part = rows[: len(subset)]
+    part = run.rows[: len(subset)]
+    by_model = {m.method: m for m in models}
     for cand in confirmed:
         cand.confirm_predicted_tokens_per_s = sum(r.new_tokens for r in part) / (
             factor * predict_seconds(by_model[cand.method], part, cand.k, cand.batch_size, cand.rows_per_batch))
     bench.run_rounds(confirmed, options.confirm_rounds)
     chosen = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0) if confirmed else candidates[0]
     again = None
-    if options.adaptive and chosen.method != PLAIN and chosen.measured_tokens_per_s:
-        variants = _adaptive_variants(chosen, bench.choices[chosen.method].k_max, generation.do_sample)
-        # the fixed k again, in the variants' rounds (a copy: the chosen keeps the figures it was chosen by)
+    trees = tree_variant(chosen, do_sample) if options.trees and chosen.measured_tokens_per_s else None
+    if trees is not None:
+        # the chosen again, in the variant's rounds (a copy: the chosen keeps the figures it was chosen by)
         again = dataclasses.replace(chosen, round_s=[], same_output=None, compared_rows=None)
-        bench.run_rounds([again] + variants, options.confirm_rounds)
-        confirmed += variants
-        chosen = _keep_adaptive(chosen, variants, notes, reference=again)
-    stage("confirm")
-
-    raw = copy.deepcopy(raw_config) if raw_config is not None else cfg.model_dump(mode="json")
-    tuned = tuned_config(raw, dataclasses.replace(bench.choices[chosen.method], params=dict(chosen.params)), chosen)
-    timings["total"] = clock() - start
-    wall_timings["total"] = time.perf_counter() - wall_start
-    machine["load_average_end"] = _load()
-    return TuneResult(config_path=config_path, options=options, chosen=chosen, candidates=candidates,
-                      confirmed=confirmed, models=models, choices=choices, pilots=pilots, profiles=profiles,
-                      pilot=pilot, pilot_rows=rows, tuned_config=tuned, timings=timings, wall_timings=wall_timings,
-                      machine=machine, notes=notes, num_actors=cfg.compute.num_actors, calibration=factor,
-                      mismatches=mismatches, adaptive_reference=again)
+        bench.run_rounds([again, trees], options.confirm_rounds)
+        confirmed.append(trees)
+        chosen = keep_variant(chosen, trees, notes, reference=again)
+    return confirmed, chosen, again
 
 
 def _mismatches(pilots: dict[str, PilotRun], notes: list[str]) -> dict[str, int]:
@@ -441,104 +534,10 @@ def _pruned_note(grid: dict[int, dict[int, float]], asked) -> list[str]:
             "paying)"]
 
 
-@dataclass
-class _Confirmation:
-    """Confirmation runs: candidates decode the same first pilot rows as the actor would."""
-
-    loaded: Any
-    clock: Callable[[], float]
-    choices: dict[str, MethodChoice]
-    prompts: list[list[int]]
-    settings: list
-    build_s: float
-    reference: list[list[int]] | None  # greedy outputs to compare with (None when sampling)
-    log: Callable[[str], None]
-
-    def run_rounds(self, cands: list[Candidate], rounds: int) -> None:
-        """Measure ``cands`` in ``rounds`` interleaved rounds: round ``r`` runs them all, starting
-        from the ``r``-th (mod their number), so that each candidate takes each place in turn
-        and a drift of the machine's speed is shared out instead of landing on whichever ran
-        last.  Each candidate's figures become the median of all its rounds so far."""
-        for r in range(rounds):
-            shift = r % max(1, len(cands))
-            for cand in cands[shift:] + cands[:shift]:
-                self.run(cand)
-
-    def run(self, cand: Candidate) -> None:
-        """One more round of ``cand`` (a fresh engine, so nothing learnt in an earlier round
-        carries over): appends its seconds to ``cand.round_s``, sets its measured figures to
-        the median round, and its same-output count (greedy: every round must match)."""
-        choice = dataclasses.replace(self.choices[cand.method], params=dict(cand.params))
-        engine = _engine(choice, cand.k, cand.batch_size, self.loaded, self.clock, cand.adaptive_draft_length)
-        seconds, results = measure_candidate(engine, self.prompts, self.settings, cand.batch_size,
-                                             cand.rows_per_batch, self.clock)
-        cand.round_s.append(seconds + self.build_s)
-        cand.measured_s = statistics.median(cand.round_s)
-        tokens = sum(r.stats.new_tokens for r in results if r.error is None)
-        cand.measured_tokens_per_s = tokens / cand.measured_s
-        if self.reference is not None:
-            same = sum(r.token_ids == ref for r, ref in zip(results, self.reference))
-            cand.compared_rows = len(self.reference)
-            cand.same_output = same if cand.same_output is None else min(cand.same_output, same)
-        predicted = cand.confirm_predicted_tokens_per_s
-        self.log(f"confirm {cand.label} (round {len(cand.round_s)}): predicted "
-                 f"{f'{predicted:.1f}' if predicted else '(not modelled)'}, measured {tokens / cand.round_s[-1]:.1f} "
-                 f"tokens/s (median so far {cand.measured_tokens_per_s:.1f})")
-
-
-#: the branches of the token-tree variant the tuner confirms (``method.num_candidates``)
-TREE_CANDIDATES = 4
-
-
-def _adaptive_variants(chosen: Candidate, k_max: int, do_sample: bool = False) -> list[Candidate]:
-    """Adaptive draft lengths of the chosen method, to confirm against its fixed ``k``: the
-    engine's draft length by expected gain up to ``K`` (greedy jobs: the job applies it to
-    greedy rows only), and for a method that drafts token trees the same with trees of
-    ``TREE_CANDIDATES`` branches, sized per row by expected gain; for a method with a per-row
-    schedule, transformers' heuristic
-    schedule from its k, and (for a method that takes it) a confidence threshold at ``K``.
-    Not modelled: their prediction is the chosen one's scaled by the measured ratio (filled
-    in by :func:`_keep_adaptive`)."""
-    out = []
-    if not do_sample:
-        out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch, params=dict(chosen.params),
-                             adaptive_draft_length=True))
-        if METHODS[chosen.method].proposes_trees:  # token trees: greedy rows only
-            out.append(Candidate(chosen.method, k_max, chosen.batch_size, chosen.rows_per_batch,
-                                 params={**chosen.params, "num_candidates": TREE_CANDIDATES}, adaptive_draft_length=True))
-    knobs = [(chosen.k, {SCHEDULE_FIELD: "heuristic"})] if METHODS[chosen.method].adaptive else []
-    if CONFIDENCE_FIELD in METHODS[chosen.method].params:
-        knobs.append((k_max, {CONFIDENCE_FIELD: CONFIDENCE_THRESHOLD}))
-    return out + [Candidate(chosen.method, k, chosen.batch_size, chosen.rows_per_batch, params={**chosen.params, **extra})
-                  for k, extra in knobs]
-
-
-def _keep_adaptive(chosen: Candidate, variants: list[Candidate], notes: list[str], reference: Candidate) -> Candidate:
-    """The measured variant when it is ``ADAPTIVE_MARGIN`` faster than ``reference`` (``chosen``
-    measured again in the variants' rounds), else ``chosen``."""
-    for v in variants:
-        scale = v.measured_tokens_per_s / reference.measured_tokens_per_s
-        v.predicted_tokens_per_s = chosen.predicted_tokens_per_s * scale
-        v.predicted_s = chosen.predicted_s / scale
-        if chosen.confirm_predicted_tokens_per_s:
-            v.confirm_predicted_tokens_per_s = chosen.confirm_predicted_tokens_per_s * scale
-    best = max(variants, key=lambda v: v.measured_tokens_per_s)
-    ratio = best.measured_tokens_per_s / reference.measured_tokens_per_s
-    again = f" (measured again in the same rounds: {reference.measured_tokens_per_s:.1f} tokens/s)"
-    if ratio > 1 + ADAPTIVE_MARGIN:
-        notes.append(f"{best.label} measured {ratio:.2f}x {chosen.label}{again}: chosen (its prediction is "
-                     f"{chosen.label}'s scaled by that ratio)")
-        return best
-    tried = "; ".join(v.label for v in variants)
-    notes.append(f"adaptive draft lengths ({tried}) measured no gain of {100 * ADAPTIVE_MARGIN:.0f} % over "
-                 f"{chosen.label}{again} (best {ratio:.2f}x): left out")
-    return chosen
-
-
 def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -> dict[str, Any]:
     """The input config (as written) with ``method`` replaced by the chosen one and
-    ``compute`` given its batch size, rows per batch and its draft length: fixed, or by
-    expected gain up to ``k`` when the confirmation chose that.
+    ``compute`` given its batch size, rows per batch and the draft-length controller
+    (``draft_length: auto``, with the chosen ``k`` as its cap: what the confirmation ran).
 
     Raises:
         ConfigError: the result does not validate (a bug: it is checked before it is written).
@@ -547,7 +546,7 @@ def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -
     out["method"] = choice.method_section(chosen.k)
     compute = dict(out.get("compute") or {})
     compute.update(max_batch_size=chosen.batch_size, rows_per_batch=chosen.rows_per_batch,
-                   adaptive_draft_length=chosen.adaptive_draft_length)
+                   draft_length="auto")
     out["compute"] = compute
     from pydantic import ValidationError
 
@@ -576,5 +575,5 @@ def _load() -> list[float] | None:
         return None
 
 
-__all__ = ["tune", "TuneOptions", "TuneResult", "MethodChoice", "allowed_methods", "tuned_config",
+__all__ = ["tune", "check_options", "TREE_CANDIDATES", "VARIANT_MARGIN", "TuneOptions", "TuneResult", "MethodChoice", "allowed_methods", "tuned_config",
            "read_raw_config", "CLOCKS", "DEFAULT_BATCH_SIZES", "REFERENCE_ROWS"]

@@ -4,10 +4,11 @@
 - a warm-up runs every number of rows in flight from its ``max_rows`` down to 1 through the
   one decode path, drafting, and leaves every output as it was: greedy equal to plain for
   every method (drafter, draft head, lookup, suffix, token trees, the draft length by
-  expected gain), and a seeded sampled row draws what a cold engine draws;
+  the draft-length controller), and a seeded sampled row draws what a cold engine draws;
 - ``reset_learning`` empties suffix's job-wide tree: rows decoded again replay their own
   outputs (acceptance up), and after a reset their acceptance is again the first run's,
-  draft for draft; the draft-length policy forgets its acceptance and keeps its costs.
+  draft for draft; the draft-length controller forgets what it learnt of acceptance and keeps
+  its cost curve.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ def pair():
 
 
 def _engine(target, drafter, variant: str, batch: int = 3) -> SpeculativeEngine:
-    method, _, option = variant.partition("+")
+    """``method[+trees][+auto]``: token trees of 3 candidates; the draft-length controller
+    (else every row its k, the engine tests' default)."""
+    method, *options = variant.split("+")
     spec = SpeculationSettings(method=method, num_assistant_tokens=K, prompt_lookup_num_tokens=K,
-                               num_candidates=3 if option == "trees" else 1)
+                               num_candidates=3 if "trees" in options else 1)
     extra = {"drafter": drafter if method == "draft_model" else random_head(target) if method == "eagle" else None}
-    return SpeculativeEngine(target, spec, max_batch_size=batch, adaptive_draft_length=option == "adaptive", **extra)
+    return SpeculativeEngine(target, spec, max_batch_size=batch, draft_length="auto" if "auto" in options else "fixed",
+                             **extra)
 
 
 def _in_flight(engine: SpeculativeEngine) -> list[int]:
@@ -53,7 +57,7 @@ def _in_flight(engine: SpeculativeEngine) -> list[int]:
 
 
 @pytest.mark.parametrize("variant", ["plain", "draft_model", "eagle", "prompt_lookup", "suffix", "suffix+trees",
-                                     "prompt_lookup+adaptive", "draft_model+adaptive"])
+                                     "prompt_lookup+auto", "draft_model+auto"])
 def test_warm_up_runs_every_batch_size_drafting_and_changes_no_output(pair, variant):
     target, drafter, rows, references = pair
     engine = _engine(target, drafter, variant, batch=4)
@@ -107,7 +111,7 @@ def test_reset_learning_stops_suffix_replaying_its_own_outputs(pair):
     prompts = [prompt_of(24, seed=200 + i) for i in range(6)]
     settings = GenerationSettings(max_new_tokens=30)
     engine = SpeculativeEngine(target, SpeculationSettings(method="suffix", num_assistant_tokens=4),
-                               max_batch_size=2, adaptive_draft_length=False)
+                               max_batch_size=2, draft_length="fixed")
 
     def run():
         results = engine.generate_batch(prompts, settings)
@@ -123,25 +127,30 @@ def test_reset_learning_stops_suffix_replaying_its_own_outputs(pair):
     assert again_ids == first_ids and again == first
 
 
-def test_reset_learning_forgets_acceptance_and_keeps_costs(pair):
-    """The draft-length policy after a reset: no acceptance by position, its cost measurements
-    (the verify pass's fit and table) as they were, so it needs no new exploring."""
+def test_reset_learning_keeps_the_cost_curve_and_forgets_acceptance(pair):
+    """The contract of ``reset_learning`` with the draft-length controller on: the cost curve
+    t(tokens, rows) is the same object with the same measurements and predictions (so the
+    next step admits by it, with no new exploring); the acceptance estimates (calibration bins,
+    positions), the tree sizer's side-node gain, the recorded admissions and suffix's job-wide
+    pool are gone."""
     target, _, rows, _ = pair
-    engine = _engine(target, None, "prompt_lookup+adaptive")
-    engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
-    policy = engine.policy
-    assert policy.measured and any(policy.pooled_reach())
-    predicted = policy.verify_time(2, 3)
+    engine = _engine(target, None, "suffix+auto")
+    budget = engine.budget
+    budget.record = True
+    prompts, settings = [p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows]
+    engine.generate_batch(prompts, settings)
+    curve = budget.curve
+    measured = {shape: list(v) for shape, v in curve.table.items()}
+    predicted = (curve.seconds(2, 3), curve.propose_weights())
+    assert curve.ready and budget.acceptance.positions and budget.acceptance.bins and budget.history
+    budget.trees.observe(6, 2)  # as a step of token trees would have: side nodes that gained 2 tokens
+    assert engine.proposer.cached
     engine.reset_learning()
-    assert engine.policy is not policy
-    assert engine.policy.measured and not any(engine.policy.pooled_reach())
-    assert engine.policy.verify_time(2, 3) == predicted
-    assert engine.tree_sizer.side_nodes == 0
-
-
-def test_warm_up_on_a_suffix_engine_leaves_no_synthetic_output_in_its_tree(pair):
-    target, _, _, _ = pair
-    engine = _engine(target, None, "suffix")
-    engine.warm_up(prompt_tokens=48, new_tokens=4)
-    assert not engine.proposer.cached and engine.proposer.drafts_from == {"row": 0, "job": 0}
-    assert engine.proposer.global_tree.nodes == 0 and not engine.proposer.global_tree.root.children
+    assert engine.budget is budget and budget.curve is curve
+    assert {shape: list(v) for shape, v in curve.table.items()} == measured
+    assert (curve.seconds(2, 3), curve.propose_weights()) == predicted
+    assert not budget.acceptance.positions and not budget.acceptance.bins and not budget.kept
+    assert budget.trees.side_nodes == 0 and budget.history == [] and budget.last is None
+    assert not engine.proposer.cached and engine.proposer.global_tree.nodes == 0
+    engine.generate_batch(prompts[:1], settings[:1])
+    assert budget.history and budget.history[0].way != "explore"  # the kept curve admits at once

@@ -35,6 +35,7 @@ def test_the_actor_the_replica_and_the_tuner_build_the_same_engine(tiny_models, 
             assert engine.spec.method == method and engine.spec.draft_length == k, name
             assert type(engine.proposer) is type(actor.engine.proposer), name
             assert engine.max_batch_size == 4 and engine.tokenizer is not None, name
+            assert not engine.budget.fixed, name  # the draft-length controller, on by default everywhere
         # a method that does not draft with a model never gets the drafter, even when it is loaded
         assert models.drafter is not None
         assert (actor.models.drafter is None) == (method == "prompt_lookup")
@@ -47,7 +48,7 @@ def test_the_actor_the_replica_and_the_tuner_build_the_same_engine(tiny_models, 
 
 def test_load_engine_follows_the_config(tiny_models, tmp_path):
     cfg = job_config(tiny_models, "unused", str(tmp_path / "o"),
-                     overrides=["compute.max_batch_size=3", "compute.adaptive_draft_length=false",
+                     overrides=["compute.max_batch_size=3", "compute.draft_length=fixed",
                                 "method.num_assistant_tokens=2"])
     loaded = load_engine(cfg, "cpu")
     assert loaded.engine.max_batch_size == 3 and loaded.engine.spec.num_assistant_tokens == 2

@@ -20,7 +20,7 @@ from pipeline.tune.predict import (
     predict_seconds,
     rank_candidates,
 )
-from pipeline.tune.tuner import ADAPTIVE_MARGIN
+from pipeline.tune.tuner import VARIANT_MARGIN
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -166,27 +166,23 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     assert len(data["candidates"]) == 2 + 3 * 2 * 2
     assert {c["method"] for c in data["candidates"]} == {"plain", "draft_model", "prompt_lookup", "suffix"}
     confirmed = data["confirmed"]
-    fixed = [c for c in confirmed if not c["params"].get("assistant_confidence_threshold")
-             and c["params"].get("num_assistant_tokens_schedule", "constant") == "constant"
-             and not c["adaptive_draft_length"]]
-    assert 2 <= len(fixed) <= 3 and any(c["method"] == "plain" for c in fixed)
-    # adaptive variants of a chosen drafting method: the draft length by expected gain and the
-    # same with token trees (every method here drafts trees), the heuristic schedule and the
-    # confidence threshold (a model drafter)
-    assert len(confirmed) - len(fixed) in (0, 2, 4)
+    ranked = [c for c in confirmed if c["params"].get("num_candidates", 1) == 1]
+    assert 2 <= len(ranked) <= 3 and any(c["method"] == "plain" for c in ranked)
+    # a chosen drafting method is measured again with token trees (every method here drafts them)
     trees = [c for c in confirmed if c["params"].get("num_candidates", 1) > 1]
-    assert len(trees) == (len(confirmed) > len(fixed)) and all(c["adaptive_draft_length"] for c in trees)
+    best = max(ranked, key=lambda c: c["measured_tokens_per_s"])
+    assert len(trees) == (best["method"] != "plain")
+    assert all(c["params"] == {**best["params"], "num_candidates": 4} and c["k"] == best["k"] for c in trees)
     for c in confirmed:  # confirmation runs are lossless and measured, in 2 rounds
         assert c["same_output"] == c["compared_rows"] == 10 and c["measured_tokens_per_s"] > 0
         assert len(c["round_s"]) == 2 and c["measured_s"] == pytest.approx(statistics.median(c["round_s"]))
     chosen = next(c for c in confirmed if c["label"] == headline["chosen"])
-    best = max(fixed, key=lambda c: c["measured_tokens_per_s"])
-    if chosen in fixed:
+    if chosen in ranked:
         assert chosen is best
-    else:  # an adaptive variant beat the chosen fixed k as measured again in the variants' own rounds
-        again = data["adaptive_reference"]
+    else:  # the token trees beat the chosen candidate as measured again in their own rounds
+        again = data["variant_reference"]
         assert again["label"] == best["label"] and again["same_output"] == again["compared_rows"] == 10
-        assert chosen["measured_tokens_per_s"] > (1 + ADAPTIVE_MARGIN) * again["measured_tokens_per_s"]
+        assert chosen["measured_tokens_per_s"] > (1 + VARIANT_MARGIN) * again["measured_tokens_per_s"]
     assert data["summary"]["calibration"] > 0
     # the target's verification cost for n = 1 .. K+1 at each batch size
     assert {int(b): sorted(int(n) for n in row) for b, row in data["profiles"]["plain"]["verify_s"].items()} == \
@@ -200,7 +196,7 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     assert tuned["method"]["name"] == chosen["method"]
     assert tuned["compute"] == {"rows_per_batch": chosen["rows_per_batch"], "num_actors": 1,
                                 "max_batch_size": chosen["batch_size"],
-                                "adaptive_draft_length": chosen["adaptive_draft_length"]}
+                                "draft_length": "auto"}
     if chosen["method"] != "plain":
         key = "prompt_lookup_num_tokens" if chosen["method"] == "prompt_lookup" else "num_assistant_tokens"
         assert tuned["method"][key] == chosen["k"]
@@ -235,38 +231,57 @@ def test_tune_job_refuses_bad_input_before_measuring(tmp_path, tiny_models, caps
     assert not (tmp_path / "t").exists()
 
 
-def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_path, tiny_models):
-    """With only the drafter to choose from, the engine's draft length by expected gain up to K
-    (with and without token trees), its heuristic schedule and its confidence threshold are measured on the confirmation rows
-    and kept only if 5 % faster than the fixed k."""
+def test_tune_confirms_with_the_controller_on_warmed_engines_and_tries_the_winners_trees(tmp_path, tiny_models,
+                                                                                        monkeypatch):
+    """With only the drafter to choose from: the pilot runs a fixed k (acceptance by position
+    for the prediction), every confirmation run has the draft-length controller on with the
+    candidate's k as its cap, on a fresh engine warmed up before its timed rows; the chosen
+    candidate's token trees are measured against it in their own rounds and kept only when
+    VARIANT_MARGIN faster; the tuned config runs the controller."""
     from pipeline.config import load_config
-    from pipeline.tune.tuner import CONFIDENCE_THRESHOLD, TREE_CANDIDATES, TuneOptions, read_raw_config, tune
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.tune import confirm
+    from pipeline.tune.tuner import TREE_CANDIDATES, TuneOptions, read_raw_config, tune
 
+    events: list[tuple[str, int, str | None]] = []  # (what, engine, its draft length)
+    warm_up, measure = SpeculativeEngine.warm_up, confirm.measure_candidate
+
+    def warming(self, *args, **kwargs):
+        events.append(("warm", id(self), self.budget and ("fixed" if self.budget.fixed else "auto")))
+        return warm_up(self, *args, **kwargs)
+
+    def measuring(engine, *args, **kwargs):
+        events.append(("measure", id(engine), engine.budget and ("fixed" if engine.budget.fixed else "auto")))
+        return measure(engine, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "warm_up", warming)
+    monkeypatch.setattr(confirm, "measure_candidate", measuring)
     path = _job(tmp_path, tiny_models, rows=6)
     result = tune(load_config(path), TuneOptions(rows=6, batch_sizes=(1, 2), methods=("draft_model",), max_draft=3,
                                                  repeats=1, confirm=1, confirm_rounds=1), raw_config=read_raw_config(str(path), None),
                   log=lambda line: None)
-    fixed, gain, trees, heuristic, threshold = result.confirmed
-    assert (fixed.method, gain.method, trees.method, heuristic.method, threshold.method) == ("draft_model",) * 5
-    assert gain.adaptive_draft_length and gain.k == 3 and not fixed.adaptive_draft_length
-    assert trees.adaptive_draft_length and trees.k == 3 and trees.params["num_candidates"] == TREE_CANDIDATES
+    measured = [e for e in events if e[0] == "measure"]
+    assert len(measured) == 3 and all(draft_length == "auto" for _, _, draft_length in measured)
+    for i, e in enumerate(events):  # each measured engine was warmed up just before, and measured once
+        if e[0] == "measure":
+            assert events[i - 1] == ("warm", e[1], e[2])
+    assert len({e[1] for e in measured}) == 3
+    assert ("warm", events[1][1], "fixed") in events  # the pilot's engine: a fixed k, warmed up too
+    ranked, trees = result.confirmed
+    assert (ranked.method, trees.method) == ("draft_model",) * 2
+    assert trees.k == ranked.k and trees.params == {**ranked.params, "num_candidates": TREE_CANDIDATES}
     assert "trees=4" in trees.label
-    assert heuristic.params["num_assistant_tokens_schedule"] == "heuristic" and heuristic.k == fixed.k
-    assert threshold.params["assistant_confidence_threshold"] == CONFIDENCE_THRESHOLD and threshold.k == 3
     for c in result.confirmed:  # lossless, measured on the same rows
         assert c.same_output == c.compared_rows == 6 and c.measured_tokens_per_s > 0
-    best = max((gain, trees, heuristic, threshold), key=lambda c: c.measured_tokens_per_s)
-    again = result.adaptive_reference  # the fixed k measured again in the variants' rounds
-    assert again is not fixed and again.label == fixed.label and again.same_output == 6
-    if best.measured_tokens_per_s > (1 + ADAPTIVE_MARGIN) * again.measured_tokens_per_s:
-        assert result.chosen is best
+    again = result.variant_reference  # the chosen measured again in the variant's rounds
+    assert again is not ranked and again.label == ranked.label and again.same_output == 6
+    if trees.measured_tokens_per_s > (1 + VARIANT_MARGIN) * again.measured_tokens_per_s:
+        assert result.chosen is trees
     else:
-        assert result.chosen is fixed and any("left out" in n for n in result.notes)
+        assert result.chosen is ranked and any("left out" in n for n in result.notes)
     method = result.tuned_config["method"]
-    assert method["num_assistant_tokens"] == result.chosen.k
-    assert result.tuned_config["compute"]["adaptive_draft_length"] is result.chosen.adaptive_draft_length
-    assert method["num_assistant_tokens_schedule"] == result.chosen.params["num_assistant_tokens_schedule"]
-    assert method["assistant_confidence_threshold"] == result.chosen.params["assistant_confidence_threshold"]
+    assert method["num_assistant_tokens"] == result.chosen.k and result.tuned_config["compute"]["draft_length"] == "auto"
+    assert method["num_assistant_tokens_schedule"] == "constant"
 
 
 def test_confirmation_rounds_are_interleaved_so_a_slowdown_meets_every_candidate(monkeypatch):
@@ -276,7 +291,7 @@ def test_confirmation_rounds_are_interleaved_so_a_slowdown_meets_every_candidate
     faster one wins.  Each round builds its engine afresh (nothing learnt carries over)."""
     from types import SimpleNamespace
 
-    from pipeline.tune import tuner
+    from pipeline.tune import confirm as confirmation, tuner
     from pipeline.tune.predict import Candidate
 
     built: list[str] = []
@@ -286,17 +301,16 @@ def test_confirmation_rounds_are_interleaved_so_a_slowdown_meets_every_candidate
         seconds = speed[engine] * (1.0 if len(built) == 1 else 1.5)
         return seconds, [SimpleNamespace(error=None, token_ids=[7], stats=SimpleNamespace(new_tokens=10))]
 
-    def fake_engine(choice, k, batch_size, loaded, clock, adaptive=False):
+    def fake_engine(choice, k, batch_size):
         built.append(choice.params["tag"])
         return choice.params["tag"]
 
-    monkeypatch.setattr(tuner, "measure_candidate", fake_measure)
-    monkeypatch.setattr(tuner, "_engine", fake_engine)
+    monkeypatch.setattr(confirmation, "measure_candidate", fake_measure)
 
     def confirm(rounds: int) -> tuple[Candidate, Candidate]:
         built.clear()
-        bench = tuner._Confirmation(None, lambda: 0.0, {"prompt_lookup": tuner.MethodChoice("prompt_lookup", 3)},
-                                    [[1]], [None], 0.0, [[7]], lambda line: None)
+        choices = {"prompt_lookup": tuner.MethodChoice("prompt_lookup", 3)}
+        bench = confirmation.Confirmation(fake_engine, lambda: 0.0, choices, lambda line: None, [[1]], [None], 0.0, [[7]])
         b, a = (Candidate("prompt_lookup", 3, 4, 16, params={"tag": t}) for t in "BA")
         bench.run_rounds([b, a], rounds)
         return a, b

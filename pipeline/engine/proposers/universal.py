@@ -34,7 +34,7 @@ vocabulary).  A drafter whose context cannot hold the row proposes nothing (the 
 is a plain decoding step).  Cost per step: one decode of the committed sequence and one
 encode of its text with the drafter's tokenizer (linear in the row's length); the drafter runs
 over at most :data:`~pipeline.engine.proposers.base.CATCH_UP_WINDOW` tokens of a row that it has not seen (a row's first draft,
-or the first after the draft-length policy drafted nothing for a while).
+or the first after the draft-length controller drafted nothing for a while).
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ class UniversalProposer:
 
     def rollback(self, slot: int, valid_length: int) -> None:
         pass  # re-synchronised from the committed text at the next propose()
+
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)  # in the drafter's tokens: about as many for a text
 
     # ------------------------------------------------------------------ text <-> ids
     def _decode_t(self, ids: list[int]) -> str:
