@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -167,7 +166,7 @@ def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool, 
 
 def tally(results, probes: Probes, cpu: float, wall: float) -> dict:
     """A run's record from its results, its :class:`Probes` and its CPU and wall seconds."""
-    admit, step, propose, asked = probes.admit, probes.step, probes.propose, probes.asked
+    step, propose, asked = probes.step, probes.propose, probes.asked
     stats = [r.stats for r in results]
     new = sum(s.new_tokens for s in stats)
     drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
@@ -211,7 +210,8 @@ def leviathan_of(r: dict, p: dict, cpu_clock: bool) -> dict:
     return {"alpha": alpha, "k": k, "c": c, "S": s_bound, "efficiency": (r[dkey] / p[dkey]) / s_bound}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
     ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,suffix,eagle,suffix@method.num_candidates=4",
@@ -233,12 +233,18 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="config override section.key=value (every method), or method:section.key=value "
                     "(that method only, e.g. eagle:method.draft_vocab_size=4096)")
     ap.add_argument("--output", default=None, help="write report.json / report.md here (e.g. reports/bench_real)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, dict]], list, object]:
+    """Each method (plain first) at each number of rows in flight, a fresh warmed engine each
+    (:func:`run_one`), printed as it goes; returns ``(runs, prompts, target)``: ``runs[method][B]``
+    is :func:`run_one`'s record, ``prompts`` the articles' token ids, ``target`` the target model
+    (for the exactness check)."""
 
     import torch
 
     from pipeline.config import load_config
-    from pipeline.engine.exactness import NEAR_TIE, NEAR_TIE_ULPS, compare_rows
     from pipeline.loading import load_job_models
 
     torch.set_num_threads(args.threads)
@@ -294,7 +300,17 @@ def main(argv=None) -> int:
             print(f"  {method:14s} B={batch}: {r[key_of]:.1f} tokens/s {clock_name} "
                   f"({r['cpu_s' if cpu_clock else 'wall_s']:.1f} s){speed}", flush=True)
         del models
+    return runs, prompts, target
 
+
+def tabulate(runs: dict[str, dict[int, dict]], prompts: list, target, cpu_clock: bool) -> tuple[str, dict]:
+    """The report's table (one line per method and number of rows in flight: speed against
+    plain, acceptance, Leviathan's bound and the efficiency, rows identical to plain); each
+    record gets its figures added.  Returns ``(table, ratios)``: ``ratios[method][B]`` is its
+    speedup over plain."""
+    from pipeline.engine.exactness import compare_rows
+
+    clock_name = "CPU" if cpu_clock else "wall"
     key, dkey = ("tokens_per_s_cpu", "decode_tokens_per_s_cpu") if cpu_clock else ("tokens_per_s_wall", "decode_tokens_per_s_wall")
     head = (f"| method | rows in flight | tokens/s CPU | decode CPU | tokens/s wall | decode wall | speedup {clock_name} "
             f"| decode speedup {clock_name} | acceptance | mean accepted length | tokens/step | drafting steps | α | k | c "
@@ -323,6 +339,19 @@ def main(argv=None) -> int:
                          f"{f(s_bound)}{'×' if s_bound else ''} | {f(eff)} | {r['tree_step_share']:.2f} | "
                          f"{f(r['mean_tree_nodes'], '.1f')} | {same}/{n} | {ties} |")
     table = "\n".join(lines)
+    return table, ratios
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pipeline.engine.exactness import NEAR_TIE, NEAR_TIE_ULPS
+
+    a, b = (int(x) for x in args.rows.split(":"))
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    cpu_clock = args.device == "cpu"
+    clock_name = "CPU" if cpu_clock else "wall"
+    runs, prompts, target = measure(args)
+    table, ratios = tabulate(runs, prompts, target, cpu_clock)
     print(table)
     bad = [(m, bb) for m, by_b in runs.items() for bb, r in by_b.items() if r["identical"] + r["near_ties"] < len(r["token_ids"])]
 
