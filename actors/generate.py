@@ -23,6 +23,12 @@ second time with plain decoding (same model, same generation settings and seed) 
 token ids are compared; the row's ``audit`` is true on a match, false on a mismatch, null
 when the row was not sampled (or failed).
 
+Nightly reuse (``reuse``, :mod:`pipeline.reuse`): every decoded row gets its ``reuse_key``
+and ``output_token_ids``; a row whose key a previous output holds is copied, not decoded
+(:meth:`GenerateActor._reused`, :meth:`GenerateActor._fill_reused`): its output is the
+previous row's, ``reused_from`` names where it came from, its decode statistics are null,
+and the audit re-decodes its sampled fraction with plain decoding, as for decoded rows.
+
 Used as::
 
     ds.map_batches(GenerateActor, fn_constructor_kwargs={"config": cfg.model_dump()},
@@ -47,11 +53,14 @@ from pipeline.loading import build_engine, limit_cpu_threads, load_engine, proce
 from pipeline.models import model_ref
 from pipeline.ray_setup import post_load_facts
 from pipeline.prompts import PromptBuilder
+from pipeline.reuse import RowReuse
 from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
 
 
-#: output columns the actor adds to a row (OUTPUT_SCHEMA less the row's own id and origin)
-ADDED_COLUMNS = tuple(n for n in OUTPUT_SCHEMA.names if n not in ("id", "source_file", "source_row"))
+#: output columns the actor adds to a row of the processor (OUTPUT_SCHEMA less the row's own id
+#: and origin, and the job's nightly reuse columns)
+ADDED_COLUMNS = tuple(n for n in OUTPUT_SCHEMA.names
+                      if n not in ("id", "source_file", "source_row", "reuse_key", "reused_from"))
 _ADDED_SCHEMA = pa.schema([OUTPUT_SCHEMA.field(n) for n in ADDED_COLUMNS])
 #: per-row generation fields a row may carry (Ray Data LLM's / vLLM's names) -> GenerationSettings field
 ROW_SETTINGS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "stop": "stop_strings"}
@@ -77,10 +86,12 @@ class GenerateActor:
             but ``input_error``, then :data:`ADDED_COLUMNS` (a column of the same name in the
             input is replaced).
         text_column, id_column: the row's text and id fields (the id keys a sampled row's seed).
+        reuse: nightly reuse, :func:`pipeline.reuse.share_previous`'s ``{"fingerprint", "table"}``:
+            every row gets its ``reuse_key``, and a row the table holds is copied; None: no keys.
     """
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
-                 text_column: str = "text", id_column: str = "id"):
+                 text_column: str = "text", id_column: str = "id", reuse: dict[str, Any] | None = None):
         if columns not in ("job", "processor"):
             raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
         self.columns, self.text_column, self.id_column = columns, text_column, id_column
@@ -104,6 +115,7 @@ class GenerateActor:
             "draft_model": model_ref(self.cfg.models.drafter, self.cfg.models.drafter_gguf_file)
             if self.cfg.uses_drafter else None,
         }
+        self.reuse = RowReuse.of(reuse)
         self.rows_done = 0
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,6 +123,7 @@ class GenerateActor:
         outs: list[dict[str, Any]] = []
         todo: list[tuple[int, list[int]]] = []  # (index in rows, prompt ids)
         settings: list = []
+        reused: list[tuple[int, list[int], Any]] = []  # (index in rows, prompt ids, settings) of copied rows
         for i, row in enumerate(rows):
             out: dict[str, Any] = {
                 "id": row.get(self.id_column) if self.columns == "job" else None,
@@ -128,6 +141,9 @@ class GenerateActor:
             except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
                 out["error"] = f"{type(e).__name__}: {e}"
                 continue
+            if self._reused(out, ids, one):
+                reused.append((i, ids, one))
+                continue
             todo.append((i, ids))
             settings.append(one)
         results = self._decode(self.engine, [ids for _, ids in todo], settings)
@@ -144,11 +160,43 @@ class GenerateActor:
             out.update(res.stats.to_columns())
             out["finish_reason"] = res.finish_reason
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+            out["output_token_ids"] = list(res.token_ids)
             out["error"] = None
             out["audit"] = audited.get(j)
             out["audit_plain_time_s"] = plain_time.get(j)
+        self._fill_reused(rows, outs, reused)
         self.rows_done += len(rows)
         return outs
+
+    def _reused(self, out: dict[str, Any], ids: list[int], settings) -> bool:
+        """Set the row's ``reuse_key``; when the previous output holds it, its output too
+        (:meth:`_fill_reused` audits it) and return True: the row is not decoded."""
+        if self.reuse is None:
+            return False
+        out["reuse_key"] = key = self.reuse.key(ids, settings, self.settings)
+        hit = self.reuse.find(key)
+        if hit is None:
+            return False
+        out.update(prompt_tokens=len(ids), new_tokens=len(hit.token_ids), finish_reason=hit.finish_reason,
+                   output_text=self.models.tokenizer.decode(hit.token_ids, skip_special_tokens=True),
+                   output_token_ids=hit.token_ids, reused_from=hit.reused_from, error=None)
+        return True
+
+    def _fill_reused(self, rows: list[dict[str, Any]], outs: list[dict[str, Any]],
+                     reused: list[tuple[int, list[int], Any]]) -> None:
+        """The audit of the copied rows: its sample of them decoded with plain decoding, whose
+        token ids must be the copied ones (``audit``; ``audit_plain_time_s``).  A row whose
+        decoding failed gets no ``reuse_key``."""
+        for out in outs:
+            if out.get("error") is not None:
+                out["reuse_key"] = None
+        audit = [(i, ids, s) for i, ids, s in reused if self.plain_engine is not None
+                 and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
+        plain = self._decode(self.plain_engine, [ids for _, ids, _ in audit], [s for _, _, s in audit]) if audit else []
+        for (i, _, _), p in zip(audit, plain):
+            if p.error is None:
+                outs[i]["audit"] = p.token_ids == outs[i]["output_token_ids"]
+                outs[i]["audit_plain_time_s"] = p.stats.wall_time_s
 
     def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """One input row -> one output row (a batch of one)."""
