@@ -138,7 +138,8 @@ def test_a_row_is_copied_only_when_every_fingerprinted_input_matches(case, tiny_
     night1, table = request.getfixturevalue("sampled_night" if sampled else "greedy_night")
     pair = {role: changed_models[models[role]] if role in models else path for role, path in tiny_models.items()}
     cfg = job_config(pair, "unused", str(tmp_path / "o"), overrides=(SAMPLED if sampled else []) + sets)
-    night2 = _decode(_actor(cfg, table), rows)
+    actor = _actor(cfg, table)
+    night2 = _decode(actor, rows)
     first = night2[0]
     if copied:
         assert first["reused_from"] == "night1#run1"
@@ -151,6 +152,9 @@ def test_a_row_is_copied_only_when_every_fingerprinted_input_matches(case, tiny_
         assert first["reuse_key"] != night1[0]["reuse_key"]
     if case == "the prompt":  # the rows around it did not change
         assert [o["reused_from"] for o in night2[1:]] == ["night1#run1"] * 2
+        # the hook of reference drafting: the edited row's previous output, found by its id
+        assert actor.reuse.reference_for("r0") == night1[0]["output_token_ids"]
+        assert actor.reuse.reference_for("r9") is None
 
 
 def test_the_audit_re_decodes_copied_rows_and_finds_a_wrong_copy(greedy_night, tiny_models, tmp_path):
