@@ -18,10 +18,21 @@ OOM kill) loses the actor: Ray restarts it (``compute.max_actor_restarts``) and
 resubmits the batch (``compute.max_batch_retries``); a batch that keeps killing its
 actor fails the run after those retries, with the shards committed so far kept.
 
+Warm-up: before its first batch the actor decodes synthetic rows with every engine it holds
+(:meth:`pipeline.engine.SpeculativeEngine.warm_up`: the job's engine with its drafter, and the
+audit's plain engine) at every number of rows in flight up to ``compute.max_batch_size``, so
+that no row's time includes compiling kernels.  Its seconds go to the first row the actor
+returns (``warm_up_time_s``) and the run summary, apart from the rows' decode times.
+
 Lossless audit (``audit.fraction`` > 0): a deterministic sample of rows is decoded a
 second time with plain decoding (same model, same generation settings and seed) and the
 token ids are compared; the row's ``audit`` is true on a match, false on a mismatch, null
-when the row was not sampled (or failed).
+when the row was not sampled (or failed).  The comparison of speeds is fair: both engines
+are warm, and in each batch the sampled rows are decoded by both engines as one group of
+their own (the same rows, the same rows in flight), A B B A (a large group in two halves, the
+engine that went first on the first going second on the second; the first alternating from batch
+to batch), before the batch's other rows; ``audit_plain_time_s`` against the row's
+``wall_time_s`` is then plain decoding against the job's method on the same clock.
 
 Nightly reuse (``reuse``, :mod:`pipeline.reuse`): every decoded row gets its ``reuse_key``
 and ``output_token_ids``; a row whose key a previous output holds is copied, not decoded
@@ -41,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import resource
 import socket
@@ -88,10 +100,13 @@ class GenerateActor:
         text_column, id_column: the row's text and id fields (the id keys a sampled row's seed).
         reuse: nightly reuse, :func:`pipeline.reuse.share_previous`'s ``{"fingerprint", "table"}``:
             every row gets its ``reuse_key``, and a row the table holds is copied; None: no keys.
+        load_board: the driver's load board (:func:`pipeline.ray_setup.open_load_board`), where
+            the actor posts what its load did for the CPU; ``None`` posts nothing.
     """
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
-                 text_column: str = "text", id_column: str = "id", reuse: dict[str, Any] | None = None):
+                 text_column: str = "text", id_column: str = "id", reuse: dict[str, Any] | None = None,
+                 load_board=None):
         if columns not in ("job", "processor"):
             raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
         self.columns, self.text_column, self.id_column = columns, text_column, id_column
@@ -104,11 +119,14 @@ class GenerateActor:
         #: what the load did for the CPU, by model role (pipeline.engine.cpu.CpuPlan.describe), posted to the driver
         self.cpu_plans = {role: plan.describe() for role, plan in self.engine.cpu_plans.items()}
         post_load_facts({"host": socket.gethostname(), "pid": os.getpid(), "plans": self.cpu_plans,
-                         "lines": {role: plan.summary() for role, plan in self.engine.cpu_plans.items()}})
+                         "lines": {role: plan.summary() for role, plan in self.engine.cpu_plans.items()}}, load_board)
         self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed
         self.plain_engine = build_engine(self.models, None, compute.max_batch_size) if self.audit_fraction > 0 else None
+        self.audits = 0  # batches audited so far: which engine goes first alternates
+        self.warm_up_time_s = self._warm_up()
+        self._warm_up_unreported = True
         self.meta = {
             "method": self.cfg.method.name,
             "target_model": model_ref(self.cfg.models.target, self.cfg.models.gguf_file),
@@ -146,12 +164,12 @@ class GenerateActor:
                 continue
             todo.append((i, ids))
             settings.append(one)
-        results = self._decode(self.engine, [ids for _, ids in todo], settings)
-        audit = [j for j, (i, ids) in enumerate(todo) if results[j].error is None and self.plain_engine is not None
+        audit = [j for j, (i, ids) in enumerate(todo) if self.plain_engine is not None
                  and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
-        plain = self._decode(self.plain_engine, [todo[j][1] for j in audit], [settings[j] for j in audit]) if audit else []
-        audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None) for j, p in zip(audit, plain)}
-        plain_time = {j: p.stats.wall_time_s for j, p in zip(audit, plain) if p.error is None}
+        results, plain = self._decode_audited(todo, settings, audit)
+        audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None)
+                   for j, p in zip(audit, plain) if results[j].error is None}
+        plain_time = {j: p.stats.wall_time_s for j, p in zip(audit, plain) if p.error is None and j in audited}
         for j, ((i, _), res) in enumerate(zip(todo, results)):
             out = outs[i]
             if res.error is not None:
@@ -165,6 +183,9 @@ class GenerateActor:
             out["audit"] = audited.get(j)
             out["audit_plain_time_s"] = plain_time.get(j)
         self._fill_reused(rows, outs, reused)
+        if outs and self._warm_up_unreported:
+            outs[0]["warm_up_time_s"] = self.warm_up_time_s
+            self._warm_up_unreported = False
         self.rows_done += len(rows)
         return outs
 
@@ -197,6 +218,43 @@ class GenerateActor:
             if p.error is None:
                 outs[i]["audit"] = p.token_ids == outs[i]["output_token_ids"]
                 outs[i]["audit_plain_time_s"] = p.stats.wall_time_s
+
+    def _warm_up(self) -> float:
+        """Every engine's warm-up (the job's, then the audit's plain one) at every number of rows
+        in flight up to ``compute.max_batch_size``, on the job's generation settings; seconds.  A
+        warm-up that fails is logged and left: the rows then meet the fault and get its error."""
+        seconds = 0.0
+        for engine in (self.engine, self.plain_engine):
+            if engine is None:
+                continue
+            try:
+                seconds += engine.warm_up(self.cfg.compute.max_batch_size, settings=self.settings)
+            except Exception as e:  # noqa: BLE001 - the batches report what fails, row by row
+                logging.getLogger(__name__).warning("warm-up failed (the first rows will pay for compiling): %s", e)
+        return seconds
+
+    def _decode_audited(self, todo: list[tuple[int, list[int]]], settings: list, audit: list[int]):
+        """The job's engine's results of every row of ``todo``, and plain decoding's of the rows
+        ``audit`` (indices into ``todo``), in that order.  The audited rows are decoded by both
+        engines in turn, A B B A: a group of at least ``2 x compute.max_batch_size`` rows in two
+        halves, the engine that went first on the first half going second on the second (a shape
+        the warm-up did not run costs whichever engine meets it first: each meets half of them
+        first), the first engine alternating by batch; then the batch's other rows."""
+        if not audit:
+            return self._decode(self.engine, [ids for _, ids in todo], settings), []
+        chosen = set(audit)
+        rest = [j for j in range(len(todo)) if j not in chosen]
+        half = len(audit) // 2 if len(audit) >= 2 * self.cfg.compute.max_batch_size else len(audit)
+        order = [self.engine, self.plain_engine][:: 1 if self.audits % 2 == 0 else -1]
+        self.audits += 1
+        decoded: dict[int, dict[int, object]] = {id(self.engine): {}, id(self.plain_engine): {}}
+        for part, engines in ((audit[:half], order), (audit[half:], order[::-1])):
+            for engine in engines if part else ():
+                out = self._decode(engine, [todo[j][1] for j in part], [settings[j] for j in part])
+                decoded[id(engine)].update(zip(part, out))
+        others = self._decode(self.engine, [todo[j][1] for j in rest], [settings[j] for j in rest])
+        spec = {**decoded[id(self.engine)], **dict(zip(rest, others))}
+        return [spec[j] for j in range(len(todo))], [decoded[id(self.plain_engine)][j] for j in audit]
 
     def generate_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """One input row -> one output row (a batch of one)."""
@@ -302,6 +360,7 @@ class GenerateActor:
             "cuda_peak_mb": cuda_peak,
             "rows": self.rows_done,
             "load_time_s": self.load_time_s,
+            "warm_up_time_s": self.warm_up_time_s,
             "device": self.models.device,
         }
 

@@ -1,4 +1,4 @@
-"""Speculation on the real model we ship, against plain decoding, at 1 to 8 rows in flight.
+"""Speculation on the real model we ship, against plain decoding, at 1 to 16 rows in flight.
 
 The default job's model pair, prompt and chat template (``configs/summarize.yaml``:
 SmolLM2-135M-Instruct; its drafters ``models/smollm2-135m-drafter`` for ``draft_model`` and
@@ -22,10 +22,16 @@ tokens, greedy, one torch thread.  For every method and number of rows in flight
 - the rows identical to plain at the same number of rows.
 
 Not a test: timings are one run each; the CPU clock is steadier than the wall clock on a
-shared machine.  Every engine is built the way the job builds it (``pipeline.loading``),
-one per method and batch size, warmed up on one short row first.  Usage::
+shared machine.  Every engine is built the way the job builds it (``pipeline.loading``), a
+fresh one per method and batch size, so no job-wide draft source (suffix's tree of earlier
+outputs) has seen the rows it is timed on, and warmed up outside the timed region as an
+actor is at start (:meth:`~pipeline.engine.SpeculativeEngine.warm_up`: synthetic rows at
+every number of rows in flight up to the run's, then what they taught it forgotten).  The
+default methods: plain, draft_model, prompt_lookup, suffix, eagle and suffix's token trees
+(``suffix@method.num_candidates=4``), at 1, 2, 4, 8 and 16 rows in flight.  Each run's line
+prints its ratio to plain with Leviathan's bound and the efficiency beside it.  Usage::
 
-    python bench/bench_real.py                       # the full run (~20-40 min on one core)
+    python bench/bench_real.py                       # the full run (~1 h on one core)
     python bench/bench_real.py --rows 200:204 --batch-sizes 1,2 --new-tokens 8   # a quick look
     python bench/bench_real.py --methods prompt_lookup,prompt_lookup@method.num_candidates=4   # tree variant
 
@@ -112,36 +118,56 @@ def prompts_of(cfg, tokenizer, rows: range, xsum: Path = XSUM, article_chars: in
     return [builder.build(json.loads(lines[i])["article"][:article_chars])[1] for i in rows]
 
 
-def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) -> dict:
-    """One method at ``batch`` rows in flight on loaded ``models``: timings, statistics and ids."""
-    from pipeline.engine import GenerationSettings
+class Probes:
+    """What a run of an engine measures besides its rows' statistics: CPU and wall seconds of
+    its admissions, its steps and its proposer's calls, and the draft length asked per call."""
+
+    def __init__(self, engine):
+        self.admit, self.step, self.propose = Clocks(), Clocks(), Clocks()
+        self.asked: list[int] = []
+        engine.admit, engine.step = self.admit.wrap(engine.admit), self.step.wrap(engine.step)
+        if engine.proposer is not None:
+            inner = engine.proposer.propose
+
+            def counted(requests):
+                self.asked.append(max(r.k for r in requests))
+                return inner(requests)
+
+            engine.proposer.propose = self.propose.wrap(counted)
+
+
+def warm_engine(cfg, models, batch: int, cpu_clock: bool, warm_up_prompt: int = 128):
+    """The engine of ``cfg``'s method at ``batch`` rows in flight, built as the job builds it, warmed
+    up outside any timed region (:meth:`SpeculativeEngine.warm_up`: synthetic rows at every number of
+    rows in flight up to ``batch``; then what they taught it is forgotten, its measured costs kept)."""
     from pipeline.loading import build_engine
 
     clock = time.process_time if cpu_clock else time.perf_counter
     engine = build_engine(models, cfg.method.speculation_settings(), batch, cfg.compute.adaptive_draft_length, clock)
+    engine.warm_up(batch, prompt_tokens=warm_up_prompt)
+    return engine
+
+
+def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool, warm_up_prompt: int = 128) -> dict:
+    """One method at ``batch`` rows in flight on loaded ``models``, on a fresh engine (no draft
+    source has seen these rows) warmed up first: timings, statistics and ids."""
+    from pipeline.engine import GenerationSettings
+
+    engine = warm_engine(cfg, models, batch, cpu_clock, warm_up_prompt)
     settings = GenerationSettings(max_new_tokens=new_tokens, do_sample=False)
-    engine.generate_batch([prompts[0][:32]], GenerationSettings(max_new_tokens=4, do_sample=False))  # warm-up
-    if engine.policy is not None:  # the warm-up's measurements are not this run's
-        from pipeline.engine.draft_length import DraftLengthPolicy
-
-        engine.policy = DraftLengthPolicy(engine.spec.draft_length)
-    admit, step, propose = Clocks(), Clocks(), Clocks()
-    engine.admit, engine.step = admit.wrap(engine.admit), step.wrap(engine.step)
-    asked = []
-    if engine.proposer is not None:
-        inner = engine.proposer.propose
-
-        def counted(requests):
-            asked.append(max(r.k for r in requests))
-            return inner(requests)
-
-        engine.proposer.propose = propose.wrap(counted)
+    probes = Probes(engine)
     c0, w0 = time.process_time(), time.perf_counter()
     results = engine.generate_batch(prompts, settings, max_batch_size=batch)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} rows failed, e.g. {errors[0]}")
+    return {**tally(results, probes, cpu, wall), "batch": batch}
+
+
+def tally(results, probes: Probes, cpu: float, wall: float) -> dict:
+    """A run's record from its results, its :class:`Probes` and its CPU and wall seconds."""
+    admit, step, propose, asked = probes.admit, probes.step, probes.propose, probes.asked
     stats = [r.stats for r in results]
     new = sum(s.new_tokens for s in stats)
     drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
@@ -150,7 +176,7 @@ def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) 
     return {
         "tree_step_share": tree_steps / verify_steps if verify_steps else 0.0,
         "mean_tree_nodes": tree_nodes / tree_steps if tree_steps else None,
-        "rows": len(prompts), "batch": batch, "new_tokens": new,
+        "rows": len(results), "new_tokens": new,
         "cpu_s": cpu, "wall_s": wall, "decode_cpu_s": step.cpu, "decode_wall_s": step.wall,
         "tokens_per_s_cpu": new / cpu, "tokens_per_s_wall": new / wall,
         "decode_tokens_per_s_cpu": new / step.cpu, "decode_tokens_per_s_wall": new / step.wall,
@@ -166,13 +192,32 @@ def run_one(cfg, models, prompts, batch: int, new_tokens: int, cpu_clock: bool) 
     }
 
 
+def leviathan_of(r: dict, p: dict, cpu_clock: bool) -> dict:
+    """Leviathan et al.'s bound of run ``r`` against plain's ``p`` at the same rows in flight, from
+    what ``r`` measured (see the module docstring): ``alpha``, ``k``, ``c``, ``S`` and the
+    ``efficiency`` (measured decode speedup / ``S``); Nones where ``r`` never drafted."""
+    dkey, dsec = ("decode_tokens_per_s_cpu", "decode_cpu_s") if cpu_clock else ("decode_tokens_per_s_wall", "decode_wall_s")
+    out = dict.fromkeys(("alpha", "k", "c", "S", "efficiency"))
+    if not r.get("mean_accepted_length") or r is p:
+        return out
+    k = r["mean_draft_length"]
+    alpha = solve_alpha(r["mean_accepted_length"], k)
+    per_pos = r["propose_s_per_position"] if cpu_clock else r["propose_wall_s_per_position"]
+    c = per_pos / (p[dsec] / p["step_calls"])  # one drafting position / one plain step
+    s_bound = leviathan_bound(alpha, k, c)
+    if r.get("tree_step_share") and r.get("mean_tree_nodes"):  # trees: per-node acceptance
+        alpha = None
+        s_bound = tree_bound(r["mean_accepted_length"], r["mean_tree_nodes"], c)
+    return {"alpha": alpha, "k": k, "c": c, "S": s_bound, "efficiency": (r[dkey] / p[dkey]) / s_bound}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
-    ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,suffix,eagle",
+    ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,suffix,eagle,suffix@method.num_candidates=4",
                     help="methods, comma-separated; a variant name@section.key=value[@...] runs method name with those "
                     "overrides, reported under the whole string (e.g. prompt_lookup@compute.adaptive_draft_length=true)")
-    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--rows", default="200:264", help="XSum rows a:b (held out from the drafters' training)")
     ap.add_argument("--min-rows", type=int, default=None,
                     help="run B rows in flight on max(min_rows, 2B) of the rows only (the GPU check's budget)")
@@ -181,6 +226,8 @@ def main(argv=None) -> int:
                     help="cut each article to its first N characters (default: whole; gpu_check's CPU quick mode: short prefills)")
     ap.add_argument("--xsum", default=str(XSUM), help="the XSum JSONL (default: ../shared/data/xsum_helm_1000/xsum_0shot.jsonl)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--warm-up-prompt", type=int, default=128,
+                    help="prompt tokens of each engine's synthetic warm-up rows (SpeculativeEngine.warm_up)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the models' device)")
     ap.add_argument("--dtype", default=None, help="models.dtype (default: the config's; float32 on the CPU)")
     ap.add_argument("--set", action="append", default=[], help="config override section.key=value (every method), or method:section.key=value "
@@ -219,6 +266,7 @@ def main(argv=None) -> int:
 
     runs: dict[str, dict[int, dict]] = {}
     prompts = target = None
+    f_ = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
     for method in methods:
         cfg = config(method)
         drafter = cfg.models.drafter if cfg.uses_drafter else None
@@ -232,14 +280,22 @@ def main(argv=None) -> int:
                   f"{max(map(len, prompts))}, {args.new_tokens} new tokens, greedy, {args.device} "
                   f"{cfg.models.dtype}, {args.threads} thread(s), {clock_name} clock", flush=True)
         for batch in sizes:
-            r = run_one(cfg, models, prompts[: rows_for(batch, len(prompts))], batch, args.new_tokens, cpu_clock)
+            r = run_one(cfg, models, prompts[: rows_for(batch, len(prompts))], batch, args.new_tokens, cpu_clock,
+                        args.warm_up_prompt)
             runs.setdefault(method, {})[batch] = r
-            print(f"  {method:14s} B={batch}: {r['tokens_per_s_cpu' if cpu_clock else 'tokens_per_s_wall']:.1f} "
-                  f"tokens/s {clock_name} ({r['cpu_s' if cpu_clock else 'wall_s']:.1f} s)", flush=True)
+            key_of = "tokens_per_s_cpu" if cpu_clock else "tokens_per_s_wall"
+            p = runs.get("plain", {}).get(batch)
+            if p is not None and method != "plain":
+                lev = leviathan_of(r, p, cpu_clock)
+                speed = (f", {r[key_of] / p[key_of]:.2f}× plain (bound S {f_(lev['S'])}, efficiency "
+                         f"{f_(lev['efficiency'])})")
+            else:
+                speed = ""
+            print(f"  {method:14s} B={batch}: {r[key_of]:.1f} tokens/s {clock_name} "
+                  f"({r['cpu_s' if cpu_clock else 'wall_s']:.1f} s){speed}", flush=True)
         del models
 
     key, dkey = ("tokens_per_s_cpu", "decode_tokens_per_s_cpu") if cpu_clock else ("tokens_per_s_wall", "decode_tokens_per_s_wall")
-    dsec = "decode_cpu_s" if cpu_clock else "decode_wall_s"
     head = (f"| method | rows in flight | tokens/s CPU | decode CPU | tokens/s wall | decode wall | speedup {clock_name} "
             f"| decode speedup {clock_name} | acceptance | mean accepted length | tokens/step | drafting steps | α | k | c "
             "| S | efficiency | tree steps | tree nodes | identical | at a near-tie |")
@@ -254,20 +310,10 @@ def main(argv=None) -> int:
             checks = compare_rows(target, prompts[:n], r["token_ids"], p["token_ids"])
             same = sum(c.identical for c in checks)
             ties = sum(1 for c in checks if not c.identical and c.near_tie)
-            alpha = k = c = s_bound = eff = None
-            if method != "plain" and r["mean_accepted_length"]:
-                k = r["mean_draft_length"]
-                alpha = solve_alpha(r["mean_accepted_length"], k)
-                per_pos = r["propose_s_per_position"] if cpu_clock else r["propose_wall_s_per_position"]
-                c = per_pos / (p[dsec] / p["step_calls"])  # one drafting position / one plain step
-                s_bound = leviathan_bound(alpha, k, c)
-                if r.get("tree_step_share") and r.get("mean_tree_nodes"):  # trees: per-node acceptance
-                    alpha = None
-                    s_bound = tree_bound(r["mean_accepted_length"], r["mean_tree_nodes"], c)
-                eff = dspeed / s_bound
+            lev = leviathan_of(r, p, cpu_clock)
+            alpha, k, c, s_bound, eff = (lev[x] for x in ("alpha", "k", "c", "S", "efficiency"))
             r.update({"speedup": speed, "decode_speedup": dspeed, "identical": same, "near_ties": ties,
-                      "largest_gap": max((c_.gap for c_ in checks if not c_.identical), default=None),
-                      "alpha": alpha, "k": k, "c": c, "S": s_bound, "efficiency": eff})
+                      "largest_gap": max((c_.gap for c_ in checks if not c_.identical), default=None), **lev})
             if method != "plain":
                 ratios.setdefault(method, {})[batch] = speed
             lines.append(f"| {method} | {batch} | {r['tokens_per_s_cpu']:.1f} | {r['decode_tokens_per_s_cpu']:.1f} | "

@@ -10,7 +10,10 @@ and the fixed defaults on the next rows, in one process, interleaved and repeate
    ``out/eval_tune/<corpus>/tune/`` (tuned.yaml, tune_report.md).
 2. Builds one in-process :class:`actors.generate.GenerateActor` (the job's compute stage,
    without Ray) per config: the tuned one and the fixed defaults (the input config with
-   ``method`` plain, draft_model k=5, prompt_lookup k=10; its ``compute`` unchanged).
+   ``method`` plain, draft_model k=5, prompt_lookup k=10; its ``compute`` unchanged).  Each
+   warms its engines up at construction, as in a job, outside the timed region; before each
+   pass every engine forgets what earlier passes taught it (``reset_learning``), so suffix's
+   job-wide tree never replays the outputs of the rows it is timed on.
 3. For each pass (``--repeats``), for each block of 64 measured rows, runs every config on
    the block in turn (the order rotating), each in its own ``rows_per_batch`` calls, and
    adds up its new tokens, wall seconds and CPU seconds (``time.process_time``; with one
@@ -149,6 +152,8 @@ def main() -> None:
     names = list(configs)
     for rep in range(args.repeats):
         load0 = _load()
+        for actor in actors.values():  # a pass over rows decoded before: no draft source may replay them
+            actor.engine.reset_learning()
         t_pass = time.perf_counter()
         for bi, start in enumerate(range(0, len(measured), args.block)):
             block = measured[start:start + args.block]

@@ -30,7 +30,7 @@ if [ "$device" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cu
     exit 2
 fi
 if [ "$quick" = 1 ]; then
-    args=(--rows 200:202 --new-tokens 4 --batch-sizes 1,2 --article-chars 400)
+    args=(--rows 200:202 --new-tokens 4 --batch-sizes 1,2 --article-chars 400 --warm-up-prompt 24)
 else
     args=(--rows 200:264 --new-tokens 64 --batch-sizes 1,2,4,8,16,32,64 --min-rows 16 --threads 4)
 fi

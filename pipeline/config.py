@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -688,6 +689,27 @@ def _format_error(e: ValidationError) -> str:
     return "invalid job config: " + "; ".join(lines)
 
 
+class _Yaml12Floats(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where ``1e-5`` (no dot) is a string; YAML 1.2 and every user
+    read it as a number.  This loader adds the 1.2 float forms."""
+
+
+_Yaml12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text as a config value (safe, with YAML 1.2 floats such as ``1e-5``).
+
+    Raises:
+        yaml.YAMLError: the text is not YAML.
+    """
+    return yaml.load(text, Loader=_Yaml12Floats)
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"generation.max_new_tokens=32"`` -> ``(["generation", "max_new_tokens"], 32)``.
 
@@ -701,7 +723,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"override {item!r} has an empty key")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = read_yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return path, parsed
@@ -748,7 +770,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             what = "not a regular file (a named pipe, a device or a folder)" if p.exists() else "not found"
             raise ConfigError(f"config file {what}: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = read_yaml(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if loaded is None:

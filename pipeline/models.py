@@ -103,9 +103,7 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_
                 raise _gguf_error(e, gguf_file, gguf_key) from None
             raise ModelError(f"{key}: {path!r} holds no loadable model config: {type(e).__name__}: {e}") from None
     if looks_local(path):
-        hint = ""
-        if "models/cache/" in path.replace(os.sep, "/"):
-            hint = "; the real models are fetched and converted by: python scripts/fetch_models.py"
+        hint = _fetch_hint(path)
         raise ModelError(f"{key}: model path {path!r} does not exist (resolved from {os.getcwd()!r}){hint}")
     try:  # an org/name hub id: only from the local cache, so a typo fails fast and offline
         return AutoConfig.from_pretrained(path, local_files_only=True, **kw)
@@ -119,6 +117,19 @@ def check_model_path(path: str, key: str, trust_remote_code: bool = False, gguf_
             f"{key}: model path {path!r} is not a local directory (resolved from {os.getcwd()!r}) "
             f"and not a loadable hub id {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
+
+
+def _fetch_hint(path: str) -> str:
+    """For a missing folder under ``models/cache/`` (where ``scripts/fetch_models.py`` converts the
+    real models; the set-up fetches the default job's only): the command that fetches it, naming
+    the folder (``--only`` takes a model's key or its folder name)."""
+    parts = [p for p in path.replace(os.sep, "/").split("/") if p]
+    at = next((i for i in range(len(parts) - 1) if parts[i:i + 2] == ["models", "cache"]), None)
+    if at is None:
+        return ""
+    rest = [p for p in parts[at + 2:] if p != "gguf"]
+    return ("; the real models are fetched and converted on first use by: python scripts/fetch_models.py"
+            + (f" --only {rest[0]}" if rest else ""))
 
 
 def check_causal_lm(config, path: str, key: str, trust_remote_code: bool = False) -> None:

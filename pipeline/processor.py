@@ -223,7 +223,7 @@ class Processor:
         embedded = is_local_cluster() if self.embedded is None else self.embedded
         check_resource_plan(cfg, embedded=embedded)
         pool = pool_plan(cfg, embedded)
-        open_load_board()  # where each actor posts what its load chose (pipeline.ray_setup)
+        board = open_load_board()  # where each actor posts what its load chose (pipeline.ray_setup)
         ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
         if self.preprocess is not None:
             ds = ds.map_batches(_RowMap(self.preprocess, errors=True), batch_format="pyarrow", batch_size=None,
@@ -239,6 +239,7 @@ class Processor:
                 GenerateActor,
                 fn_constructor_kwargs={"config": cfg.model_dump(), "columns": self.columns,
                                        "text_column": self.text_column, "id_column": self.id_column,
+                                       "load_board": board,
                                        **({"reuse": self.reuse} if self.reuse is not None else {})},
                 batch_size=c.rows_per_batch,
                 batch_format="pyarrow",

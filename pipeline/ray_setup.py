@@ -358,15 +358,16 @@ def _board_name() -> str:
 
 
 #: the driver's handles of its load boards, by name: a named actor that is not detached lives
-#: only while a handle to it does, and the actors look it up by name long after it was opened
+#: only while a handle to it does; the driver reads the board through this handle
 _OPEN_BOARDS: dict = {}
 
 
 def open_load_board():
     """The load board of this Ray job (a named actor asking for no CPU), emptied of an earlier
-    pool's posts: opened by the processor when it builds its actor pool, read by the driver
-    with :func:`read_load_board`.  The driver keeps a handle (:data:`_OPEN_BOARDS`) for as long
-    as its Ray job runs."""
+    pool's posts: opened by the processor when it builds its actor pool, which hands the
+    returned handle to each actor (:func:`post_load_facts`); read by the driver with
+    :func:`read_load_board`.  The driver keeps the handle (:data:`_OPEN_BOARDS`) for as long as
+    its Ray job runs."""
     import ray
 
     name = _board_name()
@@ -376,28 +377,32 @@ def open_load_board():
     return board
 
 
-def post_load_facts(facts) -> bool:
-    """Post ``facts`` (plain data) to the load board of this process's Ray job; ``False`` where
-    there is none (a processor outside :func:`pipeline.run.run_job`, no Ray)."""
+def post_load_facts(facts, board) -> bool:
+    """Post ``facts`` (plain data) to ``board`` (the handle :func:`open_load_board` returned,
+    given to the actor by the processor); ``False`` where there is none (an actor built
+    outside a processor: the node benchmark, a test) or the post failed (logged)."""
+    if board is None:
+        return False
     try:
         import ray
 
-        if not ray.is_initialized():
-            return False
-        board = ray.get_actor(_board_name())
         ray.get(board.post.remote(facts), timeout=60)
         return True
     except Exception:  # noqa: BLE001 - the facts are a record: never a reason to fail a load
-        log.debug("no load board to post to", exc_info=True)
+        log.warning("could not post this actor's load facts to the driver", exc_info=True)
         return False
 
 
 def read_load_board() -> list:
-    """Every post on this Ray job's load board so far (``[]`` where there is none or it cannot be read)."""
+    """Every post on the load board this driver opened last in its Ray job (``[]`` where it
+    opened none or the board cannot be read: logged)."""
     try:
         import ray
 
-        return ray.get(ray.get_actor(_board_name()).read.remote(), timeout=60)
+        board = _OPEN_BOARDS.get(_board_name()) if ray.is_initialized() else None
+        if board is None:
+            return []
+        return ray.get(board.read.remote(), timeout=60)
     except Exception:  # noqa: BLE001 - the summary goes on without them
         log.warning("could not read the actors' load facts", exc_info=True)
         return []

@@ -50,6 +50,9 @@ OUTPUT_SCHEMA = pa.schema(
         *_stat_fields(appended=True),
         # lossless audit: seconds (engine clock) plain decoding of the row took; null = not audited
         ("audit_plain_time_s", pa.float64()),
+        # seconds (engine clock) the row's actor spent warming up its engines before its first batch:
+        # on the first row each actor returned, null on the others
+        ("warm_up_time_s", pa.float64()),
         # the generated token ids (target tokenizer), EOS included when generated; null when failed
         ("output_token_ids", pa.list_(pa.int32())),
         # 32 hex digits: what the row's output depends on (pipeline.reuse.row_reuse_key); a later run

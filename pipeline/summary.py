@@ -37,6 +37,9 @@ tokens and steps are summed over rows first, then divided (never a mean of per-r
   the job's method took (``sum(audit_plain_time_s) / sum(wall_time_s)``, both the actor's
   engine clock, the same rows, decoded together per batch of rows): the speedup of speculation over plain
   decoding this run measured (null without audited rows; 1.0 for ``plain``).
+- ``warm_up_time_s``: seconds the actors spent warming up their engines before their first
+  batch (summed over actors: each reports it on its first output row), kept out of every
+  row's times and of ``audit_speedup``.
 - ``reused_rows`` / ``reused_tokens``: rows copied from the previous output
   (``output.previous``, :mod:`pipeline.reuse`) and their output tokens.  They are not decoded:
   every other count, time and rate (``new_tokens``, ``tokens_per_s``, ``acceptance_rate``...)
@@ -76,6 +79,7 @@ COUNTERS: dict[str, type] = {
     "audit_mismatches": int,  # ... whose plain decoding gave other token ids
     "audit_time_s": float,  # the method's engine time on the audited rows
     "audit_plain_time_s": float,  # plain decoding's on the same rows
+    "warm_up_time_s": float,  # the actors' warm-ups, before their first batch (apart from the rows' times)
     "reused_rows": int,  # rows copied from the previous output (output.previous), not decoded
     "reused_tokens": int,  # ... their output tokens (not in new_tokens, nor in any rate)
 }
@@ -149,6 +153,8 @@ class RunTotals:
                 if plain is not None and spec is not None:
                     self.audit_plain_time_s += plain
                     self.audit_time_s += spec
+        if "warm_up_time_s" in table.column_names:
+            self.warm_up_time_s += sum(s for s in table.column("warm_up_time_s").to_pylist() if s is not None)
 
     def to_dict(self, generate_elapsed_s: float | None = None) -> dict[str, Any]:
         s = self.stats
@@ -175,6 +181,7 @@ class RunTotals:
             "acceptance_by_position": s.acceptance_by_position,
             **{name: getattr(self, name) for name in COUNTERS},
             "audit_speedup": self.audit_plain_time_s / self.audit_time_s if self.audit_time_s else None,
+            "warm_up_time_s": self.warm_up_time_s,
         }
         return d
 

@@ -344,6 +344,39 @@ def test_the_code_map_lists_every_module():
     assert not missing, f"docs/code-map.md does not list {missing}: add one line each"
 
 
+def _imports_of(path: Path) -> list[str]:
+    """Every absolute import of a Python file, at its top or inside a function: ``a.b`` and
+    ``a.b.name`` for ``from a.b import name``."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_the_code_map_lists_each_module_after_every_module_it_imports():
+    """The page says it is in dependency order, and that nothing imports from a layer above its
+    own: each listed module comes after every listed module it imports (a package's
+    ``__init__.py``, the package's face, stands first and is left out of the rule)."""
+    page = (REPO / "docs" / "code-map.md").read_text(encoding="utf-8")
+    order = [p for p in re.findall(r"^- `([^`]+\.py)`", page, re.M) if not p.endswith("__init__.py")]
+    module_of = {p[:-3].replace("/", "."): p for p in order}
+    place = {p: i for i, p in enumerate(order)}
+    late = []
+    for path in order:
+        for name in _imports_of(REPO / path):
+            parts = name.split(".")
+            target = next((module_of[".".join(parts[:n])] for n in range(len(parts), 0, -1)
+                           if ".".join(parts[:n]) in module_of), None)
+            if target is not None and target != path and place[target] > place[path]:
+                late.append(f"{path} imports {target}")
+    assert not late, f"docs/code-map.md lists these modules before what they import: {sorted(set(late))}"
+
+
 def test_the_metrics_page_defines_every_statistic():
     from pipeline.engine.stats import COLUMNS, RowStats
 

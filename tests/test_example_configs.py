@@ -66,3 +66,31 @@ def test_real_model_config_validates(path):
     assert cfg.generation.do_sample is False and cfg.output.uri.startswith(str(repo / "out" / "real") + "/")
     # the instruct model is prompted through its chat template, the base model without one
     assert cfg.task.chat_template is ("SmolLM2" in cfg.models.target)
+
+
+def test_the_set_up_fetches_the_default_jobs_model_only_and_the_others_on_first_use(monkeypatch):
+    """scripts/setup.sh fetches exactly the model configs/summarize.yaml names (minutes saved on a
+    fresh machine); every other real model a config names can be fetched by the folder name the
+    refusal prints (``--only <folder>``), and a test that needs one skips naming its command."""
+    import re
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests" / "real"))
+    from realkit import fetch_models, need
+
+    script = [line for line in (repo / "scripts" / "setup.sh").read_text().splitlines()
+              if not line.lstrip().startswith("#")]
+    fetched = [m for line in script for m in re.findall(r"^\s*python scripts/fetch_models\.py(.*)$", line)]
+    default = Path(load_config(repo / "configs" / "summarize.yaml").models.target).name
+    assert [f.split() for f in fetched] == [["--only", next(m.key for m in fetch_models.MODELS.values()
+                                                            if m.name == default)]]
+    named = {Path(load_config(p).models.target).name for p in REAL} - {default}
+    assert named == {fetch_models.GEMMA3.name}
+    r = subprocess.run([sys.executable, str(repo / "scripts" / "fetch_models.py"), "--check", "--only",
+                        fetch_models.GEMMA3.name], capture_output=True, text=True, timeout=60)
+    assert r.returncode in (0, 1) and r.stdout.startswith("gemma3: "), r.stderr  # the folder name is a choice
+    monkeypatch.setattr(fetch_models, "is_converted", lambda cache, model: False)
+    with pytest.raises(pytest.skip.Exception, match="run python scripts/fetch_models.py --only gemma3 "):
+        need(fetch_models.GEMMA3)

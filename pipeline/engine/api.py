@@ -2,10 +2,13 @@
 :class:`~pipeline.engine.loop.StepEngine` plus :meth:`~SpeculativeEngine.generate` (one row)
 and :meth:`~SpeculativeEngine.generate_batch` (many rows, continuous batching), both a
 :class:`~pipeline.engine.scheduler.Scheduler` run: calls go downward only
-(this module -> scheduler -> step API).
+(this module -> scheduler -> step API).  :meth:`~SpeculativeEngine.warm_up` runs the same
+path once on synthetic rows, so that timed work finds every kernel compiled.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -70,3 +73,76 @@ class SpeculativeEngine(StepEngine):
         results = scheduler.run()
         return [results[t] for t in tickets]
 
+    #: tokens of the random segment that a synthetic warm-up prompt repeats
+    WARM_UP_PERIOD = 24
+
+    def warm_up(self, max_rows: int | None = None, prompt_tokens: int = 128, new_tokens: int = 8,
+                settings: GenerationSettings | None = None, seed: int = 0) -> float:
+        """Decode synthetic rows once, through :meth:`generate_batch` (the one decode path), so
+        that what the first timed rows would pay once is paid here: kernels compiled by inductor
+        (the compiled layer of :mod:`~pipeline.engine.fused`, :func:`~pipeline.engine.kernels.rowdot`),
+        the CPU kernels measured per row count, the KV cache and the drafter's caches allocated,
+        the drafter's passes run.  Then :meth:`reset_learning`: the rows' acceptance teaches the
+        job nothing, while the costs measured stay.
+
+        ``max_rows`` rows (default: the engine's ``max_batch_size``) enter at once, each a
+        prompt of ``prompt_tokens`` token ids, a random segment of :data:`WARM_UP_PERIOD` ids of
+        the target's vocabulary (seeded by ``seed`` and the row) repeated, so that prompt lookup
+        and suffix decoding find matches and verify drafts of every length as a job does.  Row
+        ``i`` (0-based) decodes ``new_tokens + 2 (k + 1) i`` tokens with EOS off, so the rows
+        leave about one by one, as a job's batch drains; a number of rows in flight that this
+        skipped (rows whose drafts put them ahead left in the same step) then runs once more on
+        its own (prompts of two segments), so every number from ``max_rows`` down to 1 has run
+        a step.  Greedy output never depends on it (it changes which kernels are ready,
+        never what they compute); the rows' results are dropped.
+
+        Args:
+            max_rows: the most rows in flight the caller will run (the job's
+                ``compute.max_batch_size``); capped at the engine's ``max_batch_size``.
+            prompt_tokens: tokens per synthetic prompt (cut to fit the target's context).
+            new_tokens: tokens the shortest row decodes.
+            settings: the caller's :class:`GenerationSettings` (sampling and logits processors
+                choose the verification path, so pass the job's); ``max_new_tokens``,
+                ``eos_token_id``, ``stop_strings`` and ``seed`` are replaced.  Default: greedy.
+            seed: the synthetic prompts' seed (and the sampled rows').
+
+        Returns:
+            Seconds it took on the engine's ``clock``.
+
+        Raises:
+            ValueError: ``max_rows``, ``prompt_tokens`` or ``new_tokens`` below 1.
+            RuntimeError: a synthetic row failed (its error: a model or setting that cannot
+                decode at all, an out-of-memory at ``max_rows`` rows).
+        """
+        for name, v in (("max_rows", max_rows if max_rows is not None else 1), ("prompt_tokens", prompt_tokens),
+                        ("new_tokens", new_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        t0 = self.clock()
+        rows = min(max_rows or self.max_batch_size, self.max_batch_size)
+        k = self.spec.draft_length if self.proposer is not None else 0
+        budgets = [new_tokens + 2 * (k + 1) * i for i in range(rows)]
+        room = k * self.spec.num_candidates + 2
+        if self.context is not None:  # a tiny context: shorter prompts first, then shorter budgets
+            prompt_tokens = max(1, min(prompt_tokens, self.context - budgets[-1] - room))
+            budgets = [max(1, min(b, self.context - prompt_tokens - room)) for b in budgets]
+        gen = torch.Generator().manual_seed(seed)
+        prompts = []
+        for _ in range(rows):
+            segment = torch.randint(0, self.target_vocab, (self.WARM_UP_PERIOD,), generator=gen)
+            prompts.append(segment.repeat(-(-prompt_tokens // self.WARM_UP_PERIOD))[:prompt_tokens].tolist())
+        base = settings or GenerationSettings(do_sample=False)
+        row_settings = [dataclasses.replace(base, max_new_tokens=b, eos_token_id=[], stop_strings=None, seed=seed + i)
+                        for i, b in enumerate(budgets)]
+        results = self.generate_batch(prompts, row_settings, max_batch_size=rows)
+        # every row entered at the first step and took part in its verify_steps steps
+        steps = [r.stats.verify_steps for r in results if r.error is None]
+        ran = {sum(s >= t for s in steps) for t in range(1, max(steps, default=0) + 1)}
+        for n in sorted(set(range(1, rows + 1)) - ran):
+            more = [dataclasses.replace(s, max_new_tokens=min(new_tokens, budgets[0])) for s in row_settings[:n]]
+            results += self.generate_batch([p[: 2 * self.WARM_UP_PERIOD] for p in prompts[:n]], more, max_batch_size=n)
+        failed = next((r.error for r in results if r.error is not None), None)
+        self.reset_learning()
+        if failed is not None:
+            raise RuntimeError(f"the warm-up's synthetic rows failed: {failed}")
+        return self.clock() - t0

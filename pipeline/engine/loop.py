@@ -444,6 +444,26 @@ class StepEngine:
             if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and drafted:
                 row.k = row.k + 2 if len(accepted) == row.k else max(1, row.k - 1)
 
+    def reset_learning(self) -> None:
+        """Forget what the engine learned from the rows it decoded, keeping what it measured of
+        the machine: after a warm-up on synthetic rows (:meth:`SpeculativeEngine.warm_up`), or
+        between timed runs of the same rows, so that no draft source has seen the rows it is
+        timed on (suffix replaying its own outputs measured acceptance 0.88 instead of 0.39).
+
+        Cleared: the proposer's job-wide state (its ``reset_learning()``, where it has one:
+        suffix's tree of earlier outputs); the draft-length policy's acceptance (pooled by
+        position), its measured check's rates per way and its probe schedule; the token-tree
+        sizer's measured gain per side node.  Kept: the policy's measured costs (the verify
+        pass's fit and its table by rows and width, the proposer's fit), the compiled kernels,
+        the caches.  Rows in flight keep their own evidence; call it between runs."""
+        if self.proposer is not None and hasattr(self.proposer, "reset_learning"):
+            self.proposer.reset_learning()
+        self.tree_sizer = TreeSizer()
+        if self.policy is not None:
+            measured, self.policy = self.policy, DraftLengthPolicy(self.policy.k_max)
+            for costs in ("verify", "propose", "_table", "verify_passes"):
+                setattr(self.policy, costs, getattr(measured, costs))
+
     def finish(self, row: RowState) -> GenerationResult:
         if hasattr(self.proposer, "finish"):  # a proposer that learns from finished outputs (suffix)
             self.proposer.finish(row.slot, row.generated)

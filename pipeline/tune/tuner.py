@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 
-from pipeline.config import ConfigError, JobConfig, apply_overrides
+from pipeline.config import ConfigError, JobConfig, apply_overrides, read_yaml
 from pipeline.engine import METHODS, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.methods import CONFIDENCE_FIELD, PLAIN, SCHEDULE_FIELD
 from pipeline.engine.cost_model import reach_from_counts
@@ -565,7 +564,7 @@ def read_raw_config(path: str | None, overrides: list[str] | None) -> dict[str, 
     elsewhere)."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = read_yaml(Path(path).read_text())
         data = resolve_config_paths(loaded, Path(path).parent) if isinstance(loaded, dict) else {}
     return apply_overrides(data, overrides)
 

@@ -1,6 +1,8 @@
 """Lossless audit: a sampled fraction of rows is decoded again with plain decoding; 0
 mismatches for a lossless method with greedy decoding, mismatches when verification is
-deliberately corrupted."""
+deliberately corrupted.  The speed comparison is fair: both engines are warmed up at actor
+start, and the sampled rows of a batch are one group that both engines decode in turn, the
+first alternating by batch."""
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,6 +11,7 @@ import pytest
 import pipeline.engine.verify
 from actors.generate import GenerateActor, audit_selected
 from pipeline_testkit import TEXTS, job_config, write_jsonl
+from pipeline.engine import SpeculativeEngine
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.run import run_job
 
@@ -50,6 +53,47 @@ def test_audit_reports_mismatches_when_verification_is_corrupted(audited_actor, 
     assert None not in audits and audits.count(False) >= 1, audits
 
 
+def test_both_engines_warm_up_at_start_and_the_audit_interleaves_them(tiny_models, tmp_path, monkeypatch):
+    """At construction, before any batch: the job's engine and the audit's plain engine each
+    decode the warm-up at the job's rows in flight.  Then per batch, A B B A: the sampled rows in
+    two halves (5 rows, 2 in flight: 2 + 3), both engines on each, the one that went first on the
+    first half going second on the second, the first alternating by batch; then the other rows by
+    the job's engine alone.  The warm-up's seconds ride on the actor's first output row."""
+    calls: list[tuple[str, object, int]] = []
+    warm_up, generate_batch = SpeculativeEngine.warm_up, SpeculativeEngine.generate_batch
+
+    def warming(engine, max_rows=None, **kw):
+        calls.append(("warm_up", engine, max_rows))
+        return warm_up(engine, max_rows, **kw)
+
+    def decoding(engine, prompts, settings=None, max_batch_size=None):
+        calls.append(("decode", engine, len(prompts)))
+        return generate_batch(engine, prompts, settings, max_batch_size)
+
+    monkeypatch.setattr(SpeculativeEngine, "warm_up", warming)
+    cfg = job_config(tiny_models, "unused", str(tmp_path), overrides=[
+        "audit.fraction=0.5", "audit.seed=1", "generation.max_new_tokens=6", "compute.max_batch_size=2"])
+    actor = GenerateActor(cfg.model_dump(), device="cpu")
+    spec, plain = actor.engine, actor.plain_engine
+    assert calls == [("warm_up", spec, 2), ("warm_up", plain, 2)]
+    assert actor.warm_up_time_s > 0
+    monkeypatch.setattr(SpeculativeEngine, "generate_batch", decoding)
+    batch = _rows(TEXTS[:8])
+    picked = [i for i in range(8) if audit_selected("f", i, 0.5, 1)]
+    assert len(picked) == 5
+    outs = []
+    for first, second in ((spec, plain), (plain, spec)):
+        calls.clear()
+        outs.append(actor(batch).to_pylist())
+        assert [(c[1], c[2]) for c in calls] == [(first, 2), (second, 2), (second, 3), (first, 3), (spec, 3)]
+    assert outs[0][0]["warm_up_time_s"] == actor.warm_up_time_s
+    assert all(r["warm_up_time_s"] is None for r in outs[0][1:] + outs[1])
+    for out in outs:
+        assert [r["audit"] for r in out] == [True if i in picked else None for i in range(8)]
+        assert [r["audit_plain_time_s"] is not None for r in out] == [i in picked for i in range(8)]
+    assert [r["output_text"] for r in outs[0]] == [r["output_text"] for r in outs[1]]
+
+
 def test_audit_sample_is_deterministic():
     keys = [("s3://b/shard-1.jsonl", i) for i in range(2000)]
     picked = [audit_selected(f, r, 0.1, seed=7) for f, r in keys]
@@ -77,6 +121,10 @@ def test_audit_end_to_end(ray_local, tiny_models, tmp_path):
     plain_s = [p for p in t.column("audit_plain_time_s").to_pylist() if p is not None]
     spec_s = [w for w, a in zip(t.column("wall_time_s").to_pylist(), t.column("audit").to_pylist()) if a is not None]
     assert len(plain_s) == len(audited) and summary["audit_speedup"] == pytest.approx(sum(plain_s) / sum(spec_s))
+    # the actors' warm-up, apart from the rows' times: on one row per actor
+    warm = [w for w in t.column("warm_up_time_s").to_pylist() if w is not None]
+    assert 1 <= len(warm) <= cfg.compute.num_actors and sum(warm) > 0
+    assert summary["warm_up_time_s"] == pytest.approx(sum(warm))
 
 
 def test_the_speedup_line_says_what_was_measured(capsys):

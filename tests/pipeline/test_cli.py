@@ -52,6 +52,9 @@ def test_local_translate_job_with_embedded_ray(tiny_models, tmp_path):
     (["--set", "compute.bogus=1"], "unknown key compute.bogus"),
     (["--input", "/nonexistent/prompts/*.jsonl"], "input not found"),
     (["--target", "/nonexistent/model"], "models.target: model path '/nonexistent/model' does not exist"),
+    # a real model the set-up did not fetch (Gemma 3: on first use): the command that fetches it
+    (["--target", "/nonexistent/models/cache/gemma-3-270m"],
+     "fetched and converted on first use by: python scripts/fetch_models.py --only gemma-3-270m"),
     (["--config", "/nonexistent.yaml"], "config file not found"),
 ])
 def test_bad_job_is_refused_before_any_model_loads(tmp_path, args, message):

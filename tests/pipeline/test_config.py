@@ -158,3 +158,16 @@ def test_resolved_config_redacts_secrets():
     assert r["output"]["storage_options"]["secret"] == "***"
     assert r["output"]["storage_options"]["client_kwargs"]["endpoint_url"] == "http://x"
     assert cfg.output.storage_options["secret"] == "s3cr3t"
+
+
+def test_exponent_floats_read_as_numbers_in_files_and_overrides(tmp_path):
+    """PyYAML follows YAML 1.1, where ``1e-3`` (no dot) is a string, which the strict config
+    then refused as "not a valid number"; every user means a number."""
+    from pipeline.config import ConfigError, load_config
+
+    p = tmp_path / "job.yaml"
+    p.write_text("generation:\n  temperature: 7e-1\n  top_p: 9.5E-1\n")
+    cfg = load_config(p, ["compute.cpus_per_actor=5e-1"])
+    assert (cfg.generation.temperature, cfg.generation.top_p, cfg.compute.cpus_per_actor) == (0.7, 0.95, 0.5)
+    with pytest.raises(ConfigError, match="generation.temperature"):
+        load_config(None, ["generation.temperature=e-1"])  # not a number: still refused by name

@@ -62,3 +62,21 @@ def test_the_cpu_summary_groups_the_actors_choices_and_keeps_the_slowest_load():
     assert [(p["actors"], p["hosts"]) for p in s["plans"]] == [(2, ["a", "b"]), (1, ["b"])]
     assert "compile_s" not in s["plans"][0]["roles"]["target"]  # choices, not costs
     assert s["headline"].startswith("target: onednn") and "1 other choice" in s["headline"]
+
+
+def test_the_actors_warm_up_is_summed_apart_from_the_rows_times():
+    """Each actor reports its warm-up on its first output row: the summary sums them (through a
+    manifest state too), and no row's time, nor the engine time, holds them; an output written
+    before the column existed counts 0."""
+    rows = [{**ROWS[0], "warm_up_time_s": 4.5}, ROWS[1], {**ROWS[0], "warm_up_time_s": 5.5}]
+    t = RunTotals()
+    t.add(pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA))
+    merged = RunTotals()
+    merged.merge(t.state())
+    for totals in (t, merged):
+        d = totals.to_dict()
+        assert d["warm_up_time_s"] == pytest.approx(10.0) and d["engine_time_s"] == pytest.approx(3.0)
+    old = RunTotals()
+    old.add(pa.Table.from_pylist(ROWS[:2], schema=OUTPUT_SCHEMA).drop_columns(["warm_up_time_s"]))
+    old.merge({k: v for k, v in t.state().items() if k != "warm_up_time_s"})
+    assert old.to_dict()["warm_up_time_s"] == 0.0

@@ -1,6 +1,6 @@
 """Tests of the real pretrained models (marker ``real``): they need ``python scripts/fetch_models.py``
-(run by ``scripts/setup.sh`` unless ``SPECBATCH_SKIP_REAL_MODELS=1``) and are skipped, saying so,
-when the models are not there."""
+(``scripts/setup.sh`` runs it for SmolLM2-135M-Instruct unless ``SPECBATCH_SKIP_REAL_MODELS=1``;
+Gemma 3 270M: ``--only gemma3``) and are skipped, naming the command, when a model is not there."""
 
 from pathlib import Path
 

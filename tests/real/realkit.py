@@ -19,6 +19,7 @@ _spec.loader.exec_module(fetch_models)
 def need(model) -> Path:
     """The converted checkpoint of ``model`` (a fetch_models.RealModel), or skip the test."""
     if not fetch_models.is_converted(CACHE, model):
-        pytest.skip(f"{model.name} was not fetched: run python scripts/fetch_models.py "
-                    f"(scripts/setup.sh does, unless SPECBATCH_SKIP_REAL_MODELS=1)")
+        by = ("scripts/setup.sh does, unless SPECBATCH_SKIP_REAL_MODELS=1" if model is fetch_models.SMOLLM2 else
+              "fetched on first use: scripts/setup.sh fetches the default job's model only")
+        pytest.skip(f"{model.name} was not fetched: run python scripts/fetch_models.py --only {model.key} ({by})")
     return fetch_models.checkpoint_dir(CACHE, model)

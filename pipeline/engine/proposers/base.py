@@ -232,6 +232,15 @@ class Finish(Protocol):
         """The row in ``slot`` finished; ``generated`` are its output token ids."""
 
 
+class ResetLearning(Protocol):
+    """Optional hook of a proposer with job-wide learned state (``suffix``'s tree of earlier
+    outputs): :meth:`~pipeline.engine.loop.StepEngine.reset_learning` calls it to forget what
+    the rows decoded so far taught it."""
+
+    def reset_learning(self) -> None:
+        """Forget the job-wide state learned from earlier rows (rows in flight keep theirs)."""
+
+
 class TargetForward(Protocol):
     """Optional hook of a proposer that needs more from the target than its logits
     (hidden states for MTP layers and draft heads, the shared cache for early exit).  When a
