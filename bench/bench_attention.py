@@ -76,7 +76,7 @@ def pass_costs(batches, widths, repeats: int = 7) -> dict[int, dict[int, float]]
     cfg = load_config(str(ROOT / "configs" / "summarize.yaml"), ["models.dtype=float32"])
     models = load_job_models(cfg, "cpu")
     prompts = prompts_of(cfg, models.tokenizer, range(200, 208), Path(XSUM))
-    engine = build_engine(models, cfg.method.speculation_settings(), max(batches), False, time.process_time)
+    engine = build_engine(models, cfg.method.speculation_settings(), max(batches), "fixed", time.process_time)
     rows = _Rows(engine, prompts, max(batches), _settings(engine, None, 1 + max(widths)))
     out = {}
     for b in batches:

@@ -18,7 +18,7 @@ Usage::
 
     python bench/bench_interleaved.py                  # every method, 1-16 rows in flight
     python bench/bench_interleaved.py --batch 1 \\
-        --variants "prompt_lookup@method.num_assistant_tokens=3,prompt_lookup@compute.adaptive_draft_length=true"
+        --variants "prompt_lookup@method.num_assistant_tokens=3,prompt_lookup@method.num_assistant_tokens=3@compute.draft_length=fixed"
 
 A variant is ``name@section.key=value[@...]`` (bench/bench_real.py's syntax).  Not a test.
 """

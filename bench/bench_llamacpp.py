@@ -232,7 +232,7 @@ def ours_with_breakdown(models, prompts, new_tokens: int) -> tuple[dict, float]:
     from pipeline.engine import GenerationSettings
     from pipeline.loading import build_engine
 
-    engine = build_engine(models, None, 1, None, time.process_time)
+    engine = build_engine(models, None, 1, "fixed", time.process_time)
     engine.generate_batch([prompts[0][:32]], GenerationSettings(max_new_tokens=4, do_sample=False))  # warm-up
     probe = Breakdown(engine)
     try:

@@ -143,7 +143,7 @@ def warm_engine(cfg, models, batch: int, cpu_clock: bool, warm_up_prompt: int = 
     from pipeline.loading import build_engine
 
     clock = time.process_time if cpu_clock else time.perf_counter
-    engine = build_engine(models, cfg.method.speculation_settings(), batch, cfg.compute.adaptive_draft_length, clock)
+    engine = build_engine(models, cfg.method.speculation_settings(), batch, cfg.compute.draft_length, clock)
     engine.warm_up(batch, prompt_tokens=warm_up_prompt)
     return engine
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
     ap.add_argument("--methods", default="plain,draft_model,prompt_lookup,suffix,eagle,suffix@method.num_candidates=4",
                     help="methods, comma-separated; a variant name@section.key=value[@...] runs method name with those "
-                    "overrides, reported under the whole string (e.g. prompt_lookup@compute.adaptive_draft_length=true)")
+                    "overrides, reported under the whole string (e.g. prompt_lookup@compute.draft_length=fixed)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--rows", default="200:264", help="XSum rows a:b (held out from the drafters' training)")
     ap.add_argument("--min-rows", type=int, default=None,

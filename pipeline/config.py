@@ -12,7 +12,7 @@ A job config has twelve sections (see ``configs/summarize.yaml`` for a commented
                 suppress_tokens, seed, eos_token_id, stop_strings (GenerationSettings'
                 fields; unset ones take the target checkpoint's generation_config)
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
-                adaptive_draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
+                draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
                 stall_timeout_s
     cpu:        kernels, onednn, transposed, rowdot, small_query_attention, lean_pass,
                 compiled_layer, compile_cache (CpuOptions' fields: the engine's CPU acceleration;
@@ -344,13 +344,16 @@ class ComputeConfig(_Section):
     #: speculative decoding alike (reports/bench_batch, before the CPU kernels); on a GPU
     #: more rows pay: jobs/tune.py
     max_batch_size: int = Field(8, ge=1)
-    #: draft length by expected gain (:mod:`pipeline.engine.draft_length`): each row drafts
-    #: the ``k`` (0 .. its draft length) that maximises the step's expected tokens/s, from its
-    #: measured acceptance and the measured costs, beside a measured check that runs a fixed
-    #: ``k`` or plain steps where those measure faster (docs/engine.md).  ``None``: for greedy rows (whose output
-    #: never depends on it); ``true``: every row (a sampled row's draws then follow measured
-    #: times, so a seed no longer reproduces its output); ``false``: never
-    adaptive_draft_length: bool | None = None
+    #: how many draft tokens each row verifies per step: ``auto``, the engine's draft-length
+    #: controller (:mod:`pipeline.engine.draft_budget`: 0 .. the method's ``k`` per row and
+    #: step, from the proposer's confidence, the measured acceptance and the measured cost of
+    #: one more token in the pass; a step where no draft pays is a plain step), greedy and
+    #: sampled rows alike; ``fixed``: every row its ``k``, as the method's settings say.
+    #: Greedy outputs and the law of sampled ones never depend on it; a seed reproduces a
+    #: sampled row's output only with ``fixed`` (the controller's lengths follow measured
+    #: times).  Static ensemble verification is always ``fixed``.  (Replaces
+    #: ``adaptive_draft_length``: ``true`` or ``null`` is ``auto``, ``false`` is ``fixed``.)
+    draft_length: Literal["auto", "fixed"] = "auto"
     #: Ray restarts a dead actor (process killed, node lost) up to this many times in all.
     max_actor_restarts: int = Field(4, ge=0)
     #: A batch whose actor died is resubmitted up to this many times; a batch that keeps
@@ -368,6 +371,15 @@ class ComputeConfig(_Section):
     @classmethod
     def _ray_unit(cls, v: float) -> float:
         return ray_resource(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "adaptive_draft_length" in data:
+            raise ValueError("compute.adaptive_draft_length was replaced by compute.draft_length: auto (the "
+                             "draft-length controller, on by default; was true or null) or fixed (every row its k; "
+                             "was false)")
+        return data
 
     @field_validator("num_actors", mode="before")
     @classmethod

@@ -64,7 +64,7 @@ def load_job_models(cfg: JobConfig, device: str | None = None, any_drafter: bool
 
 
 def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, max_batch_size: int = 8,
-                 adaptive_draft_length: bool | None = None,
+                 draft_length: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, cpu: "CpuOptions | None" = None) -> "SpeculativeEngine":
     """The engine of ``spec`` (default: plain decoding) on loaded models: the drafter and its
     tokenizer are passed only to a method that drafts with them.
@@ -73,7 +73,7 @@ def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, 
         models: :class:`pipeline.models.LoadedModels`.
         spec: the method and its settings.
         max_batch_size: rows in flight.
-        adaptive_draft_length: the engine's draft length by load (None: the engine's default).
+        draft_length: ``"auto"`` (the engine's draft-length controller) or ``"fixed"`` (every row its ``k``).
         clock: the engine's clock (the tuner measures on CPU time).
         cpu: the CPU acceleration's parts (the job's ``cpu:``; default all on); the engine
             prepares each model once with them (:func:`pipeline.engine.cpu.prepare`), and a model
@@ -93,7 +93,7 @@ def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, 
         tokenizer=models.tokenizer,
         drafter_tokenizer=models.drafter_tokenizer if drafts_with_model else None,
         max_batch_size=max_batch_size,
-        adaptive_draft_length=adaptive_draft_length,
+        draft_length=draft_length,
         clock=clock,
         cpu=cpu,
     )
@@ -116,7 +116,7 @@ def generation_settings(cfg: JobConfig, target) -> GenerationSettings:
 def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int | None = None) -> LoadedEngine:
     """Load ``cfg.models`` (on ``device``; default ``cuda`` when visible, else ``cpu``) and
     build the engine of ``cfg.method`` with ``max_batch_size`` rows in flight (default
-    ``compute.max_batch_size``), ``compute.adaptive_draft_length`` and the ``cpu:`` options (the
+    ``compute.max_batch_size``), ``compute.draft_length`` and the ``cpu:`` options (the
     models are prepared for the CPU here, once: the engine's ``cpu_plans`` say what was chosen).
 
     Raises:
@@ -126,7 +126,7 @@ def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int |
     models = load_job_models(cfg, device)
     load_time_s = time.perf_counter() - t0
     engine = build_engine(models, cfg.method.speculation_settings(), max_batch_size or cfg.compute.max_batch_size,
-                          cfg.compute.adaptive_draft_length, cpu=cfg.cpu.cpu_options())
+                          cfg.compute.draft_length, cpu=cfg.cpu.cpu_options())
     return LoadedEngine(models, engine, generation_settings(cfg, models.target), load_time_s)
 
 

@@ -421,7 +421,7 @@ def engine_acceptance(target, head_path: Path, prompts: list[list[int]], ks: lis
     """Plain against ``eagle`` at each fixed ``k`` (greedy, float32, 1 thread, ``rows`` rows in
     flight, the process CPU clock): identical rows, acceptance rate, mean accepted length,
     acceptance per draft position, speed-up.  ``extra``: further runs ``(label, settings,
-    drafter (a callable making it), adaptive_draft_length)``, reported under ``other``."""
+    drafter (a callable making it), draft_length)`` (``"auto"`` or ``"fixed"``), reported under ``other``."""
     from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
     from pipeline.engine.draft_head import load_draft_head
 
@@ -435,9 +435,9 @@ def engine_acceptance(target, head_path: Path, prompts: list[list[int]], ks: lis
         out = {"rows": len(prompts), "max_new_tokens": max_new, "rows_in_flight": rows,
                "plain_cpu_s": round(plain_s, 2), "by_k": {}, "other": {}}
         runs = [(k, SpeculationSettings(method="eagle", num_assistant_tokens=k), lambda: load_draft_head(head_path, target),
-                 False) for k in ks] + list(extra)
-        for label, spec, drafter, adaptive in runs:
-            engine = SpeculativeEngine(target, spec, drafter=drafter(), max_batch_size=rows, adaptive_draft_length=adaptive)
+                 "fixed") for k in ks] + list(extra)
+        for label, spec, drafter, draft_length in runs:
+            engine = SpeculativeEngine(target, spec, drafter=drafter(), max_batch_size=rows, draft_length=draft_length)
             t = time.process_time()
             res = engine.generate_batch(prompts, gs)
             row = _stats(plain, res, time.process_time() - t, plain_s)
@@ -745,16 +745,16 @@ def main(argv=None) -> int:
     sizes = [n for n in (int(x) for x in args.eval_vocab_sizes.split(",") if x) if n < N]
     k_sweep = max(ks)
     extra = [(f"eagle k={k_sweep}, N={n}", SpeculationSettings(method="eagle", num_assistant_tokens=k_sweep,
-                                                               draft_vocab_size=n), head_loader, False) for n in sizes]
-    extra.append((f"eagle, the engine's draft length by expected gain (k <= {k_sweep})",
-                  SpeculationSettings(method="eagle", num_assistant_tokens=k_sweep), head_loader, None))
+                                                               draft_vocab_size=n), head_loader, "fixed") for n in sizes]
+    extra.append((f"eagle, the engine's draft-length controller (k <= {k_sweep})",
+                  SpeculationSettings(method="eagle", num_assistant_tokens=k_sweep), head_loader, "auto"))
     drafter_dir = Path(args.eval_drafter) if os.path.isabs(args.eval_drafter) else REPO / args.eval_drafter
     if args.eval_drafter and (drafter_dir / "config.json").is_file():  # draft_model, full and reduced vocabulary
         drafter = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
         for n in [None] + sizes + [N]:
             kw = {} if n is None else {"draft_vocab": str(out_dir), "draft_vocab_size": n}
             extra.append((f"draft_model k=2, " + ("full vocabulary" if n is None else f"N={n}"),
-                          SpeculationSettings(method="draft_model", num_assistant_tokens=2, **kw), lambda: drafter, False))
+                          SpeculationSettings(method="draft_model", num_assistant_tokens=2, **kw), lambda: drafter, "fixed"))
     acc = engine_acceptance(target, out_dir, eval_prompts, ks, args.max_new_tokens, min(8, len(eval_prompts)), extra)
     cost_prompt = held_prompts[0]
     cost = cost_ratio(target, out_dir, cost_prompt, rows_list=(1, 8) if not args.smoke else (1, 2))

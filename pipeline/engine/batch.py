@@ -2,7 +2,7 @@
 
 One :class:`RowState` per row from admission to its end: where it lives (``slot``), what
 is committed (``sequence``), its budget, its stopping rule, its logits processors and
-random generator, its draft-length schedule and its :class:`RowStats`.  The loop
+random generator, its draft-length schedule, its acceptance record and its :class:`RowStats`.  The loop
 (:mod:`pipeline.engine.loop`) reads and updates nothing else.
 """
 
@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .draft_budget import RowEvidence
 from .sampling import LogitsShaper
 from .settings import GenerationSettings, resolve_generation_settings
 from .stats import RowStats
@@ -70,10 +71,9 @@ class RowState:
         context_bound: the budget was cut by the context (finish reason ``context``).
         k: the draft length its schedule asks for now.
         rope_regime: the RoPE regime its target cache was computed in (LongRoPE).
-        trimmed_drafted, trimmed_accepted: the draft-length policy's own evidence beside
-            ``stats`` (which counts verified drafts only), by draft position: at the position
-            after a trimmed draft's last verified token, whether the token cut there equals
-            the target's (:meth:`pipeline.engine.loop.StepEngine.step`).
+        evidence: its acceptance against the draft-length controller's estimates
+            (:class:`~pipeline.engine.draft_budget.RowEvidence`), beside ``stats`` (which
+            counts verified drafts only).
     """
 
     index: int
@@ -92,8 +92,7 @@ class RowState:
     generated: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: each committed block
-    trimmed_drafted: list[int] = dataclasses.field(default_factory=list)
-    trimmed_accepted: list[int] = dataclasses.field(default_factory=list)
+    evidence: RowEvidence = dataclasses.field(default_factory=RowEvidence)
 
     @property
     def length(self) -> int:

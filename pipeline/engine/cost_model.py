@@ -1,6 +1,7 @@
 """Expected tokens per step and tokens per second of speculative decoding, from measured
-acceptance and measured costs: the one formula that both the engine's draft length by
-load (:mod:`pipeline.engine.draft_length`) and the tuner (:mod:`pipeline.tune`) use.
+acceptance and measured costs: the one formula that both the engine's draft-length
+controller (:mod:`pipeline.engine.draft_budget`) and the tuner (:mod:`pipeline.tune`) use,
+and the engine's measured cost curve ``t(tokens, rows)`` (:class:`CostCurve`).
 
 Leviathan et al. (2023, arXiv 2211.17192, §3) assume one per-token acceptance rate
 ``α``, a verification pass that costs one target step ``t`` whatever it verifies, and a
@@ -27,8 +28,17 @@ cost, ``tokens/s · t`` is Leviathan's expected speedup
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
+#: a cost is the lower median of the last this many observations of its shape (it follows the machine)
+WINDOW = 9
+#: observations of one shape after which its own median replaces the fit
+TABLE_AFTER = 2
+#: observations, at two widths or more, before the curve is trusted
+MIN_OBSERVATIONS = 6
+#: weight of a new proposer call in its decayed fit
+DECAY = 0.05
 
 def expected_tokens(reach: Sequence[float], k: int) -> float:
     """``E(k) = 1 + Σ_{i=1..k} A_i``: expected tokens a row emits in a step drafting up to ``k``.
@@ -102,3 +112,140 @@ def per_token_acceptance(drafted_per_position: Sequence[int], accepted_per_posit
         evaluated = d if i == 0 else min(accepted_per_position[i - 1], d)
         out.append(a / evaluated if evaluated else None)
     return out
+
+
+class _DecayedFit:
+    """Decayed least squares ``y ~ x @ w`` over 3 features, in plain Python (it is solved once
+    per step: a tensor library's call costs more than the sums); the solution is the ridge one
+    with a vanishing ridge, the minimum-norm one where the features observed so far do not
+    determine every weight (e.g. a single batch size)."""
+
+    def __init__(self, n: int = 3):
+        self.n = n
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
+        self.count = 0
+        self._w: list[float] | None = None
+
+    def observe(self, x: Sequence[float], y: float, decay: float = DECAY) -> None:
+        keep = 1.0 - decay
+        for i in range(self.n):
+            self.xty[i] = self.xty[i] * keep + x[i] * y
+            for j in range(self.n):
+                self.xtx[i][j] = self.xtx[i][j] * keep + x[i] * x[j]
+        self.count += 1
+        self._w = None
+
+    def predict(self, x: Sequence[float]) -> float:
+        if self._w is None:
+            self._w = _solve(self.xtx, self.xty)
+        return sum(a * b for a, b in zip(self._w, x))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``(a + r I) w = b`` by Gaussian elimination with partial pivoting, ``r`` a vanishing
+    ridge (``1e-9`` of the trace): ``a`` is a normal matrix, symmetric positive semi-definite."""
+    n = len(b)
+    ridge = 1e-9 * sum(a[i][i] for i in range(n)) + 1e-30
+    m = [[a[i][j] + (ridge if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        if m[c][c] == 0.0:
+            continue
+        for r in range(n):
+            if r != c and m[r][c]:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
+
+
+class CostCurve:
+    """The measured cost of a speculative step on this machine, ``t(tokens, rows)``.
+
+    - :meth:`seconds` ``(rows, width)``: a step's verification, one target pass over ``rows``
+      rows of ``width`` tokens each (rows are padded to the widest: the last committed token
+      and the longest draft) plus the step's settling (acceptance, commit, rollback): the lower
+      median of the last :data:`WINDOW` steps measured at that shape once there are
+      :data:`TABLE_AFTER`, else ``a + b*rows + c*rows*width``, a least-squares fit of every
+      measured shape's median (weighted by its observations); never less than a narrower
+      pass's (a median below a narrower one's is noise).  The first step of each shape is not
+      counted: it pays one-time costs (a kernel measured or compiled for that shape, caches
+      grown), as does a whole pass now and then on a shared machine, which the median ignores.
+    - :meth:`propose_seconds`: a proposer call, ``p0 + p1*max k + p2*sum k`` (a drafter's pass
+      per draft position, its per-row work), a decayed fit of the measured calls.
+
+    Filled from every step's timings (:meth:`observe`, :meth:`observe_propose`) so that it
+    follows the machine; the engine's warm-up fills it before the timed work, at the job's
+    batch sizes.  Seconds of the engine's clock.
+    """
+
+    def __init__(self):
+        self.propose = _DecayedFit(3)
+        self.table: dict[tuple[int, int], deque[float]] = {}  # (rows, width) -> the last WINDOW steps
+        self._fit: list[float] | None = None
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A step of ``rows`` rows whose pass had ``width`` tokens per row verified in ``seconds``."""
+        window = self.table.get((rows, width))
+        if window is None:  # the shape's first step: one-time costs, not counted
+            self.table[(rows, width)] = deque(maxlen=WINDOW)
+            return
+        window.append(seconds)
+        self._fit = None
+
+    def observe_propose(self, asked: Sequence[int], seconds: float) -> None:
+        """A proposer call asking each row for ``asked[i]`` tokens took ``seconds``."""
+        asked = [k for k in asked if k > 0]
+        if asked:
+            self.propose.observe((1.0, max(asked), sum(asked)), seconds)
+
+    @property
+    def ready(self) -> bool:
+        """Whether enough steps, at more than one width, were measured to predict any shape."""
+        counted = {w: len(v) for (_, w), v in self.table.items() if len(v) >= TABLE_AFTER}
+        return len(counted) > 1 and sum(len(v) for v in self.table.values()) >= MIN_OBSERVATIONS
+
+    def seconds(self, rows: int, width: int) -> float:
+        """Predicted seconds of a step's verification at ``(rows, width)`` (see the class)."""
+        return max(self._seconds(rows, w) for w in range(1, width + 1))
+
+    def _seconds(self, rows: int, width: int) -> float:
+        window = self.table.get((rows, width))
+        if window is not None and len(window) >= TABLE_AFTER:
+            return _lower_median(window)
+        if self._fit is None:
+            fit = _DecayedFit(3)
+            for (b, w), v in self.table.items():
+                if v:  # weighted by the shape's observations
+                    r = len(v) ** 0.5
+                    fit.observe((r, b * r, b * w * r), _lower_median(v) * r, decay=0.0)
+            fit.predict((0.0, 0.0, 0.0))
+            self._fit = fit._w
+        a, b, c = self._fit
+        return max(a + b * rows + c * rows * width, 1e-9)
+    def propose_seconds(self, asked: Sequence[int]) -> float:
+        """Predicted seconds of a proposer call asking for ``asked`` tokens per row (0 when
+        none asks, or before any call was measured)."""
+        asked = [k for k in asked if k > 0]
+        return self.proposing(max(asked), sum(asked)) if asked else 0.0
+
+    def proposing(self, longest: int, total: int) -> float:
+        """Predicted seconds of a proposer call whose longest ask is ``longest`` tokens and
+        whose asks sum to ``total`` (0 when ``total`` is 0 or before any call was measured)."""
+        p0, p1, p2 = self.propose_weights()
+        return max(p0 + p1 * longest + p2 * total, 0.0) if total else 0.0
+
+    def propose_weights(self) -> tuple[float, float, float]:
+        """``(p0, p1, p2)`` of the proposer's cost ``p0 + p1*max k + p2*sum k`` (zeros before
+        any call was measured)."""
+        if not self.propose.count:
+            return 0.0, 0.0, 0.0
+        self.propose.predict((0.0, 0.0, 0.0))
+        return tuple(self.propose._w)
+
+
+def _lower_median(values) -> float:
+    """The lower median (of an even count, the smaller middle value)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]

@@ -3,12 +3,15 @@ case of a batch of one.
 
 Each step, for every row in flight::
 
-    k   <- min(its schedule, its budget - 1, what the context allows, the load's limit)
-    d   <- the proposer drafts up to k tokens for every row at once   (may be fewer, or none)
+    k   <- min(its schedule, its budget - 1, what the context allows)  its cap
+    k'  <- the draft-length controller's lengths for all rows at once  (0 .. k; pipeline.engine.draft_budget)
+    d   <- the proposer drafts up to k' tokens for every row at once  (may be fewer, or none; per source)
+    d   <- the controller's cut: a draft per row, and how much of it  (the step's width)
     one target pass over every row's [last, d_1 .. d_n]               -> n + 1 distributions each
     (a, t) <- verify(d, p, q)  per row                                accepted prefix + one target token
     commit d_1..d_a, t token by token, stopping at EOS / stop string / budget / context
     the row's caches are valid up to its committed length (KV-cache rollback)
+    the controller observes the accepted tokens and the step's timings
 
 then finished rows leave and waiting rows take their slots at once (their prompt is
 prefilled before the next step).  Rows are ragged: each keeps its own length, positions
@@ -29,8 +32,8 @@ import torch
 
 from .batch import RowState
 from .cpu import CpuOptions, CpuPlan, prepare
-from .draft_length import DraftLengthPolicy
-from .proposers import ProposerInputs, build_proposer
+from .draft_budget import DraftBudget
+from .proposers import METHODS, ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
 from .runner import ModelRunner, model_layout, prefill, text_config
 from .sampling import LogitsShaper
@@ -38,24 +41,12 @@ from .settings import GenerationSettings
 from .speculation import SpeculationSettings
 from .stats import GenerationResult, RowStats
 from .stopping import StopChecker
-from .tree_size import TreeSizer
 from .verify import ArgmaxVerification, ShapedVerification, Verdict, Verification, VerifyPass
 
 #: rows in flight when neither the engine nor the call says
 DEFAULT_MAX_BATCH_SIZE = 16
-
-
-def _evidence(row: RowState) -> tuple[list[int], list[int]]:
-    """The row's drafts by position, verified (its statistics) and trimmed (their first
-    token cut, judged against the target's: :meth:`StepEngine._observe_trimmed`), for the
-    draft-length policy's estimate of its acceptance."""
-    drafted, accepted = row.stats.drafted_per_position, row.stats.accepted_per_position
-    if not row.trimmed_drafted:
-        return drafted, accepted
-    n = max(len(drafted), len(row.trimmed_drafted))
-    at = lambda xs, j: xs[j] if j < len(xs) else 0
-    return ([at(drafted, j) + at(row.trimmed_drafted, j) for j in range(n)],
-            [at(accepted, j) + at(row.trimmed_accepted, j) for j in range(n)])
+#: the engine's ``draft_length``: by the controller, or every row its ``k``
+DRAFT_LENGTHS = ("auto", "fixed")
 
 
 class StepEngine:
@@ -67,8 +58,10 @@ class StepEngine:
     The verbs, in the order a driver calls them: :meth:`bind` (slots for ``rows`` rows),
     :meth:`new_row` (a row's state, or why it cannot run), :meth:`admit` (prefill new rows),
     :meth:`step` (one step of every row in flight), :meth:`finish` (a finished row's
-    :class:`GenerationResult`).  :attr:`uses_target_hook` says whether the proposer runs the
-    target's passes itself (MTP, early exit); :meth:`target_pass` is one target pass.
+    :class:`GenerationResult`); :meth:`reset_learning` between jobs (or after a warm-up).
+    :attr:`uses_target_hook` says whether the proposer runs the target's passes itself (MTP,
+    early exit); :meth:`target_pass` is one target pass; :attr:`budget` is the draft-length
+    controller (:class:`~pipeline.engine.draft_budget.DraftBudget`, ``None`` for plain decoding).
 
     Args:
         target: a causal LM (``transformers.PreTrainedModel``), in eval mode, on any
@@ -83,16 +76,16 @@ class StepEngine:
             target's where both vocabularies overlap.
         max_batch_size: rows decoded in lockstep (default 16; ``universal`` drafts one
             row at a time).
-        adaptive_draft_length: draft length by expected gain: each row drafts the ``k``
-            (0 .. its draft length) that maximises the step's expected tokens per second, from
-            the row's measured acceptance by position and the measured costs
-            (:mod:`pipeline.engine.draft_length`), at any number of rows in flight; 0 when no
-            draft pays, so a method that cannot pay decodes as plain steps.  ``None``
-            (default) for greedy rows, ``True`` for every row, ``False`` never.  Greedy outputs never depend on it.  Sampled rows keep their draft length
-            unless ``True``: their law never depends on it, but the draws a seed gives do, and
-            the choice follows measured times, so a seed would not reproduce its output.  Off
-            with static ensemble verification, whose (lossy) output depends on it.
-        clock: the clock of every time in the rows' statistics and of the load policy
+        draft_length: ``"auto"`` (default): each step, the draft-length controller decides
+            how many draft tokens each row verifies, 0 .. its draft length ``k``, from the
+            proposer's confidence, measured acceptance and the measured cost of one more token
+            in the pass (:mod:`pipeline.engine.draft_budget`), greedy and sampled rows alike;
+            a step where no draft pays is a plain step.  ``"fixed"``: every row drafts its
+            ``k`` (the proposer's primary draft, token trees whole).  Greedy outputs and the
+            law of sampled ones never depend on it; the draws a seed gives do, so a seed
+            reproduces a sampled output only with ``"fixed"``.  Static ensemble verification
+            (lossy: its output depends on ``k``) is always ``"fixed"``.
+        clock: the clock of every time in the rows' statistics and of the controller's costs
             (seconds): ``time.perf_counter`` (default, wall time) or e.g.
             ``time.process_time`` (CPU time of the process: steadier on a shared CPU
             machine, but blind to GPU work and summed over threads).
@@ -116,7 +109,7 @@ class StepEngine:
         tokenizer=None,
         drafter_tokenizer=None,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        adaptive_draft_length: bool | None = None,
+        draft_length: str = "auto",
         clock: Callable[[], float] = time.perf_counter,
         cpu: CpuOptions | None = None,
     ):
@@ -135,38 +128,30 @@ class StepEngine:
             self.cpu_plans[role] = prepare(model, cpu, role)
 
         prepare_model(target, "target")
+        #: the method's spec: the proposer's capabilities, read once (never probed on the proposer)
+        self.method = METHODS[self.spec.method]
         self.proposer: Proposer | None = build_proposer(
             ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer, prepare_model)
         )
-        self._hook = getattr(self.proposer, "target_forward", None)
-        self._move = getattr(self.proposer, "move", None)  # TreeState: state from the target's passes, moved with a tree's path
-        if self._hook is not None and self.layout.longrope_switch is not None:
+        self._hook = self.method.hooks_target
+        self._move = self.method.moves_tree_state  # TreeState: state from the target's passes, moved with a tree's path
+        if self._hook and self.layout.longrope_switch is not None:
             raise ValueError(
                 f"method {self.spec.method!r} reuses the target's own passes, which a LongRoPE target recomputes when "
                 "a row crosses original_max_position_embeddings; use draft_model or prompt_lookup with this target"
             )
-        if self.spec.num_candidates > 1:
-            why = None
-            if not getattr(self.proposer, "proposes_trees", False):
-                why = "its proposer drafts no token trees (prompt_lookup, suffix, draft_model and eagle do)"
-            elif self._hook is not None and self._move is None:
-                why = "it runs the target's passes itself, without a tree attention mask"
-            elif self.layout.longrope_switch is not None:
-                why = "a LongRoPE target's factors follow the pass's slots, not the nodes' positions"
-            if why:
-                raise ValueError(f"num_candidates={self.spec.num_candidates} (token trees) cannot be used with method "
-                                 f"{self.spec.method!r}: {why}; set num_candidates to 1")
-        self.tree_sizer = TreeSizer()
-        limit = getattr(self.proposer, "max_rows", None)
+        if self.spec.num_candidates > 1 and self.layout.longrope_switch is not None:
+            raise ValueError(f"num_candidates={self.spec.num_candidates} (token trees) cannot be used with this target: "
+                             "a LongRoPE target's factors follow the pass's slots, not the nodes' positions; set "
+                             "num_candidates to 1")  # the method's own rule is SpeculationSettings.validate()'s
+        limit = self.method.max_rows
         self.max_batch_size = max_batch_size if limit is None else min(max_batch_size, limit)
-        if self.spec.assistant_ensemble_weight is not None:
-            if adaptive_draft_length:
-                raise ValueError("adaptive_draft_length cannot be used with assistant_ensemble_weight: static "
-                                 "ensemble verification is lossy, so its output depends on the draft length")
-            adaptive_draft_length = False
-        self.adaptive = adaptive_draft_length
+        if draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {draft_length!r}")
         self.clock = clock
-        self.policy = DraftLengthPolicy(self.spec.draft_length) if adaptive_draft_length is not False and self.proposer else None
+        fixed = draft_length == "fixed" or self.spec.assistant_ensemble_weight is not None
+        #: the draft-length controller (``None`` without a proposer)
+        self.budget = DraftBudget(self.spec.draft_length, fixed=fixed) if self.proposer is not None else None
         self._runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -179,7 +164,18 @@ class StepEngine:
     def uses_target_hook(self) -> bool:
         """Whether the proposer runs every target pass itself (``target_forward``: MTP layers,
         early exit), so the target's passes carry its extra work."""
-        return self._hook is not None
+        return self._hook
+
+    def reset_learning(self) -> None:
+        """Forget what the engine learnt from the rows decoded so far: the proposer's job-wide
+        pool (suffix's tree of finished outputs) and the controller's acceptance history; keep
+        its measured costs.  Call it after a warm-up (the costs it measured are the job's; its
+        rows are not) and between timed runs of the same rows (a pool that holds their outputs
+        would replay them).  Call it between steps, not while rows are in flight."""
+        if self.method.learns_from_outputs:
+            self.proposer.reset_learning()
+        if self.budget is not None:
+            self.budget.reset_learning()
 
     def bind(self, rows: int) -> ModelRunner:
         """The target's runner (and the proposer's state) for ``rows`` slots, built once."""
@@ -196,10 +192,10 @@ class StepEngine:
         ``None`` or a token tree's ``parents`` over its tokens (:meth:`ModelRunner.forward`;
         through a hook only when the proposer keeps its state along a tree's path,
         :class:`~pipeline.engine.proposers.base.TreeState`: the engine refuses trees otherwise)."""
-        if self._hook is not None:
+        if self._hook:
             if trees is not None:
-                return self._hook(self._runner, slots, tokens, starts, logits_to_keep, trees=trees)
-            return self._hook(self._runner, slots, tokens, starts, logits_to_keep)
+                return self.proposer.target_forward(self._runner, slots, tokens, starts, logits_to_keep, trees=trees)
+            return self.proposer.target_forward(self._runner, slots, tokens, starts, logits_to_keep)
         return self._runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, trees=trees).logits
 
     # ------------------------------------------------------------------ rows
@@ -246,10 +242,8 @@ class StepEngine:
         prompts = [r.sequence for r in rows]
         longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length * self.spec.num_candidates + 1
         self._runner.cache.reserve(longest)  # one allocation, not a doubling per pass
-        reserve = getattr(getattr(self.proposer, "runner", None), "cache", None)
-        if reserve is not None and reserve is not self._runner.cache:
-            reserve.reserve(longest)
         if self.proposer is not None:
+            self.proposer.reserve(longest)
             self.proposer.admit(slots, prompts)  # before the prefill, which hooks may record
         t1 = self.clock()
         prefill(self.target_pass, slots, prompts)
@@ -274,62 +268,34 @@ class StepEngine:
         return max(0, k)
 
     def step(self, rows: list[RowState]) -> None:
-        """One propose -> verify -> commit step for every row in flight."""
+        """One propose -> verify -> commit step for every row in flight: the controller's
+        lengths, the proposer's drafts, the controller's cut, one target pass, the verdicts,
+        each row settled, the controller told what happened."""
         t0 = self.clock()
-        ks = [self._draft_length(r) for r in rows]
-        policy = self.policy if self.policy is not None and (self.adaptive or not rows[0].settings.do_sample) else None
-        reach = None
-        if policy is not None:
-            pooled = policy.pooled_reach()
-            reach = [policy.row_reach(*_evidence(r), pooled) for r in rows]
-            ks = policy.plan(reach, ks)
+        caps = [self._draft_length(r) for r in rows]
         # the rows of a step share their settings (the scheduler groups them): one way to verify
         argmax = self.spec.assistant_ensemble_weight is None and not any(r.shaper.active or r.shaper.do_sample
                                                                         for r in rows)
         candidates = self.spec.num_candidates if argmax else 1
-        drafts = self._propose(rows, ks, candidates)
+        budget, evidence = self.budget, [r.evidence for r in rows]
+        ks = budget.lengths(evidence, caps, rows[0].settings.do_sample) if budget is not None else caps
+        proposed = self._propose(rows, ks, candidates)
+        drafts = budget.cut(proposed, evidence) if budget is not None else proposed
         t1 = self.clock()
-        cut: list[int | None] = [None] * len(rows)
-        if policy is not None and any(ks):
-            policy.observe_propose(ks, t1 - t0)
-            if not rows[0].settings.do_sample:
-                # Greedy only: a draft's length may depend on its tokens (a confidence threshold
-                # stops it), and cutting sampled drafts by it would bias the accepted tokens.
-                proposed, drafts = drafts, self._trim(policy, reach, drafts)
-                # the first token each linear draft lost: its fate is known once the target has spoken
-                cut = [int(p.tokens[len(d)]) if p.parents is None and len(d) < len(p) else None
-                       for p, d in zip(proposed, drafts)]
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
-        if self.policy is not None:
-            self.policy.observe_verify(len(rows), step.keep, self.clock() - t1)
         t2 = self.clock()
-        for r, d, v, c in zip(rows, drafts, verdicts, cut):
-            self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
-            if c is not None:
-                self._observe_trimmed(r, len(d), len(v.path) == len(d) and c == v.token)
+        emitted = [self._settle(r, p, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
+                   for r, p, d, v in zip(rows, proposed, drafts, verdicts)]
         t3 = self.clock()
-        if policy is not None:
-            policy.observe_step(len(rows), sum(len(v.path) + 1 for v in verdicts), t3 - t0)
+        if budget is not None:
+            budget.observe(evidence, [v.path for v in verdicts], emitted, t1 - t0, t3 - t1)
         share = 1.0 / len(rows)
         for r in rows:
             r.stats.verify_steps += 1
             r.stats.draft_time_s += (t1 - t0) * share
             r.stats.verify_time_s += (t2 - t1) * share
             r.stats.wall_time_s += (t3 - t0) * share
-
-    def _observe_trimmed(self, row: RowState, position: int, accepted: bool) -> None:
-        """Evidence the draft-length policy gets for free: a greedy draft trimmed to ``position``
-        tokens had its next token cut; it would have been accepted there iff the verified
-        tokens all were and the target's own next token is the one cut.  Without it, a row
-        whose estimate fell below break-even would never draft again: its estimate moves only
-        with drafts verified (prompt lookup at one row lost to a fixed k this way).  Counted
-        in the row's and the pooled evidence of the policy, never in the row's statistics."""
-        for counts in (row.trimmed_drafted, row.trimmed_accepted):
-            counts.extend([0] * (position + 1 - len(counts)))
-        row.trimmed_drafted[position] += 1
-        row.trimmed_accepted[position] += int(accepted)
-        self.policy.observe_position(position, accepted)
 
     def _propose(self, rows: list[RowState], ks: list[int], candidates: int) -> list[Draft]:
         """Every row's draft of up to ``ks[i]`` tokens (a token tree of up to ``candidates``
@@ -343,20 +309,6 @@ class StepEngine:
             for i, d in zip(asks, self.proposer.propose(requests)):
                 drafts[i] = d
         return drafts
-
-    def _trim(self, policy: DraftLengthPolicy, reach, drafts: list[Draft]) -> list[Draft]:
-        """The drafts cut to what pays, now that they are drafted: the first branch's length by
-        the draft-length policy (:meth:`DraftLengthPolicy.trim`), then a tree's nodes by the
-        tree's expected gain (:class:`~pipeline.engine.tree_size.TreeSizer`)."""
-        first = [len(d.first_branch()) if d.parents is not None else len(d) for d in drafts]
-        keep_n = policy.trim(reach, first)
-        drafts = [d.pruned(keep_n, len(d)) if d.parents is not None else
-                  (d if len(d) <= keep_n else d.truncated(keep_n)) for d in drafts]
-        if not any(d.parents is not None for d in drafts) or not policy.measured or not policy.by_gain:
-            return drafts
-        first = [min(f, keep_n) for f in first]
-        nodes = self.tree_sizer.nodes(policy, reach, first, [len(d) for d in drafts])
-        return [d.truncated(nodes) if len(d) > nodes else d for d in drafts]
 
     def _pass(self, rows: list[RowState], drafts: list[Draft]) -> VerifyPass:
         """The step's target pass: each row's ``[last, d_1 .. d_n]`` (its whole sequence on the
@@ -385,45 +337,43 @@ class StepEngine:
             return ShapedVerification(self.target_pass, self.spec.assistant_ensemble_weight)
         return ArgmaxVerification(self.target_pass)
 
-    def _settle(self, row: RowState, draft: Draft, verdict: Verdict, tree_off: bool) -> None:
+    def _settle(self, row: RowState, primary: Draft, draft: Draft, verdict: Verdict, tree_off: bool) -> list[int]:
         """After verification: the accepted path's cache entries moved to their slots (a tree),
-        the proposer rolled back to the accepted part of its first branch (or, when its state
-        came from the target's pass and moved with the path, :class:`TreeState`, to the whole
-        path), the block committed and the measurements recorded."""
+        the proposer rolled back to the accepted tokens its own state holds (its primary
+        draft's first branch; the whole path when its state came from the target's pass and
+        moved with it, :class:`TreeState`), the block committed and counted; returns the
+        tokens emitted."""
         n, path = len(draft), verdict.path
-        on_first = kept = len(path)
+        depth = n
         if draft.parents is not None:
             first = draft.first_branch()
-            on_first = next((i for i, (a, b) in enumerate(zip(path, first)) if a != b), min(len(path), len(first)))
             moves = [(row.length + j, row.length + i) for i, j in enumerate(path) if j != i]
             if moves:
                 src, dst = [a for a, _ in moves], [b for _, b in moves]
                 self._runner.cache.move(row.slot, src, dst)
-                if self._move is not None:
-                    self._move(row.slot, src, dst)
-            if self._move is None:
-                kept = on_first
+                if self._move:
+                    self.proposer.move(row.slot, src, dst)
             if draft.is_tree:
                 row.stats.tree_steps += 1
                 row.stats.tree_nodes += n
-                self.tree_sizer.observe(n - len(first), len(path) - on_first)
             depth = max(draft.depths(), default=0)
-            fb = len(first)
-        else:
-            depth = fb = n
-            if tree_off and n:
-                row.stats.tree_off_steps += 1
-        if self.proposer is not None:
-            self.proposer.rollback(row.slot, row.length + kept)
+        elif tree_off and n:
+            row.stats.tree_off_steps += 1
         tokens = draft.tokens[path].tolist() if path else []
-        self._commit(row, tokens, verdict.token, depth)
-        if self.policy is not None and fb:
-            self.policy.observe_draft(fb, min(on_first, fb))
+        if self.proposer is not None:
+            kept = len(path)
+            if not self._move:  # the proposer's state holds its primary draft's first branch
+                own = primary.tokens[primary.first_branch()].tolist() if primary.parents is not None else \
+                    primary.tokens.tolist()
+                kept = next((i for i, (a, b) in enumerate(zip(tokens, own)) if a != b), min(len(tokens), len(own)))
+            self.proposer.rollback(row.slot, row.length + kept)
+        return self._commit(row, tokens, verdict.token, depth, draft.source)
 
-    def _commit(self, row: RowState, accepted: list[int], token: int, drafted: int) -> None:
+    def _commit(self, row: RowState, accepted: list[int], token: int, drafted: int, source: str) -> list[int]:
         """Emit the ``accepted`` draft tokens and the target's token one by one, stopping at
         EOS / a stop string; update the row's sequence, schedule and statistics (a draft of
-        ``drafted`` positions: a tree counts its depth)."""
+        ``drafted`` positions from ``source``: a tree counts its depth); returns the tokens
+        emitted."""
         block = accepted + [token]
         emitted = 0
         for tok in block:
@@ -436,36 +386,18 @@ class StepEngine:
             row.on_tokens(row.generated[-emitted:])
         if drafted:
             row.stats.record_draft(drafted, min(len(accepted), emitted))
+            row.stats.record_source(source, min(len(accepted), emitted))
         if row.finish is None and row.remaining <= 0:
             row.finish = "context" if row.context_bound else "length"
         if row.finish is None:
             new = torch.tensor([block], dtype=torch.long, device=row.sequence.device)
             row.sequence = torch.cat([row.sequence, new], dim=1)
-            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.proposer.adaptive and drafted:
+            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.method.adaptive and drafted:
                 row.k = row.k + 2 if len(accepted) == row.k else max(1, row.k - 1)
-
-    def reset_learning(self) -> None:
-        """Forget what the engine learned from the rows it decoded, keeping what it measured of
-        the machine: after a warm-up on synthetic rows (:meth:`SpeculativeEngine.warm_up`), or
-        between timed runs of the same rows, so that no draft source has seen the rows it is
-        timed on (suffix replaying its own outputs measured acceptance 0.88 instead of 0.39).
-
-        Cleared: the proposer's job-wide state (its ``reset_learning()``, where it has one:
-        suffix's tree of earlier outputs); the draft-length policy's acceptance (pooled by
-        position), its measured check's rates per way and its probe schedule; the token-tree
-        sizer's measured gain per side node.  Kept: the policy's measured costs (the verify
-        pass's fit and its table by rows and width, the proposer's fit), the compiled kernels,
-        the caches.  Rows in flight keep their own evidence; call it between runs."""
-        if self.proposer is not None and hasattr(self.proposer, "reset_learning"):
-            self.proposer.reset_learning()
-        self.tree_sizer = TreeSizer()
-        if self.policy is not None:
-            measured, self.policy = self.policy, DraftLengthPolicy(self.policy.k_max)
-            for costs in ("verify", "propose", "_table", "verify_passes"):
-                setattr(self.policy, costs, getattr(measured, costs))
+        return block[:emitted]
 
     def finish(self, row: RowState) -> GenerationResult:
-        if hasattr(self.proposer, "finish"):  # a proposer that learns from finished outputs (suffix)
+        if self.method.learns_from_outputs:  # a proposer that learns from finished outputs (suffix)
             self.proposer.finish(row.slot, row.generated)
         stats = row.stats
         stats.new_tokens = len(row.generated)

@@ -15,7 +15,7 @@ plus one ``MethodSpec`` line in the registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 #: target-only decoding: the method without a proposer, and the baseline speedups are measured against
@@ -70,6 +70,20 @@ class MethodSpec:
         tune_k_max: the longest draft the tuner tries by default (at least the config's
             draft length; 8 suits a model drafter); ``None``: the config's (a draft
             length the checkpoint bounds).
+
+    The proposer's capabilities, read once from its class (the protocols of
+    :mod:`pipeline.engine.proposers.base`) when the spec is made, so that the settings'
+    checks and the loop read them here and never probe a proposer:
+
+    Attributes:
+        proposes_trees: it may answer with a token tree (``num_candidates > 1``; the class's
+            ``proposes_trees``).
+        hooks_target: it runs the target's passes itself (``target_forward``: MTP layers,
+            early exit, draft heads).
+        moves_tree_state: it keeps per-position state from the target's passes along a
+            tree's accepted path (``move``, :class:`~pipeline.engine.proposers.base.TreeState`).
+        learns_from_outputs: it learns from finished rows (``finish`` and ``reset_learning``,
+            :class:`~pipeline.engine.proposers.base.Finish`: suffix's job-wide pool).
     """
 
     name: str
@@ -85,6 +99,28 @@ class MethodSpec:
     load_drafter: Callable[[str, Any], Any] | None = None
     tune_candidate: Callable[[Any, Any], dict[str, Any] | None] | None = None
     tune_k_max: int | None = 8
+    proposes_trees: bool = field(init=False, default=False)
+    hooks_target: bool = field(init=False, default=False)
+    moves_tree_state: bool = field(init=False, default=False)
+    learns_from_outputs: bool = field(init=False, default=False)
+
+    def __post_init__(self):
+        cls = self.proposer
+        facts = {"proposes_trees": bool(getattr(cls, "proposes_trees", False)),
+                 "hooks_target": callable(getattr(cls, "target_forward", None)),
+                 "moves_tree_state": callable(getattr(cls, "move", None)),
+                 "learns_from_outputs": callable(getattr(cls, "finish", None))}
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
+
+    def tree_refusal(self) -> str | None:
+        """Why this method cannot verify token trees (``num_candidates > 1``), or ``None``
+        when it can (a target's own limits, such as LongRoPE, are the engine's to check)."""
+        if self.build is None or not self.proposes_trees:
+            return "its proposer drafts no token trees (prompt_lookup, suffix, draft_model and eagle do)"
+        if self.hooks_target and not self.moves_tree_state:
+            return "it runs the target's passes itself, without keeping its state along a tree's path (move)"
+        return None
 
     @property
     def adaptive(self) -> bool:
@@ -95,11 +131,6 @@ class MethodSpec:
     def max_rows(self) -> int | None:
         """Rows it can draft for at once (``None``: any number)."""
         return getattr(self.proposer, "max_rows", None)
-
-    @property
-    def proposes_trees(self) -> bool:
-        """Whether its proposer may answer with a token tree (``num_candidates > 1``)."""
-        return bool(getattr(self.proposer, "proposes_trees", False))
 
     @property
     def drafts(self) -> bool:

@@ -155,7 +155,7 @@ def verification_costs(engine, rows: list[RowState], widths: list[int], repeats:
 
 def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: int = 3) -> list[StepCost]:
     """Median costs of real engine steps of ``rows`` for every ``k`` in ``draft_lengths``
-    (every row asked to draft ``k``; the caller switches the engine's load policy off)."""
+    (every row asked to draft ``k``; the caller fixes the engine's draft length)."""
     out = []
     b = len(rows)
     for k in draft_lengths:
@@ -188,7 +188,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
 
     Args:
         engine: a :class:`~pipeline.engine.SpeculativeEngine` (its method is profiled;
-            its load policy is off while it is measured).
+            its draft-length controller is fixed while it is measured).
         prompts: real prompts of the corpus (their lengths set the attention cost); a
             prompt that leaves no room in the target's context for the steps measured
             is cut to fit.
@@ -210,7 +210,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
         ValueError: a prompt the engine cannot run (empty, too long for the context).
     """
     t0 = engine.clock()
-    limit = getattr(engine.proposer, "max_rows", None)
+    limit = engine.method.max_rows
     sizes = sorted({b for b in batch_sizes if limit is None or b <= limit}) or [1]
     ks = list(draft_lengths) if draft_lengths else [0]
     # the first rows take part at every batch size: room for all their steps and the widest pass
@@ -224,7 +224,10 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
     rows = _Rows(engine, prompts, max(sizes), _settings(engine, settings, budget))
     profile = EngineProfile(method=engine.spec.method)
     cheapest = None  # the lowest per-row cost of a plain pass so far
-    policy, engine.policy = engine.policy, None  # every step drafts the k asked
+    budget = engine.budget
+    fixed = budget.fixed if budget is not None else None
+    if budget is not None:
+        budget.fixed = True  # every step drafts the k asked
     try:
         for b in sizes:
             batch = rows.first(b)
@@ -237,7 +240,8 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
                     break
                 cheapest = per_row if cheapest is None else min(cheapest, per_row)
     finally:
-        engine.policy = policy
+        if budget is not None:
+            budget.fixed = fixed
     profile.admit_s_per_token = rows.admit_s / rows.tokens
     profile.prefill_s_per_token = rows.prefill_s / rows.tokens
     profile.seconds = engine.clock() - t0

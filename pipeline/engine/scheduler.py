@@ -66,8 +66,8 @@ class Scheduler:
     def __init__(self, engine, max_batch_size: int | None = None):
         self.engine = engine
         size = max_batch_size or engine.max_batch_size
-        if getattr(engine.proposer, "max_rows", None) is not None:
-            size = min(size, engine.proposer.max_rows)
+        if engine.method.max_rows is not None:
+            size = min(size, engine.method.max_rows)
         self.size = size
         self.runner = engine.bind(size)
         self._free = list(range(size))[::-1]

@@ -107,7 +107,10 @@ class SpeculationSettings:
 
         Raises:
             ValueError: an unknown method, a value out of range, a parameter of another
-                method, or a parameter the method requires left unset (naming it).
+                method, a parameter the method requires left unset, or token trees
+                (``num_candidates > 1``) with a method that cannot verify them
+                (:meth:`MethodSpec.tree_refusal <pipeline.engine.methods.MethodSpec.tree_refusal>`),
+                naming the setting.
         """
         method = METHODS.get(self.method)
         if method is None:
@@ -135,6 +138,10 @@ class SpeculationSettings:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"num_candidates (branches of a token tree; 1: linear drafts) must be a positive "
                              f"integer, got {n!r}")
+        why = method.tree_refusal() if n > 1 else None
+        if why:
+            raise ValueError(f"num_candidates={n} (token trees) cannot be used with method {self.method!r}: {why}; "
+                             "set num_candidates to 1")
         w = self.assistant_ensemble_weight
         if w is not None:
             if not isinstance(w, (int, float)) or math.isnan(w) or not (0 < w < 1):

@@ -43,6 +43,9 @@ several rows, counts are summed first, then divided (never a mean of per-row rat
   draft position); ``tree_nodes / tree_steps`` is the tree's mean size.
 - ``tree_off_steps``: draft steps of a row with ``num_candidates > 1`` verified as one linear
   draft because the row samples or has logits processors (trees are greedy only).
+- ``accepted_from_prompt`` / ``_pool`` / ``_reference`` / ``_drafter``: ``accepted_tokens`` by the
+  source of the draft they came from (``Draft.source``: the row's own text, the outputs of
+  earlier rows, a per-row reference, a model); they sum to ``accepted_tokens``.
 - ``tokens_per_s`` = new_tokens / wall_time_s (the engine's throughput);
   ``decode_tokens_per_s`` = new_tokens / (wall_time_s - prefill_time_s): the target's
   prompt prefill, the same work for every method, left out.
@@ -85,6 +88,10 @@ class RowStats:
     tree_steps: int = 0
     tree_nodes: int = 0
     tree_off_steps: int = 0
+    accepted_from_prompt: int = 0
+    accepted_from_pool: int = 0
+    accepted_from_reference: int = 0
+    accepted_from_drafter: int = 0
     finish_reason: str | None = None
 
     # ------------------------------------------------------------------ rates
@@ -157,6 +164,12 @@ class RowStats:
             self.drafted_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+
+    def record_source(self, source: str, accepted: int) -> None:
+        """Count ``accepted`` tokens of a draft from ``source`` (one of
+        :data:`~pipeline.engine.proposers.base.SOURCES`) in ``accepted_from_<source>``."""
+        name = f"accepted_from_{source}"
+        setattr(self, name, getattr(self, name) + accepted)
 
     def merge(self, other: "RowStats") -> "RowStats":
         """Add ``other`` into this record (counts and times summed, per-position lists
@@ -259,6 +272,11 @@ COLUMNS: tuple[StatColumn, ...] = (
                older=lambda row: 0),
     StatColumn("tree_off_steps", "int", "draft steps verified linearly although num_candidates > 1, because the "
                "row samples or has logits processors (trees are greedy only)", appended=True, older=lambda row: 0),
+    *(StatColumn(f"accepted_from_{source}", "int", f"accepted tokens drafted from {what} (0 in outputs written "
+                 "before the column existed)", appended=True, older=lambda row: 0)
+      for source, what in (("prompt", "the row's own text (prompt and output so far)"),
+                           ("pool", "the outputs of earlier rows (a job-wide pool)"),
+                           ("reference", "a per-row reference text"), ("drafter", "a model"))),
 )
 #: the rates written as columns (recomputed from the counts when read)
 RATE_COLUMNS = ("acceptance_rate", "mean_accepted_length", "tokens_per_step")

@@ -1,7 +1,7 @@
 """How many nodes a step's token trees keep: the tree's size by expected gain.
 
 A row's token tree (``SpeculationSettings.num_candidates > 1``) is its *first branch* (the
-linear draft, whose length the draft-length policy chooses: :mod:`pipeline.engine.draft_length`)
+linear draft, whose length the draft-length controller chooses: :mod:`pipeline.engine.draft_budget`)
 plus side nodes, the other candidates.  A step of ``B`` rows whose trees keep at most ``N``
 nodes costs one target pass over ``B`` rows of width ``N + 1`` (rows are left-padded to the
 widest), and row ``i`` emits on average::
@@ -14,15 +14,15 @@ numbered after the first branch, so a tree cut to ``N`` nodes keeps its first br
 first branch, per side node verified, pooled over the engine's rows (shrunk towards
 :data:`PRIOR_GAIN` with the weight of :data:`PRIOR_NODES` nodes, so trees are tried before
 anything is measured).  :meth:`TreeSizer.nodes` picks the ``N`` (at least the longest
-first branch) that maximises ``sum_i E_i(N) / t_verify(B, N + 1)``, with the policy's
-measured pass times (its table of measured ``(B, W)``, else its fit); ``t_propose`` is spent
+first branch) that maximises ``sum_i E_i(N) / t_verify(B, N + 1)``, with the controller's
+measured cost curve (:class:`~pipeline.engine.cost_model.CostCurve`); ``t_propose`` is spent
 by then.  The same expected-tokens sum as :func:`pipeline.engine.cost_model.expected_tokens`,
 plus the side nodes' term.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .cost_model import expected_tokens
 
@@ -50,13 +50,14 @@ class TreeSizer:
         """``g``: expected accepted tokens per side node."""
         return (self.side_tokens + PRIOR_GAIN * PRIOR_NODES) / (self.side_nodes + PRIOR_NODES)
 
-    def nodes(self, policy, reach: Sequence[Sequence[float]], first: Sequence[int], sizes: Sequence[int]) -> int:
+    def nodes(self, seconds: Callable[[int, int], float], reach: Sequence[Sequence[float]], first: Sequence[int],
+              sizes: Sequence[int]) -> int:
         """The most nodes any row's tree keeps this step.
 
         Args:
-            policy: the engine's :class:`~pipeline.engine.draft_length.DraftLengthPolicy`
-                (its ``verify_time(rows, width)``).
-            reach: per row ``A_i1 ..`` (the policy's ``row_reach``).
+            seconds: ``(rows, width) -> seconds`` of a step's verification
+                (:meth:`CostCurve.seconds <pipeline.engine.cost_model.CostCurve.seconds>`).
+            reach: per row ``A_i1 ..`` (the survival of its first branch's positions).
             first: per row its first branch's length ``f_i``.
             sizes: per row its tree's nodes ``n_i`` (``>= f_i``).
         """
@@ -68,6 +69,6 @@ class TreeSizer:
 
         def rate(n: int) -> float:
             side = sum(max(0, min(s, n) - f) for s, f in zip(sizes, first))
-            return (base + g * side) / policy.verify_time(b, n + 1)
+            return (base + g * side) / seconds(b, n + 1)
 
         return max(range(low, high + 1), key=lambda n: (rate(n), -n))

@@ -158,7 +158,7 @@ def summary(result: TuneResult) -> dict[str, Any]:
         "chosen": c.label,
         "method": result.tuned_config["method"],
         "compute": {k: result.tuned_config["compute"][k] for k in ("max_batch_size", "rows_per_batch",
-                                                                   "adaptive_draft_length")},
+                                                                   "draft_length")},
         "predicted_tokens_per_s": c.predicted_tokens_per_s,
         "model_tokens_per_s": c.model_tokens_per_s,
         "calibration": result.calibration,

@@ -228,7 +228,8 @@ def _engine(choice: MethodChoice, k: int, batch_size: int, loaded, clock, adapti
     """The engine of a candidate, built as the job builds its own (:func:`pipeline.loading.build_engine`),
     with a fixed draft length (every step drafts ``k``), or with ``adaptive`` the engine's draft
     length by expected gain up to ``k``."""
-    return build_engine(loaded, choice.speculation(k), batch_size, adaptive_draft_length=adaptive, clock=clock)
+    return build_engine(loaded, choice.speculation(k), batch_size, draft_length="auto" if adaptive else "fixed",
+                        clock=clock)
 
 
 def _method_model(choice: MethodChoice, pilot: PilotRun | None, profile: EngineProfile,
@@ -547,7 +548,7 @@ def tuned_config(raw: dict[str, Any], choice: MethodChoice, chosen: Candidate) -
     out["method"] = choice.method_section(chosen.k)
     compute = dict(out.get("compute") or {})
     compute.update(max_batch_size=chosen.batch_size, rows_per_batch=chosen.rows_per_batch,
-                   adaptive_draft_length=chosen.adaptive_draft_length)
+                   draft_length="auto" if chosen.adaptive_draft_length else "fixed")
     out["compute"] = compute
     from pydantic import ValidationError
 

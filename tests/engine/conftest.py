@@ -17,16 +17,16 @@ def llama_pair():
 def fixed_draft_length():
     """The engine tests check what every method does with its drafts (exactness, rollback
     after rejections, statistics), so by default they draft the length they ask for: an
-    engine built without ``adaptive_draft_length`` gets ``False`` here.  The tests of the
-    draft length by expected gain (test_draft_length.py, test_cost_model.py) pass it
-    explicitly."""
+    engine built without ``draft_length`` gets ``"fixed"`` here.  The tests of the
+    draft-length controller (test_draft_budget.py, and the controller's cases elsewhere) pass
+    ``draft_length="auto"`` explicitly."""
     from pipeline.engine.loop import StepEngine
 
     init = StepEngine.__init__
 
     def fixed(self, *args, **kwargs):
-        if len(args) < 7:  # adaptive_draft_length is the seventh parameter after self
-            kwargs.setdefault("adaptive_draft_length", False)
+        if len(args) < 7:  # draft_length is the seventh parameter after self
+            kwargs.setdefault("draft_length", "fixed")
         init(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:  # session-wide: module fixtures build engines too

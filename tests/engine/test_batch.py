@@ -20,7 +20,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import test_sampling as ts
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
-from pipeline.engine.draft_length import DraftLengthPolicy
+from pipeline.engine.cost_model import CostCurve
+from pipeline.engine.draft_budget import Admission, DraftBudget
 
 from coverage import BATCH_ARCHS, BATCH_METHODS
 from tiny_models import NO_SPECIAL, VOCAB, bracket_tokenizer, build, check_stats, perturbed_copy, prompt_of
@@ -108,14 +109,29 @@ def test_shuffled_rows_give_every_row_the_same_output(arch):
         assert [r.token_ids for r in results] == [references[i] for i in order], (name, method)
 
 
-def test_draft_length_by_load_never_changes_an_output(arch, monkeypatch):
+def random_lengths(monkeypatch, rng: random.Random, cut: bool = True) -> None:
+    """The controller asks each row for a random length (0 .. its cap) and, with ``cut``, cuts
+    the step's drafts to a random width, every step; its other bookkeeping runs as always."""
+    lengths = DraftBudget.lengths
+
+    def random_ks(self, rows, caps, sampled=False):
+        lengths(self, rows, caps, sampled)
+        self._asked = [rng.randint(0, c) for c in caps]
+        return list(self._asked)
+
+    monkeypatch.setattr(DraftBudget, "lengths", random_ks)
+    if cut:
+        monkeypatch.setattr(CostCurve, "ready", property(lambda self: True))
+        monkeypatch.setattr(DraftBudget, "_width",
+                            lambda self, picks, firsts, stops: (rng.randint(0, max(firsts)), Admission("cut", "gain", [])))
+
+
+def test_any_draft_length_never_changes_an_output(arch, monkeypatch):
     """Whatever draft length each row asks for and however much of its draft is verified
     (here: at random, down to 0, per row and step), every row's output stays the same."""
     name, target, drafter, rows, references = arch
-    rng = random.Random(5)
-    monkeypatch.setattr(DraftLengthPolicy, "plan", lambda self, reach, caps: [rng.randint(0, c) for c in caps])
-    monkeypatch.setattr(DraftLengthPolicy, "trim", lambda self, reach, lengths: rng.randint(0, max(lengths)))
-    for method, engine in method_engines(name, target, drafter, 8, adaptive_draft_length=True):
+    random_lengths(monkeypatch, random.Random(5))
+    for method, engine in method_engines(name, target, drafter, 8, draft_length="auto"):
         if method == "plain":
             continue
         results = engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
@@ -150,7 +166,7 @@ def test_eos_inside_accepted_blocks_per_row(oracle):
         expected.append((cut, "stop"))
     for batch in BATCH_SIZES:
         engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=4),
-                                   drafter=drafter, max_batch_size=batch, adaptive_draft_length=False)
+                                   drafter=drafter, max_batch_size=batch, draft_length="fixed")
         results = engine.generate_batch(prompts, settings)
         for r, (tokens, finish) in zip(results, expected):
             assert (r.token_ids, r.finish_reason) == (tokens, finish), batch
@@ -173,7 +189,7 @@ def test_stop_strings_per_row(oracle):
         expected.append(full[:n])
         assert stop in text
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=5),
-                               drafter=drafter, tokenizer=tok, max_batch_size=3, adaptive_draft_length=False)
+                               drafter=drafter, tokenizer=tok, max_batch_size=3, draft_length="fixed")
     results = engine.generate_batch(prompts, settings)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "stop" for r in results)
@@ -233,7 +249,7 @@ def test_statistics_are_exact_per_row_in_a_batch():
     spec = SpeculationSettings(method="draft_model", num_assistant_tokens=K)
     prompts = [prompt_of(n, seed=n) for n in (3, 11, 27, 8, 60)]
     single = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=1)
-    batched = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=3, adaptive_draft_length=False)
+    batched = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=3, draft_length="fixed")
     alone = [single.generate(p, GenerationSettings(max_new_tokens=30)).stats for p in prompts]
     together = [r.stats for r in batched.generate_batch(prompts, GenerationSettings(max_new_tokens=30))]
     keys = ("new_tokens", "verify_steps", "draft_tokens", "accepted_tokens", "drafted_per_position",
@@ -243,23 +259,28 @@ def test_statistics_are_exact_per_row_in_a_batch():
 
 
 # ---------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("method, load", [("draft_model", "off"), ("prompt_lookup", "off"), ("draft_model", "random")])
+@pytest.mark.parametrize("method, load", [("draft_model", "fixed"), ("prompt_lookup", "fixed"), ("draft_model", "random"),
+                                          ("draft_model", "auto")])
 @pytest.mark.slow
 def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, load, monkeypatch):
     """The chi-square test of test_sampling.py with batch size 4: each counted row shares
     its batch with rows of other prompts, and draws only from its own generator.  With
-    ``load="random"`` the draft length changes at random every step (0, 1 or 2): the law
-    stays the target's."""
+    ``load="random"`` the draft length asked changes at random every step (0, 1 or 2); with
+    ``"auto"`` the controller decides on a GPU-like cost curve (the drafter's rows cut by the
+    stopping rule on their confidence, test_draft_budget.py): the law stays the target's."""
     target = build("llama", vocab=ts.V, hidden=32, seed=11, initializer_range=0.3)
     drafter = perturbed_copy(target, 1.0, seed=12)
     exact = ts.exact_two_token_distribution(target)
     if load == "random":
-        rng = random.Random(9)
-        monkeypatch.setattr(DraftLengthPolicy, "plan", lambda self, reach, caps: [rng.randint(0, c) for c in caps])
+        random_lengths(monkeypatch, random.Random(9), cut=False)
     engine = SpeculativeEngine(target, SpeculationSettings(method=method, num_assistant_tokens=2,
                                                            prompt_lookup_num_tokens=2),
                                drafter=drafter if method == "draft_model" else None, max_batch_size=4,
-                               adaptive_draft_length=load == "random")
+                               draft_length="fixed" if load == "fixed" else "auto")
+    if load == "auto":
+        from test_draft_budget import GPU
+
+        engine.budget.curve, engine.budget.record = GPU, True
     others = [torch.randint(0, ts.V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (2, 5, 9)]
     prompts, settings, counted = [], [], []
     for seed in range(ts.RUNS):
@@ -276,14 +297,17 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     accepted = sum(r.stats.accepted_tokens for r, c in zip(results, counted) if c)
     assert 50 < accepted < drafted - 50
     assert ts.chi_square_p_value(samples, exact) > 1e-3
-    if load == "random":
+    if load == "auto":  # the controller cut the drafts: some steps verified fewer than asked
+        cuts = [a for a in engine.budget.history if a.phase == "cut"]
+        assert any(0 < sum(a.lengths) < 2 * len(a.lengths) for a in cuts) and any(a.width == 3 for a in cuts)
+    if load != "fixed":
         return
     # a row's draws come from its own generator only: alone it draws the same tokens
     alone = SpeculativeEngine(target, SpeculationSettings(method=method, num_assistant_tokens=2,
                                                           prompt_lookup_num_tokens=2),
-                              drafter=drafter if method == "draft_model" else None, adaptive_draft_length=False)
+                              drafter=drafter if method == "draft_model" else None, draft_length="fixed")
     batched_fixed = SpeculativeEngine(target, alone.spec, drafter=alone.proposer.model if method == "draft_model" else None,
-                                      max_batch_size=4, adaptive_draft_length=False)
+                                      max_batch_size=4, draft_length="fixed")
     again = batched_fixed.generate_batch(prompts[:40], settings[:40])
     for p, s, r in zip(prompts[:40:2], settings[:40:2], again[::2]):
         assert alone.generate(p, s).token_ids == r.token_ids
@@ -302,8 +326,8 @@ def test_scheduler_rows_join_mid_flight_stream_blocks_and_mix_settings():
     target = build("llama", seed=0)
     drafter = perturbed_copy(target, 0.3)
     spec = SpeculationSettings(method="draft_model", num_assistant_tokens=K)
-    engine = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=3, adaptive_draft_length=False)
-    alone = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=1, adaptive_draft_length=False)
+    engine = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=3, draft_length="fixed")
+    alone = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=1, draft_length="fixed")
     greedy = GenerationSettings(max_new_tokens=15)
     sampled = GenerationSettings(max_new_tokens=15, do_sample=True, temperature=0.8, seed=4)
     prompts = [prompt_of(n, seed=n) for n in (5, 12, 3, 20, 8, 14)]
@@ -342,7 +366,7 @@ def test_scheduler_row_draft_length_and_cancel():
     target = build("llama", seed=0)
     drafter = perturbed_copy(target, 0.3)
     spec = SpeculationSettings(method="draft_model", num_assistant_tokens=4)
-    engine = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=2, adaptive_draft_length=False)
+    engine = SpeculativeEngine(target, spec, drafter=drafter, max_batch_size=2, draft_length="fixed")
     settings = GenerationSettings(max_new_tokens=20)
     prompts = [prompt_of(n, seed=n) for n in (6, 11, 4)]
     expected = [engine.generate(p, settings).token_ids for p in prompts]
@@ -378,7 +402,7 @@ def test_a_scheduler_works_outside_inference_mode_after_generate_batch():
 
     target = build("llama", seed=0)
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=3),
-                               drafter=perturbed_copy(target, 0.3), max_batch_size=2, adaptive_draft_length=False)
+                               drafter=perturbed_copy(target, 0.3), max_batch_size=2, draft_length="fixed")
     settings = GenerationSettings(max_new_tokens=10)
     prompts = [prompt_of(n, seed=n) for n in (6, 9)]
     expected = [r.token_ids for r in engine.generate_batch(prompts, settings)]

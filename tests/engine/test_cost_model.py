@@ -1,5 +1,5 @@
-"""The shared speedup formula (pipeline/engine/cost_model.py), the engine's draft length by
-load that uses it, and the cost profile of an engine (pipeline/engine/profile.py)."""
+"""The shared speedup formula and the measured cost curve (pipeline/engine/cost_model.py),
+and the cost profile of an engine (pipeline/engine/profile.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import torch
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import (
+    CostCurve,
     expected_tokens,
     per_token_acceptance,
     reach_from_counts,
     step_time,
     tokens_per_second,
 )
-from pipeline.engine.draft_length import DraftLengthPolicy
 from pipeline.engine.profile import profile_engine
 from pipeline.engine.stats import RowStats
 from pipeline.report import speedup_bound
@@ -63,56 +63,66 @@ def test_acceptance_by_position_from_a_rows_counts():
     assert per_token_acceptance([4, 0], [0, 0]) == [0.0, None]
 
 
-def _policy(k_max, alpha, verify, draft_s):
-    """A policy fed synthetic observations: drafts accepted with per-token α, passes of
-    ``B`` rows of width ``W`` costing ``verify(B, W)`` seconds, a proposer call costing
-    ``draft_s`` per draft position."""
-    p = DraftLengthPolicy(k_max)
-    for i in range(1000):  # accepted prefix j with probability α^j (1 − α), capped at k_max
-        u, j = (i + 0.5) / 1000, 0
-        while j < k_max and u < alpha ** (j + 1):
-            j += 1
-        p.observe_draft(k_max, j)
-    for rows in (1, 4, 8):
-        for width in range(1, k_max + 2):
-            p.observe_verify(rows, width, verify(rows, width))
-            p.observe_propose([width - 1] * rows, draft_s * (width - 1))
-    return p
+def _curve(verify, rows=(1, 4, 8), widths=range(1, 6), repeats=3) -> CostCurve:
+    c = CostCurve()
+    for _ in range(repeats):
+        for b in rows:
+            for w in widths:
+                c.observe(b, w, verify(b, w))
+    return c
 
 
-def test_engine_policy_predicts_with_the_shared_formula():
-    """With one k for every row, the policy's rate is the tuner's formula
-    (cost_model.tokens_per_second) on the same measured costs."""
-    verify = lambda b, w: 0.01 + 0.001 * b + 0.002 * b * w
-    p = _policy(6, 0.8, verify, 0.0005)
-    reach = reach_from_counts(p.accepted, p.drafted)
-    assert p.pooled_reach() == pytest.approx(reach)
-    for rows in (1, 4, 8):
-        for k in range(7):
-            expected = tokens_per_second(rows, k, reach, verify(rows, k + 1), 0.0005 if k else 0.0)
-            assert p.rate([reach] * rows, [k] * rows) == pytest.approx(expected, rel=1e-6)
-    assert expected_tokens(p.pooled_reach(), 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512, rel=0.01)
+def test_the_cost_curve_fits_a_line_and_replaces_it_by_measured_medians():
+    """A shape measured once or more (its first step not counted) is predicted by the fit
+    ``a + b*B + c*B*W`` (here exactly: the steps lie on such a line) until its own steps are
+    :data:`TABLE_AFTER`; then by their lower median (a CPU's cost is not linear in the tokens)."""
+    line = lambda b, w: 0.010 + 0.001 * b + 0.002 * b * w
+    c = _curve(line)
+    assert c.ready and c.seconds(16, 3) == pytest.approx(line(16, 3), rel=1e-6)  # never measured: the line
+    for _ in range(5):
+        c.observe(8, 2, 0.050)  # far above the line's 0.042
+    assert c.seconds(8, 2) == pytest.approx(0.050)
+    assert c.seconds(8, 3) == pytest.approx(line(8, 3), rel=0.05)
 
 
-def test_engine_policy_picks_the_known_optimum():
-    """A flat verification cost (a memory-bound GPU) drafts the full K; a cost that grows
-    with every token as fast as a plain step (a CPU at large batch) drafts nothing; in
-    between, the optimum of B·E(k) / (t(B, k + 1) + k·t_d) computed by hand.  The proposer
-    is free (t_d = 0), so every row asks for K and trim() decides on the drafts."""
-    reach = lambda p: [p.pooled_reach()] * 8
-    p = _policy(6, 0.8, lambda b, w: 0.01, 0.0)
-    assert p.plan(reach(p), [6] * 8) == [6] * 8 and p.trim(reach(p), [6] * 8) == 6
-    p = _policy(6, 0.8, lambda b, w: 0.01 * b * w, 0.0)
-    assert p.plan(reach(p), [6] * 8) == [6] * 8 and p.trim(reach(p), [6] * 8) == 0
-    # t = 10 ms + 1 ms per token, 8 rows: 8·E(k) / (0.01 + 0.008 (k + 1)); α = 0.8:
-    # k = 1: 14.4/0.026 = 554, k = 2: 19.5/0.034 = 574, k = 3: 23.6/0.042 = 562 -> k = 2
-    p = _policy(6, 0.8, lambda b, w: 0.01 + 0.001 * b * w, 0.0)
-    assert p.trim(reach(p), [6] * 8) == 2
-    # the same costs with a proposer of 3 ms per draft position: the plan itself weighs it and
-    # asks for less (k = 1: 14.4/0.029 = 497, k = 2: 19.5/0.040 = 488, plain 8/0.018 = 444)
-    p = _policy(6, 0.8, lambda b, w: 0.01 + 0.001 * b * w, 0.003)
-    ks = p.plan(reach(p), [6] * 8)
-    assert max(ks) <= 2 and p.rate(reach(p), ks) >= max(p.rate(reach(p), [k] * 8) for k in range(7)) - 1e-9
+def test_a_shapes_first_step_and_a_stray_step_are_not_counted():
+    """A shape's first step pays its one-time costs (a kernel compiled for it): it is not
+    counted; a stray slow step among others moves the median nothing."""
+    c = _curve(lambda b, w: 0.010 + 0.001 * b * w)
+    c.observe(2, 6, 1.9)  # the first pass of width 6: compiled
+    c.observe(2, 6, 0.022)
+    c.observe(2, 6, 0.023)
+    assert c._seconds(2, 6) == pytest.approx(0.022)
+    c.observe(2, 6, 0.9)  # a stray step: the median is the slower of the two others, not it
+    assert c._seconds(2, 6) == pytest.approx(0.023)
+    assert c.ready and not CostCurve().ready
+
+
+def test_a_wider_pass_is_never_predicted_cheaper_than_a_narrower_one():
+    c = _curve(lambda b, w: 0.010 + 0.001 * b * w, repeats=3)
+    for _ in range(9):
+        c.observe(1, 3, 0.016)
+        c.observe(1, 4, 0.012)  # noise: below the width-3 passes' cost
+    assert c._seconds(1, 4) < c._seconds(1, 3)  # what was measured
+    assert c.seconds(1, 4) == c.seconds(1, 3) == pytest.approx(0.016)  # what the controller uses
+    assert all(c.seconds(1, w + 1) >= c.seconds(1, w) for w in range(1, 6))
+
+
+def test_the_cost_curve_follows_the_machine_and_needs_two_widths():
+    c = CostCurve()
+    for _ in range(10):
+        c.observe(1, 1, 0.010)
+    assert not c.ready  # one width: the cost of a token is unknown
+    for _ in range(3):
+        c.observe(1, 2, 0.012)
+    assert c.ready
+    for _ in range(5):  # the machine got twice as slow: the median of the last steps follows
+        c.observe(1, 1, 0.020)
+    assert c.seconds(1, 1) == pytest.approx(0.020)
+    c.observe_propose([3, 0, 1], 0.004)
+    c.observe_propose([1, 1, 1], 0.002)
+    c.observe_propose([2, 2, 0], 0.003)
+    assert c.propose_seconds([0, 0]) == 0.0 and c.propose_seconds([2, 1]) > 0
 
 
 # ---------------------------------------------------------------------------- profile
@@ -133,10 +143,9 @@ def test_profile_measures_every_batch_size_width_and_draft_length(pair):
     assert p.prefill_s_per_token > 0 and p.admit_s_per_token == 0
 
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=4),
-                               drafter=drafter, adaptive_draft_length=True)
-    policy = engine.policy
+                               drafter=drafter, draft_length="auto")
     q = profile_engine(engine, prompts, [1, 3], draft_lengths=[1, 4], repeats=2)
-    assert engine.policy is policy  # switched off while measuring, then restored
+    assert not engine.budget.fixed  # fixed while measuring, then restored
     assert [(s.rows, s.k) for s in q.steps] == [(1, 1), (1, 4), (3, 1), (3, 4)]
     for s in q.steps:  # the oracle drafts the full k for every row, every step
         assert s.width == s.k + 1 and s.drafted == s.k

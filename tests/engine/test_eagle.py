@@ -55,7 +55,7 @@ def references(target):
 
 def _engine(target, head, k=3, batch=1, **kw):
     return SpeculativeEngine(target, SpeculationSettings(method="eagle", num_assistant_tokens=k, **kw),
-                             drafter=head, max_batch_size=batch, adaptive_draft_length=False)
+                             drafter=head, max_batch_size=batch, draft_length="fixed")
 
 
 # ---------------------------------------------------------------------------- greedy = plain

@@ -133,15 +133,13 @@ def test_refused_without_draft_logits(models, method):
 
 def test_batched_rows_equal_their_single_row_ensemble_output(models):
     """In a batch each row gets the (lossy) output it gets alone: the draft length is fixed
-    (the load policy is off, since the mixture's output depends on it)."""
+    (the controller is, since the mixture's output depends on it), even when asked for "auto"."""
     target, drafter = models
     prompts = [prompt_of(n, seed=n) for n in (12, 3, 30, 7, 1)]
     settings = GenerationSettings(max_new_tokens=25)
     for method, engine in engines(target, drafter, W).items():
         alone = [engine.generate(p, settings).token_ids for p in prompts]
         batched = SpeculativeEngine(target, engine.spec, drafter=drafter if method == "draft_model" else None,
-                                    max_batch_size=3)
-        assert batched.policy is None
+                                    max_batch_size=3, draft_length="auto")
+        assert batched.budget.fixed
         assert [r.token_ids for r in batched.generate_batch(prompts, settings)] == alone, method
-    with pytest.raises(ValueError, match="ensemble"):
-        SpeculativeEngine(target, engine.spec, adaptive_draft_length=True)

@@ -195,7 +195,7 @@ def test_batched_rows_equal_plain(gemma_pair, batch):
     target, assistant = gemma_pair
     plain = SpeculativeEngine(target, max_batch_size=1)
     engine = SpeculativeEngine(target, SpeculationSettings(method="mtp_assistant", num_assistant_tokens=3),
-                               drafter=assistant, max_batch_size=batch, adaptive_draft_length=False)
+                               drafter=assistant, max_batch_size=batch, draft_length="fixed")
     prompts = [_prompt(n, seed) for seed, n in enumerate((9, 1, 3, 20, 2, 7, 14, 5, 1))]
     settings = [GenerationSettings(max_new_tokens=[24, 1, 2][i % 3]) for i in range(len(prompts))]
     expected = [plain.generate(p, s).token_ids for p, s in zip(prompts, settings)]

@@ -81,15 +81,18 @@ def test_draft_follows_the_most_frequent_continuation_and_grows_with_the_match()
     tree = SuffixTree(8)
     tree.add([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 6, 9, 2, 3, 7])
     # after [.., 2, 3] the tree saw 4 twice and 7 once: 4 is drafted, then what followed it
-    tokens, score, m = tree.speculate([8, 1, 2, 3], k=10, max_spec_factor=1.0, min_token_prob=0.0)
+    tokens, score, m, probs = tree.speculate([8, 1, 2, 3], k=10, max_spec_factor=1.0, min_token_prob=0.0)
     assert tokens[:3] == [4, 5, 6] and m == 3 and len(tokens) <= m
+    assert probs == [1.0, 1.0, 1.0] and score == 3.0  # [1, 2, 3] was always followed by 4 5 6
     # a factor of 2 lets the same match draft twice as far (depth allowing)
-    long, _, _ = tree.speculate([8, 1, 2, 3], k=10, max_spec_factor=2.0, min_token_prob=0.0)
+    long, *_ = tree.speculate([8, 1, 2, 3], k=10, max_spec_factor=2.0, min_token_prob=0.0)
     assert len(long) > len(tokens) and long[: len(tokens)] == tokens
     # a minimum probability of 0.7 stops before the 2/3-likely token after [3]
-    short, _, _ = tree.speculate([8, 3], k=10, max_spec_factor=4.0, min_token_prob=0.7)
+    short, *_ = tree.speculate([8, 3], k=10, max_spec_factor=4.0, min_token_prob=0.7)
     assert short == []
-    assert tree.speculate([8, 8], k=5, max_spec_factor=1.0, min_token_prob=0.0) == ([], 0.0, 0)
+    assert tree.speculate([8, 8], k=5, max_spec_factor=1.0, min_token_prob=0.0) == ([], 0.0, 0, [])
+    # a shorter match: after [3] the tree saw 4 twice and 7 once
+    assert tree.speculate([8, 3], k=1, max_spec_factor=1.0, min_token_prob=0.0).probs == [pytest.approx(2 / 3)]
 
 
 def test_branches_are_the_most_frequent_continuations_of_both_trees():
@@ -169,7 +172,7 @@ def test_rows_shuffled_and_a_warm_job_wide_tree_change_no_output(llama):
     another order) and the rows' order change which tokens are drafted, never an output."""
     target, rows, references = llama
     engine = SpeculativeEngine(target, suffix_spec(suffix_decoding_max_cached_requests=4), max_batch_size=3,
-                               adaptive_draft_length=True)
+                               draft_length="auto")
     order = list(range(len(rows)))
     for seed in (3, 4, 5):
         random.Random(seed).shuffle(order)

@@ -105,7 +105,7 @@ class ScriptedTrees(NoState):
 def _scripted_engine(target, cases, batch, depth=3):
     engine = SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=depth,
                                                            num_candidates=2),
-                               max_batch_size=batch, adaptive_draft_length=False)
+                               max_batch_size=batch, draft_length="fixed")
     engine.proposer = ScriptedTrees(cases, depth)
     return engine
 
@@ -198,7 +198,7 @@ def test_prompt_lookup_suffix_and_draft_model_trees_equal_plain(target, referenc
     prompts, budgets, outs = references
     drafter = perturbed_copy(target, 0.3)
     settings = [GenerationSettings(max_new_tokens=b) for b in budgets]
-    for name, engine in _tree_engines(target, drafter, batch, adaptive_draft_length=False):
+    for name, engine in _tree_engines(target, drafter, batch, draft_length="fixed"):
         results = engine.generate_batch(prompts, settings)
         assert [r.token_ids for r in results] == outs, name
         for r in results:
@@ -206,14 +206,22 @@ def test_prompt_lookup_suffix_and_draft_model_trees_equal_plain(target, referenc
         assert sum(r.stats.tree_steps for r in results) > 0, name
 
 
-def test_tree_size_by_expected_gain_never_changes_an_output(references, target):
-    """With the draft length and the tree's size by expected gain (the policy measures and
-    trims), every row is still plain greedy's."""
+@pytest.mark.parametrize("costs", ["measured", "cpu", "wide"])
+def test_tree_size_by_expected_gain_never_changes_an_output(references, target, costs):
+    """With the draft length and the tree's node budget from the controller (on the costs it
+    measures, on a CPU-like curve, or on one where a wider pass costs next to nothing), every
+    row is still plain greedy's."""
+    import test_draft_budget as tb
+
     prompts, budgets, outs = references
     drafter = perturbed_copy(target, 0.3)
-    for name, engine in _tree_engines(target, drafter, 3, adaptive_draft_length=True):
+    for name, engine in _tree_engines(target, drafter, 3, draft_length="auto"):
+        if costs != "measured":
+            engine.budget.curve = tb.CPU if costs == "cpu" else tb.Costs(lambda b, w: 0.010 + 0.00003 * b * (w - 1))
         results = engine.generate_batch(prompts * 2, [GenerationSettings(max_new_tokens=b) for b in budgets] * 2)
         assert [r.token_ids for r in results] == outs * 2, name
+        if costs == "wide":  # side nodes pay where a wider pass costs next to nothing: trees are verified
+            assert sum(r.stats.tree_steps for r in results) > 0, name
 
 
 def test_eos_inside_a_tree_block_and_a_budget_ending_mid_tree():
@@ -235,7 +243,7 @@ def test_eos_inside_a_tree_block_and_a_budget_ending_mid_tree():
     for method, drafter in (("draft_model", oracle), ("prompt_lookup", None), ("suffix", None)):
         engine = SpeculativeEngine(target, SpeculationSettings(method=method, num_assistant_tokens=4,
                                                                prompt_lookup_num_tokens=4, num_candidates=3),
-                                   drafter=drafter, max_batch_size=2, adaptive_draft_length=False)
+                                   drafter=drafter, max_batch_size=2, draft_length="fixed")
         results = engine.generate_batch(prompts, settings)
         assert [(r.token_ids, r.finish_reason) for r in results] == expected, method
         for r in results:

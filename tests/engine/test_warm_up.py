@@ -36,7 +36,7 @@ def _engine(target, drafter, variant: str, batch: int = 3) -> SpeculativeEngine:
     spec = SpeculationSettings(method=method, num_assistant_tokens=K, prompt_lookup_num_tokens=K,
                                num_candidates=3 if option == "trees" else 1)
     extra = {"drafter": drafter if method == "draft_model" else random_head(target) if method == "eagle" else None}
-    return SpeculativeEngine(target, spec, max_batch_size=batch, adaptive_draft_length=option == "adaptive", **extra)
+    return SpeculativeEngine(target, spec, max_batch_size=batch, draft_length="auto" if option == "adaptive" else "fixed", **extra)
 
 
 def _in_flight(engine: SpeculativeEngine) -> list[int]:
@@ -107,7 +107,7 @@ def test_reset_learning_stops_suffix_replaying_its_own_outputs(pair):
     prompts = [prompt_of(24, seed=200 + i) for i in range(6)]
     settings = GenerationSettings(max_new_tokens=30)
     engine = SpeculativeEngine(target, SpeculationSettings(method="suffix", num_assistant_tokens=4),
-                               max_batch_size=2, adaptive_draft_length=False)
+                               max_batch_size=2, draft_length="fixed")
 
     def run():
         results = engine.generate_batch(prompts, settings)
@@ -124,20 +124,16 @@ def test_reset_learning_stops_suffix_replaying_its_own_outputs(pair):
 
 
 def test_reset_learning_forgets_acceptance_and_keeps_costs(pair):
-    """The draft-length policy after a reset: no acceptance by position, its cost measurements
-    (the verify pass's fit and table) as they were, so it needs no new exploring."""
+    """The draft-length controller after a reset: no acceptance, its cost curve (what it measured
+    of the verify pass) kept, so it needs no new exploring."""
     target, _, rows, _ = pair
     engine = _engine(target, None, "prompt_lookup+adaptive")
     engine.generate_batch([p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows])
-    policy = engine.policy
-    assert policy.measured and any(policy.pooled_reach())
-    predicted = policy.verify_time(2, 3)
+    budget, curve = engine.budget, engine.budget.curve
+    assert curve.ready and budget.acceptance.bins
     engine.reset_learning()
-    assert engine.policy is not policy
-    assert engine.policy.measured and not any(engine.policy.pooled_reach())
-    assert engine.policy.verify_time(2, 3) == predicted
-    assert engine.tree_sizer.side_nodes == 0
-
+    assert engine.budget is budget and budget.curve is curve and curve.ready
+    assert not budget.acceptance.bins and not budget.acceptance.positions and budget.trees.side_nodes == 0
 
 def test_warm_up_on_a_suffix_engine_leaves_no_synthetic_output_in_its_tree(pair):
     target, _, _, _ = pair

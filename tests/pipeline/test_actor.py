@@ -25,7 +25,7 @@ def _rows(texts, errors=None):
 def actor(tiny_models, tmp_path_factory):
     # a fixed draft length, so that a batched row's statistics equal its single-row ones
     cfg = job_config(tiny_models, "unused", str(tmp_path_factory.mktemp("o")),
-                     overrides=["compute.adaptive_draft_length=false"])
+                     overrides=["compute.draft_length=fixed"])
     return GenerateActor(cfg.model_dump(), device="cpu")
 
 
@@ -54,7 +54,7 @@ def test_row_statistics_equal_the_engine(actor, tiny_models):
     out = actor(_rows(TEXTS[:3])).to_pylist()
     m = actor.models
     engine = SpeculativeEngine(m.target, actor.cfg.method.speculation_settings(), drafter=m.drafter, tokenizer=m.tokenizer,
-                               adaptive_draft_length=actor.cfg.compute.adaptive_draft_length)  # the actor's (fixed k)
+                               draft_length=actor.cfg.compute.draft_length)  # the actor's (fixed k)
     builder = PromptBuilder(m.tokenizer, actor.cfg.task)
     for text, row in zip(TEXTS[:3], out):
         prompt, ids = builder.build(text)

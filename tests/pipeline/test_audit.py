@@ -27,7 +27,7 @@ def _rows(texts):
 def audited_actor(tiny_models, tmp_path_factory):
     cfg = job_config(tiny_models, "unused", str(tmp_path_factory.mktemp("o")),
                      overrides=["audit.fraction=1.0", "generation.max_new_tokens=16",
-                                "compute.adaptive_draft_length=false"])  # drafts every step: the corrupted
+                                "compute.draft_length=fixed"])  # drafts every step: the corrupted
     # verification below must meet drafts (by expected gain the engine stops drafting for a weak drafter)
     return GenerateActor(cfg.model_dump(), device="cpu")
 

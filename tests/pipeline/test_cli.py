@@ -66,6 +66,18 @@ def test_bad_job_is_refused_before_any_model_loads(tmp_path, args, message):
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_tree_setting_the_method_cannot_draft_is_refused_before_ray_starts(tmp_path):
+    """Issue 49: the method's capabilities are its spec's (``MethodSpec.tree_refusal``), checked
+    with the config, so the job exits 2 naming the key before Ray or any weights load."""
+    out = tmp_path / "out"
+    r = _run([str(REPO / "jobs" / "summarize.py"), "--config", str(REPO / "configs" / "demo-summarize.yaml"),
+              "--method", "early_exit", "--set", "method.assistant_early_exit=1", "--set", "method.num_candidates=4",
+              "--output", str(out)], timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "num_candidates=4" in r.stderr and "early_exit" in r.stderr and "drafts no token trees" in r.stderr
+    assert "Traceback" not in r.stderr and "Ray" not in r.stderr and not out.exists()
+
+
 def test_translate_entry_point_refuses_a_summarize_config():
     r = _run([str(REPO / "jobs" / "translate.py"), "--config", str(REPO / "configs" / "summarize.yaml"), "--print-config"])
     assert r.returncode == 2 and "task.name: translate" in r.stderr

@@ -131,9 +131,9 @@ def test_numbers_are_numbers_and_booleans_booleans(tmp_path):
     with pytest.raises(ConfigError, match="input.split_rows"):
         load_config(None, ["input.split_rows='500'"])  # a string, even of digits, is not a count
     cfg = load_config(None, ["input.split_rows=500", "compute.cpus_per_actor=2", "generation.do_sample=true",
-                             "compute.adaptive_draft_length=false", "generation.temperature=1"])
+                             "compute.draft_length=fixed", "generation.temperature=1"])
     assert cfg.input.split_rows == 500 and cfg.compute.cpus_per_actor == 2.0
-    assert cfg.generation.do_sample is True and cfg.compute.adaptive_draft_length is False
+    assert cfg.generation.do_sample is True and cfg.compute.draft_length == "fixed"
 
 
 def test_overrides_parse_yaml_scalars():
@@ -171,3 +171,13 @@ def test_exponent_floats_read_as_numbers_in_files_and_overrides(tmp_path):
     assert (cfg.generation.temperature, cfg.generation.top_p, cfg.compute.cpus_per_actor) == (0.7, 0.95, 0.5)
     with pytest.raises(ConfigError, match="generation.temperature"):
         load_config(None, ["generation.temperature=e-1"])  # not a number: still refused by name
+
+
+def test_the_draft_length_is_the_controllers_unless_fixed_and_the_old_key_names_the_new():
+    assert load_config(None).compute.draft_length == "auto"
+    assert load_config(None, ["compute.draft_length=fixed"]).compute.draft_length == "fixed"
+    with pytest.raises(ConfigError, match="compute.draft_length"):
+        load_config(None, ["compute.draft_length=adaptive"])
+    for old in ("true", "false", "null"):
+        with pytest.raises(ConfigError, match="compute.adaptive_draft_length was replaced by compute.draft_length"):
+            load_config(None, [f"compute.adaptive_draft_length={old}"])

@@ -45,7 +45,7 @@ def result(ray_local, tiny_models, inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("out") / "run"
     # a fixed draft length: the per-row statistics are then those of each row alone (the
     # measured-cost policy would cut k by this machine's timings; outputs never change)
-    cfg = job_config(tiny_models, str(inputs), str(out), overrides=["compute.adaptive_draft_length=false"])
+    cfg = job_config(tiny_models, str(inputs), str(out), overrides=["compute.draft_length=fixed"])
     summary = run_job(cfg, progress=False)
     return cfg, out, summary
 
@@ -85,7 +85,7 @@ def test_statistics_equal_the_engine_in_process(result):
     cfg, out, _ = result
     m = load_models(cfg.models, cfg.uses_drafter, "cpu")
     engine = SpeculativeEngine(m.target, cfg.method.speculation_settings(), drafter=m.drafter, tokenizer=m.tokenizer,
-                               adaptive_draft_length=cfg.compute.adaptive_draft_length)  # the job's (fixed k)
+                               draft_length=cfg.compute.draft_length)  # the job's (fixed k)
     builder = PromptBuilder(m.tokenizer, cfg.task)
     texts = dict(zip(["0", "1", "2", "3", "ok", "p0", "p1"], TEXTS[:7]))
     for row in pq.read_table(out).to_pylist():

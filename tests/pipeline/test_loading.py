@@ -47,7 +47,7 @@ def test_the_actor_the_replica_and_the_tuner_build_the_same_engine(tiny_models, 
 
 def test_load_engine_follows_the_config(tiny_models, tmp_path):
     cfg = job_config(tiny_models, "unused", str(tmp_path / "o"),
-                     overrides=["compute.max_batch_size=3", "compute.adaptive_draft_length=false",
+                     overrides=["compute.max_batch_size=3", "compute.draft_length=fixed",
                                 "method.num_assistant_tokens=2"])
     loaded = load_engine(cfg, "cpu")
     assert loaded.engine.max_batch_size == 3 and loaded.engine.spec.num_assistant_tokens == 2

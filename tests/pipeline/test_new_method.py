@@ -58,7 +58,7 @@ def _run_both(tmp_path, tiny_models, registered, runs):
 
     for method in (registered, "plain"):
         cfg = job_config(tiny_models, str(tmp_path / "in.jsonl"), str(tmp_path / method), method=method,
-                         overrides=["method.num_assistant_tokens=3", "compute.adaptive_draft_length=false"])
+                         overrides=["method.num_assistant_tokens=3", "compute.draft_length=fixed"])
         assert not cfg.uses_drafter  # the table says it drafts without a model
         summary = run_job(cfg, progress=False)
         assert summary["rows"] == 4 and summary["errors"] == 0

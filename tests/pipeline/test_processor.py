@@ -44,7 +44,7 @@ def _cfg(models, tmp, *sets):
     # a fixed draft length: a row's statistics are then those of the row alone, whatever
     # shares its batch, so the job's and the processor's can be compared exactly
     return job_config(models, "unused", str(tmp / "unused-out"),
-                      overrides=["compute.adaptive_draft_length=false", *sets])
+                      overrides=["compute.draft_length=fixed", *sets])
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def job_rows(ray_local, chat_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("job")
     write_jsonl(tmp / "in.jsonl", ROWS)
     cfg = job_config(chat_models, str(tmp / "in.jsonl"), str(tmp / "out"),
-                     overrides=["compute.adaptive_draft_length=false", "audit.fraction=1"])
+                     overrides=["compute.draft_length=fixed", "audit.fraction=1"])
     run_job(cfg, progress=False)
     return {r["id"]: r for r in pq.read_table(tmp / "out").to_pylist()}
 
@@ -139,7 +139,7 @@ def test_partitioned_parquet_with_one_actor_per_cpu_equals_the_job(ray_local, ti
     assert sorted(got) == ["r0", "r1", "r2", "r3"] and {r["lang"] for r in got.values()} == {"de", "en"}
     # the job over the same folder: the partition column kept on output, the same rows
     job_cfg = job_config(tiny_models, str(tmp_path / "ds"), str(tmp_path / "out"),
-                         overrides=["compute.adaptive_draft_length=false", "compute.stall_timeout_s=240"])
+                         overrides=["compute.draft_length=fixed", "compute.stall_timeout_s=240"])
     run_job(job_cfg, progress=False)
     written = pq.read_table(tmp_path / "out")
     assert written.column_names[-1] == "lang"

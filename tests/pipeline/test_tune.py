@@ -200,7 +200,7 @@ def test_tune_job_end_to_end_on_tiny_models(tmp_path, tiny_models, capsys):
     assert tuned["method"]["name"] == chosen["method"]
     assert tuned["compute"] == {"rows_per_batch": chosen["rows_per_batch"], "num_actors": 1,
                                 "max_batch_size": chosen["batch_size"],
-                                "adaptive_draft_length": chosen["adaptive_draft_length"]}
+                                "draft_length": "auto" if chosen["adaptive_draft_length"] else "fixed"}
     if chosen["method"] != "plain":
         key = "prompt_lookup_num_tokens" if chosen["method"] == "prompt_lookup" else "num_assistant_tokens"
         assert tuned["method"][key] == chosen["k"]
@@ -264,7 +264,7 @@ def test_tune_measures_per_row_adaptive_draft_lengths_for_a_chosen_drafter(tmp_p
         assert result.chosen is fixed and any("left out" in n for n in result.notes)
     method = result.tuned_config["method"]
     assert method["num_assistant_tokens"] == result.chosen.k
-    assert result.tuned_config["compute"]["adaptive_draft_length"] is result.chosen.adaptive_draft_length
+    assert result.tuned_config["compute"]["draft_length"] == ("auto" if result.chosen.adaptive_draft_length else "fixed")
     assert method["num_assistant_tokens_schedule"] == result.chosen.params["num_assistant_tokens_schedule"]
     assert method["assistant_confidence_threshold"] == result.chosen.params["assistant_confidence_threshold"]
 

@@ -50,7 +50,7 @@ def test_drafter_is_lossless_and_accepted(smollm2):
     plain = SpeculativeEngine(model, SpeculationSettings(method="plain"), tokenizer=tok)
     spec = SpeculativeEngine(model, SpeculationSettings(method="draft_model", num_assistant_tokens=5),
                              drafter=drafter, tokenizer=tok, drafter_tokenizer=tok,
-                             adaptive_draft_length=False)  # drafts every step (by expected gain it may not)
+                             draft_length="fixed")  # drafts every step (by expected gain it may not)
     accepted = drafted = 0
     for row in DEMO[:2]:
         _, ids = PromptBuilder(tok, task).build(row["text"])

@@ -83,7 +83,7 @@ def test_gemma3_as_draft_model_and_early_exit_past_the_window(gemma3):
     drafter = copy.deepcopy(model)
     for spec, d in [(SpeculationSettings(method="draft_model", num_assistant_tokens=4), drafter),
                     (SpeculationSettings(method="early_exit", assistant_early_exit=6, num_assistant_tokens=3), None)]:
-        engine = SpeculativeEngine(model, spec, drafter=d, tokenizer=tok, max_batch_size=2, adaptive_draft_length=False)
+        engine = SpeculativeEngine(model, spec, drafter=d, tokenizer=tok, max_batch_size=2, draft_length="fixed")
         results = engine.generate_batch(prompts, settings)
         assert [r.token_ids for r in results] == plain, spec.method
         assert sum(r.stats.draft_tokens for r in results) > 0

@@ -37,7 +37,7 @@ OVERRIDES = {
     "serve.chat_template": str(REPO / "configs" / "chat_templates" / "plain.jinja"),
     # a fixed draft length: the statistics of two requests for the same prompt are then the same
     # (by expected gain, the drafting decisions follow measured times)
-    "compute.adaptive_draft_length": "false",
+    "compute.draft_length": "fixed",
 }
 TEXTS = [json.loads(line)["text"] for line in (REPO / "data" / "demo_prompts.jsonl").read_text().splitlines()]
 

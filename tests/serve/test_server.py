@@ -35,7 +35,7 @@ def alone(models):
     """The same model pair decoding one row at a time (the reference)."""
     target, drafter, tok = models
     return SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=K),
-                             drafter=drafter, tokenizer=tok, max_batch_size=1, adaptive_draft_length=False)
+                             drafter=drafter, tokenizer=tok, max_batch_size=1, draft_length="fixed")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def server(models):
     # a fixed draft length, so that sampled rows draw as many random numbers as alone and
     # equal their lone output too (greedy rows are equal with any draft length)
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=K),
-                               drafter=drafter, tokenizer=tok, max_batch_size=8, adaptive_draft_length=False)
+                               drafter=drafter, tokenizer=tok, max_batch_size=8, draft_length="fixed")
     srv = OpenAIServer(engine, "tiny", GenerationSettings(max_new_tokens=12, do_sample=False))
     with serving(build_app(srv)) as url:
         yield srv, url

@@ -41,7 +41,7 @@ def models():
 def _engine(models, batch=8):
     target, drafter, tok = models
     return SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=K),
-                             drafter=drafter, tokenizer=tok, max_batch_size=batch, adaptive_draft_length=False)
+                             drafter=drafter, tokenizer=tok, max_batch_size=batch, draft_length="fixed")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ state it needs (a drafter's KV cache length, hidden states of the target) and is
   target's prefill of ``prompt[:-1]``); forget the slots' old state;
 - :meth:`Proposer.propose` -- draft up to ``k`` tokens for each of these rows;
 - :meth:`Proposer.rollback` -- after verification, only the first ``valid_length`` tokens
-  of a row (committed sequence) are still valid.
+  of a row (committed sequence) are still valid;
+- :meth:`Proposer.reserve` -- rows of up to this many positions are coming (size caches once).
 
 It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop in
 :mod:`pipeline.engine.loop`.
@@ -64,6 +65,12 @@ class ProposerInputs:
             self.prepare_model(model, role)
 
 
+#: where a draft's tokens come from (:attr:`Draft.source`): the row's own text (prompt and
+#: output so far), the outputs of earlier rows (a job-wide pool), a per-row reference text,
+#: a model; the statistics count accepted tokens by source (``RowStats.accepted_from_*``)
+SOURCES = ("prompt", "pool", "reference", "drafter")
+
+
 @dataclass
 class Draft:
     """Tokens proposed for one row for one verification step.
@@ -78,11 +85,32 @@ class Draft:
             the index of node ``j``'s parent (``< j``), ``-1`` for a child of the root;
             ``None`` for a linear draft (node ``j``'s parent is ``j - 1``).  Sibling tokens
             differ.  A tree's depth is at most the request's ``k``; its ``probs`` is ``None``.
+        confidence: ``(n,)`` float64 on the CPU, or ``None``: the proposer's own estimate,
+            per token, that the token is accepted given that the tokens before it were (a
+            conditional probability in [0, 1], uncalibrated: the draft-length controller
+            calibrates it against measured acceptance, :mod:`pipeline.engine.draft_budget`).
+            A deterministic proposer may use anything it knows (suffix: the frequency of the
+            continuation in its tree; prompt lookup: how often the matched n-gram was followed
+            by it); a proposer that *samples* its tokens must give only what it knew before
+            drawing token ``j`` (the top probability of ``q_j``, never ``q_j(x_j)``), so that
+            a cut by confidence is a stopping rule and verification stays exact.  ``None``:
+            the controller falls back to measured acceptance by position (trees: always).
+        source: where the draft comes from, one of :data:`SOURCES` (``"prompt"``: the row's
+            own text, prompt and output so far; ``"pool"``: the outputs of earlier rows;
+            ``"reference"``: a per-row reference text; ``"drafter"``: a model); its accepted
+            tokens are counted by source in the row's statistics.
+        alternatives: drafts of the same row from the proposer's other sources (linear,
+            each with its own ``source``), for the controller to pick from by expected
+            accepted tokens; the proposer's own state (a drafter's cache) follows this draft,
+            the *primary*, whichever is verified.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
+    confidence: torch.Tensor | None = None
+    source: str = "drafter"
+    alternatives: tuple["Draft", ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -118,7 +146,8 @@ class Draft:
         """The draft's first ``n`` tokens (and their distributions); of a tree, its first ``n``
         nodes (a tree again: parents come first)."""
         parents = None if self.parents is None else self.parents[:n]
-        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], parents)
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], parents,
+                     None if self.confidence is None else self.confidence[:n], self.source)
 
     def pruned(self, depth: int, nodes: int) -> "Draft":
         """A tree cut to its nodes of depth ``<= depth`` and then to its first ``nodes`` of them
@@ -130,7 +159,8 @@ class Draft:
         index = {j: i for i, j in enumerate(keep)}
         parents = [-1 if self.parents[j] < 0 else index[self.parents[j]] for j in keep]
         idx = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
-        return Draft(self.tokens.index_select(0, idx), None, parents)
+        conf = None if self.confidence is None else self.confidence.index_select(0, idx.cpu())
+        return Draft(self.tokens.index_select(0, idx), None, parents, conf, self.source)
 
 
 @dataclass
@@ -184,8 +214,13 @@ class Proposer(Protocol):
         (committed sequence + its draft) are still valid.  After a tree, the draft counted
         is its first branch (the accepted path's nodes on it)."""
 
+    def reserve(self, length: int) -> None:
+        """Rows of up to ``length`` positions (prompt, budget and the widest draft) are coming:
+        a proposer with caches of its own sizes them once now, rather than growing them
+        pass by pass (one that shares the target's cache, or keeps none, does nothing)."""
 
-def tree_from_branches(branches: list[list[int]], device) -> Draft:
+
+def tree_from_branches(branches: list[list[int]], device, source: str = "drafter") -> Draft:
     """A token tree (a trie) from candidate continuations, the first branch first: shared
     prefixes become one node, nodes are numbered branch by branch (so the first branch's
     nodes are ``0 .. len(branches[0]) - 1`` and :meth:`Draft.truncated` keeps it first).
@@ -203,8 +238,8 @@ def tree_from_branches(branches: list[list[int]], device) -> Draft:
                 tokens.append(tok)
                 parents.append(cur)
             cur = node
-    draft = Draft(torch.tensor(tokens, dtype=torch.long, device=device), None, parents)
-    return draft if draft.is_tree else Draft(draft.tokens)
+    draft = Draft(torch.tensor(tokens, dtype=torch.long, device=device), None, parents, source=source)
+    return draft if draft.is_tree else Draft(draft.tokens, source=source)
 
 
 def with_leaves(chain: Draft, leaves: list[tuple[int, int, int]]) -> Draft:
@@ -220,25 +255,21 @@ def with_leaves(chain: Draft, leaves: list[tuple[int, int, int]]) -> Draft:
     tokens = torch.cat([chain.tokens, torch.tensor([t for _, _, t in extra], dtype=torch.long,
                                                    device=chain.tokens.device)])
     parents = list(range(-1, len(chain) - 1)) + [pos - 1 for _, pos, _ in extra]
-    return Draft(tokens, None, parents)
+    return Draft(tokens, None, parents, source=chain.source)
 
 
 class Finish(Protocol):
     """Optional hook of a proposer that learns from finished rows (``suffix``'s job-wide
     tree).  When a proposer has ``finish``, the engine calls it once per row that leaves its
-    slot (any finish reason), before the slot takes another row."""
+    slot (any finish reason), before the slot takes another row, and
+    :meth:`~pipeline.engine.loop.StepEngine.reset_learning` calls its ``reset_learning``."""
 
     def finish(self, slot: int, generated: list[int]) -> None:
         """The row in ``slot`` finished; ``generated`` are its output token ids."""
 
-
-class ResetLearning(Protocol):
-    """Optional hook of a proposer with job-wide learned state (``suffix``'s tree of earlier
-    outputs): :meth:`~pipeline.engine.loop.StepEngine.reset_learning` calls it to forget what
-    the rows decoded so far taught it."""
-
     def reset_learning(self) -> None:
-        """Forget the job-wide state learned from earlier rows (rows in flight keep theirs)."""
+        """Forget what :meth:`finish` taught it (the job-wide pool): rows decoded so far,
+        e.g. an engine's warm-up, must not draft for the rows that follow."""
 
 
 class TargetForward(Protocol):
@@ -269,9 +300,16 @@ class TreeState(Protocol):
         increasing order), as :meth:`SlotCache.move` moves cache entries."""
 
 
+def top_probability(logits: torch.Tensor) -> list[float]:
+    """``max_v softmax(logits)_v`` per row of ``(b, V)`` logits: a drafter's confidence in its
+    next token, known before the token is drawn (:attr:`Draft.confidence`)."""
+    wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return (wide.amax(-1) - wide.logsumexp(-1)).exp().tolist()
+
+
 def draft_tokens(
     logits: torch.Tensor, requests: list[DraftRequest], prefixes: list[torch.Tensor], need_q: bool = False
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+) -> tuple[torch.Tensor, list[torch.Tensor | None], list[float]]:
     """Pick each row's next draft token the way the target would: the row's logits
     processors shape its logits (``prefixes[i]`` ``(1, L_i)`` is the text before it), then
     the token is sampled from ``q = softmax`` with the row's generator when sampling, else
@@ -281,27 +319,29 @@ def draft_tokens(
         logits: ``(b, V_target)`` drafter logits, one row per request.
 
     Returns:
-        ``(tokens (b,) int64, [q_i (1, V_target) or None])``; ``q`` (float32 or wider) is
-        given when sampling, when the request wants probs, or when ``need_q``.
+        ``(tokens (b,) int64, [q_i (1, V_target) or None], confidence)``; ``q`` (float32 or
+        wider) is given when sampling, when the request wants probs, or when ``need_q``;
+        ``confidence[i]`` is the top probability of row ``i``'s (shaped) ``q``, known before
+        its token is drawn (:func:`top_probability`).
     """
     b = logits.shape[0]
     if not any(r.shaper.active or r.shaper.do_sample or r.want_probs for r in requests) and not need_q:
-        return logits.argmax(-1), [None] * b
+        return logits.argmax(-1), [None] * b, top_probability(logits)
     tokens = torch.empty(b, dtype=torch.long, device=logits.device)
     qs: list[torch.Tensor | None] = []
+    confidence: list[float] = []
     for i, r in enumerate(requests):
         row = logits[i : i + 1]
         if r.shaper.active:
             row = r.shaper.shape(prefixes[i], row)
-        q = None
-        if r.shaper.do_sample or r.want_probs or need_q:
-            q = torch.softmax(row.float() if row.dtype in (torch.float16, torch.bfloat16) else row, -1)
+        q = torch.softmax(row.float() if row.dtype in (torch.float16, torch.bfloat16) else row, -1)
+        confidence.append(float(q.max()))
         if r.shaper.do_sample:
             tokens[i] = torch.multinomial(q, 1, generator=r.generator).view(())
         else:
             tokens[i] = row.argmax(-1).view(())
-        qs.append(q)
-    return tokens, qs
+        qs.append(q if r.shaper.do_sample or r.want_probs or need_q else None)
+    return tokens, qs, confidence
 
 
 class Drafting:
@@ -316,10 +356,13 @@ class Drafting:
         self.requests = requests
         self.tokens: list[list[torch.Tensor]] = [[] for _ in requests]
         self.probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        self.confidence: list[list[float]] = [[] for _ in requests]
 
-    def append(self, i: int, token: torch.Tensor, q: torch.Tensor | None) -> None:
-        """Row ``i`` drafted ``token`` ``(1,)`` int64 from ``q`` ``(1, V)``."""
+    def append(self, i: int, token: torch.Tensor, q: torch.Tensor | None, confidence: float) -> None:
+        """Row ``i`` drafted ``token`` ``(1,)`` int64 from ``q`` ``(1, V)``, whose top
+        probability is ``confidence`` (:attr:`Draft.confidence`)."""
         self.tokens[i].append(token.to(self.requests[i].sequence.device))
+        self.confidence[i].append(confidence)
         if self.requests[i].want_probs:
             self.probs[i].append(q)
 
@@ -335,11 +378,12 @@ class Drafting:
 
     def drafts(self) -> list[Draft]:
         out = []
-        for r, tokens, probs in zip(self.requests, self.tokens, self.probs):
+        for r, tokens, probs, conf in zip(self.requests, self.tokens, self.probs, self.confidence):
             if not tokens:
                 out.append(empty_draft(r.sequence.device))
             else:
-                out.append(Draft(tokens=torch.cat(tokens), probs=torch.cat(probs, dim=0) if r.want_probs else None))
+                out.append(Draft(tokens=torch.cat(tokens), probs=torch.cat(probs, dim=0) if r.want_probs else None,
+                                 confidence=torch.tensor(conf, dtype=torch.float64)))
         return out
 
 
@@ -359,4 +403,7 @@ class NoState:
         pass
 
     def rollback(self, slot: int, valid_length: int) -> None:
+        pass
+
+    def reserve(self, length: int) -> None:
         pass

@@ -159,6 +159,9 @@ class DraftModelProposer:
         if self.seen[slot] > valid_length:
             self.seen[slot] = valid_length
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)
+
     # ------------------------------------------------------------------ drafting
     def _feedable(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self.device)
@@ -201,7 +204,7 @@ class DraftModelProposer:
                 self.seen[r.slot] += feeds[i].shape[0]
             logits = self._to_target_width(logits)
             prefixes = [drafting.prefix(i) if r.shaper.prefix_dependent else r.sequence for r, (i, _) in zip(reqs, active)]
-            chosen, qs = draft_tokens(logits, reqs, prefixes, need_q=self.threshold > 0)
+            chosen, qs, conf = draft_tokens(logits, reqs, prefixes, need_q=self.threshold > 0)
             still = []
             for j, (i, k) in enumerate(active):
                 tok = chosen[j : j + 1]
@@ -210,7 +213,7 @@ class DraftModelProposer:
                     top = logits[j].topk(min(c, logits.shape[-1])).indices.tolist()
                     others = [t for t in top if t != int(tok[0])][: c - 1]
                     leaves.setdefault(i, []).extend((rank, drafting.count(i), t) for rank, t in enumerate(others))
-                drafting.append(i, tok, qs[j])
+                drafting.append(i, tok, qs[j], conf[j])
                 low = self.threshold > 0 and float(qs[j][0, tok[0]]) < self.threshold
                 if drafting.count(i) < k and not low:
                     still.append((i, k))

@@ -41,7 +41,7 @@ from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, c
     load_draft_head, read_draft_head_config
 from ..cpu import attention_implementation
 from ..runner import ModelLayout, ModelRunner, text_config
-from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, with_leaves
+from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, top_probability, with_leaves
 from .mtp import Positions, store_hidden
 
 
@@ -111,6 +111,9 @@ class EagleProposer:
         # older features are never read again: a catch-up reads at most the window before the end
         self.feats[slot].drop_before(max(self.length[slot], valid_length - CATCH_UP_WINDOW - 2))
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)
+
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)
@@ -165,7 +168,7 @@ class EagleProposer:
         logits = self.head.logits(g)  # (b, N)
         if not any(r.shaper.active or r.shaper.do_sample or r.want_probs for r in reqs):
             chosen = self.vocab_ids[logits.argmax(-1)]
-            qs = [None] * len(reqs)
+            qs, conf = [None] * len(reqs), top_probability(logits)
             c = max(r.candidates for r in reqs)
             if c > 1:
                 top = self.vocab_ids[logits.topk(min(c, logits.shape[-1]), dim=-1).indices].tolist()  # (b, c) target ids
@@ -177,9 +180,9 @@ class EagleProposer:
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             full[:, self.vocab_ids] = logits
             full = full.to(reqs[0].sequence.device)
-            chosen, qs = draft_tokens(full, reqs, [drafting.prefix(i) for i in rows])
+            chosen, qs, conf = draft_tokens(full, reqs, [drafting.prefix(i) for i in rows])
         for j, i in enumerate(rows):
-            drafting.append(i, chosen[j : j + 1], qs[j])
+            drafting.append(i, chosen[j : j + 1], qs[j], conf[j])
         return chosen.to(self.device)
 
     def _pass(self, slots, feats, ids, starts) -> torch.Tensor:

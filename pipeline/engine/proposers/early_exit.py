@@ -180,6 +180,9 @@ class EarlyExitProposer(DraftModelProposer):
         self.seen[slot] = valid_length
         self.pending[slot] = None
 
+    def reserve(self, length: int) -> None:
+        pass  # the target's cache, which the engine sizes
+
     def _forward(self, slots, tokens, starts, logits_to_keep=1):
         with self.views.shallow():
             logits = self.runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep).logits

@@ -284,6 +284,9 @@ class MTPProposer:
         for o in outs:
             o.drop_before(low)
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)
+
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)
@@ -310,9 +313,9 @@ class MTPProposer:
                 self.outs[r.slot][layer].put(starts[j], hidden[j, hidden.shape[1] - q:])
                 self.lengths[r.slot][layer] = r.sequence.shape[1] - 1
             logits = self.mtp._project_to_logits(hidden[:, -1:])[:, -1].to(reqs[0].sequence.device)
-            chosen, qs = draft_tokens(logits, reqs, [drafting.prefix(i) for i in rows])
+            chosen, qs, conf = draft_tokens(logits, reqs, [drafting.prefix(i) for i in rows])
             for j, i in enumerate(rows):
-                drafting.append(i, chosen[j : j + 1], qs[j])
+                drafting.append(i, chosen[j : j + 1], qs[j], conf[j])
         return drafting.drafts()
 
     def _layer(self, layer: int, slots, ids, prev, starts) -> torch.Tensor:

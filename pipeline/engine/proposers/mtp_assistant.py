@@ -116,6 +116,9 @@ class MTPAssistantProposer:
         self.hidden[slot].crop(valid_length)
         self.hidden[slot].drop_before(valid_length - 1)  # the next draft reads position valid_length - 1
 
+    def reserve(self, length: int) -> None:
+        pass  # it reads the target's cache, which the engine sizes
+
     def _shared_kv(self, slots: list[int], lengths: list[int]):
         """Per kind, keys and values of positions ``0 .. lengths[b] - 1`` of each row,
         left-padded to the longest: ``(b, heads, T, head_dim)``, and the ``(b, T)`` mask."""
@@ -157,11 +160,11 @@ class MTPAssistantProposer:
                                attention_mask=mask[index], use_cache=False)
             hidden = o.last_hidden_state
             sub = [reqs[j] for j in live]
-            chosen, qs = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub,
+            chosen, qs, conf = draft_tokens(o.logits[:, -1].to(sub[0].sequence.device), sub,
                                       [drafting.prefix(rows[j]) for j in live])
             keep = []
             for pos, j in enumerate(live):
-                drafting.append(rows[j], chosen[pos : pos + 1], qs[pos])
+                drafting.append(rows[j], chosen[pos : pos + 1], qs[pos], conf[pos])
                 if drafting.count(rows[j]) < reqs[j].k:
                     keep.append(pos)
             live = [live[p] for p in keep]

@@ -5,7 +5,9 @@ as used by transformers' ``prompt_lookup_num_tokens`` / ``max_matching_ngram_siz
 for ``n`` from ``max_matching_ngram_size`` down to 1, find the first earlier occurrence
 of the last ``n`` tokens of the sequence (prompt and generated text) that has a
 continuation, and propose up to ``k`` tokens that followed it.  No match: an empty
-draft, so the step is an ordinary target step.  Deterministic: ``q`` is one-hot.
+draft, so the step is an ordinary target step.  Deterministic: ``q`` is one-hot.  Its
+confidence in each draft token (:func:`lookup_with_confidence`) is how often the matched
+n-gram was followed that way in the row's text (source ``"prompt"``).
 Each row is searched on its own (no model runs), so a batch costs one search per row.
 
 Token trees (``num_candidates > 1``, greedy rows): the n-gram may occur at several earlier
@@ -27,18 +29,38 @@ from .base import Draft, DraftRequest, NoState, empty_draft, tree_from_branches
 def lookup(seq: torch.Tensor, k: int, max_ngram: int) -> torch.Tensor:
     """Up to ``k`` tokens that followed the first earlier occurrence of the longest
     matching suffix n-gram of ``seq`` ``(L,)``; ``(0,)`` when none matches."""
+    return lookup_with_confidence(seq, k, max_ngram)[0]
+
+
+def lookup_with_confidence(seq: torch.Tensor, k: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`lookup`'s draft and its confidence (:attr:`Draft.confidence`): for draft token
+    ``j``, the share of the n-gram's earlier occurrences followed by the draft's first ``j``
+    tokens that are also followed by token ``j`` (how often the text continued this way
+    after the same n-gram; 1.0 for an n-gram seen once).  ``((0,), None)`` when nothing matches."""
     length = seq.shape[0]
     for n in range(min(max_ngram, length - 1), 0, -1):
         pattern = seq[length - n :]
         # windows starting at 0 .. length-n-1: every earlier occurrence, none overlapping the end
         windows = seq[: length - 1].unfold(0, n, 1)
-        hits = (windows == pattern).all(dim=1).nonzero()
+        hits = (windows == pattern).all(dim=1).nonzero()[:, 0]
         if hits.numel():
-            start = int(hits[0, 0]) + n
+            start = int(hits[0]) + n
             tokens = seq[start : min(start + k, length)]
             if tokens.numel():
-                return tokens.clone()
-    return seq.new_empty(0)
+                return tokens.clone(), _agreement(seq, hits + n, tokens)
+    return seq.new_empty(0), None
+
+
+def _agreement(seq: torch.Tensor, starts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per draft position ``j``: of the continuations at ``starts`` that match ``tokens[:j]``
+    and go on, the share whose next token is ``tokens[j]``; ``(n,)`` float64 on the CPU."""
+    n, length = tokens.shape[0], seq.shape[0]
+    idx = starts.view(-1, 1) + torch.arange(n, device=seq.device)
+    inside = idx < length
+    cont = torch.where(inside, seq[idx.clamp_max(length - 1)], torch.full_like(idx, -1))
+    agree = (cont == tokens).to(torch.float64).cumprod(1)  # (hits, n): matches tokens[: j + 1]
+    reach = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1]], 1) * inside  # matched tokens[:j], goes on
+    return (agree.sum(0) / reach.sum(0).clamp_min(1)).cpu()
 
 
 def lookup_candidates(seq: torch.Tensor, k: int, max_ngram: int, candidates: int) -> list[list[int]]:
@@ -78,11 +100,12 @@ class PromptLookupProposer(NoState):
         for r in requests:
             if r.candidates > 1:
                 branches = lookup_candidates(r.sequence[0], r.k, self.max_ngram, r.candidates)
-                out.append(tree_from_branches(branches, r.sequence.device) if branches else
+                out.append(tree_from_branches(branches, r.sequence.device, "prompt") if branches else
                            empty_draft(r.sequence.device))
                 continue
-            tokens = lookup(r.sequence[0], r.k, self.max_ngram)
-            out.append(Draft(tokens=tokens) if tokens.numel() else empty_draft(r.sequence.device))
+            tokens, confidence = lookup_with_confidence(r.sequence[0], r.k, self.max_ngram)
+            out.append(Draft(tokens, confidence=confidence, source="prompt") if tokens.numel() else
+                       empty_draft(r.sequence.device))
         return out
 
 

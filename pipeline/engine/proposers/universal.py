@@ -107,6 +107,9 @@ class UniversalProposer:
     def rollback(self, slot: int, valid_length: int) -> None:
         pass  # re-synchronised from the committed text at the next propose()
 
+    def reserve(self, length: int) -> None:
+        self.runner.cache.reserve(length)  # in the drafter's tokens: about as many for a text
+
     # ------------------------------------------------------------------ text <-> ids
     def _decode_t(self, ids: list[int]) -> str:
         return self.tok_t.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -1,0 +1,489 @@
+"""The draft-length controller: one verify budget per step, shared by the rows in flight.
+
+How many draft tokens each row verifies this step (0 included) is decided here, for all the
+rows of a step together, at three points of the loop (:mod:`pipeline.engine.loop`):
+
+1. :meth:`DraftBudget.lengths`, before proposing: how many tokens to ask each row's proposer for;
+2. :meth:`DraftBudget.cut`, after proposing: which of a row's drafts to verify (a proposer may
+   offer one per source, :attr:`Draft.alternatives <pipeline.engine.proposers.base.Draft>`)
+   and how many of its tokens; a token tree's node budget;
+3. :meth:`DraftBudget.observe`, after verifying: the accepted tokens and the step's timings.
+
+**Admission by marginal value** (as vLLM's adaptive verification).  Draft position ``j`` of row
+``i`` is worth its *survival* ``s_ij = a_i1 * ... * a_ij``, the chance that the row's first
+``j`` draft tokens are all accepted, in expected accepted tokens
+(:func:`~pipeline.engine.cost_model.expected_tokens` sums them).  A step of ``B`` rows whose
+longest verified draft has ``W - 1`` tokens costs ``t(B, W)`` (rows are padded to the widest,
+so every row pays for ``W`` positions; :class:`~pipeline.engine.cost_model.CostCurve`) plus,
+before proposing, the proposer's ``p0 + p1 * max k + p2 * sum k``.  Positions are admitted
+across the batch, highest survival first, while the step's expected tokens per second
+``(B + sum of admitted survivals) / seconds`` grows (each width tried: the pass widens to the
+longest admitted row); the step drafts nothing, a plain step, unless its best beats a plain
+step by :data:`MIN_GAIN`.  After proposing the proposer's time is spent and the positions
+within the pass's width cost nothing more, so the cut keeps of every row ``min(W, n_i)``
+tokens for the width ``W`` of the best rate.  A proposer whose asked drafts cost under
+:data:`FREE_PROPOSER` of a plain step (prompt lookup, suffix) is asked for its cap and the
+cut alone decides.  :class:`Admission` records each decision: every position offered with its
+survival, the width, the predicted seconds and the price of one more token of width
+(``explain`` answers "why did this row draft 2 tokens this step?").
+
+**Expected accepted tokens.**  ``a_ij`` is the proposer's own confidence in the token
+(:attr:`Draft.confidence`: suffix's frequencies, prompt lookup's recurrence, a drafter's or a
+head's top probability), calibrated against measured acceptance per source
+(:class:`Acceptance`: a table by confidence bin, each bin starting at its own confidence with
+the weight of :data:`CALIBRATION_PRIOR` tokens), else the source's measured acceptance by
+position; then moved towards the row's own record (:class:`RowEvidence`: what it accepted
+against what was predicted for it, shrunk with the weight of :data:`ROW_PRIOR` tokens).  Of a
+row's drafts the one with the most expected accepted tokens is verified.  A greedy or
+point-mass draft's tokens past the verified ones are judged for free against the tokens the
+step emitted (the emitted token has the target's law, so its chance of equalling a point-mass
+draft's is that draft's acceptance), and so are the drafts not chosen.
+
+**Sampling stays exact.**  Rejection sampling (Leviathan et al. 2023) emits the target's law at
+position ``j`` whether position ``j`` is verified or the target's token is drawn there, as long
+as the decision to verify ``j`` does not depend on the drafted token ``x_j`` (nor on anything
+drawn after it) given the tokens before it.  So: a draft that is a point mass (``probs is
+None``: prompt lookup, suffix, a reference) is a function of the committed text, and any cut
+of it is allowed; a draft sampled from a drafter's ``q`` is cut by a *stopping rule*
+(SpecDec++, Huang et al. 2024): position ``j`` is verified iff each position up to ``j`` has
+``s_ij >= lambda_ij``, where ``s_ij`` uses confidences known before the draws (the top
+probability of ``q_j``, never ``q_j(x_j)``) and ``lambda_ij = (t(B, j+1) - t(B, j)) / t(B, j) *
+(1 + s_i1 + ... + s_i,j-1)`` depends on costs and earlier positions only; the pass's width is
+then never below such a row's length, and which draft such a row verifies is chosen from
+estimates that ignore its draws.  Static ensemble verification (lossy) keeps a fixed ``k``.
+Greedy outputs never depend on the controller; a sampled output keeps the target's law, but the
+draws a seed gives follow the chosen lengths, which follow measured times: with
+``draft_length="fixed"`` (every row its cap) a seed reproduces its output.
+
+Until the cost curve is measured (a few steps at two widths; the engine's warm-up measures it
+before the timed work) steps verify 0, 1, 0 and 2 tokens in turn (:data:`EXPLORE`).  A costly
+proposer whose drafts do not pay is still asked now and then (a probe: one row, one token
+more, every :data:`PROBE_EVERY` steps, doubling while it still does not pay), so acceptance
+keeps being measured.  :meth:`DraftBudget.reset_learning` drops what was learnt of acceptance
+and keeps the cost curve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .cost_model import CostCurve
+from .proposers.base import Draft
+from .tree_size import TreeSizer
+
+#: a step drafts only when its predicted tokens per second beat a plain step's by this share
+#: (near break-even the model's errors would make a method slower than plain decoding)
+MIN_GAIN = 0.05
+#: a proposer whose asked drafts are predicted to cost below this share of a plain step is
+#: asked for its cap, and the cut alone decides on the drafts as they came
+FREE_PROPOSER = 0.02
+#: confidence bins of the calibration (per source)
+CALIBRATION_BINS = 10
+#: a confidence bin starts at its confidence with the weight of this many measured tokens
+CALIBRATION_PRIOR = 4.0
+#: a position of a source without confidence starts at the position before's estimate ...
+POSITION_PRIOR = 4.0
+#: ... and the first at this acceptance
+FIRST_POSITION = 0.5
+#: a row's record starts as this many tokens accepted as predicted
+ROW_PRIOR = 4.0
+#: tokens verified by the steps before the cost curve is measured, in turn
+EXPLORE = (0, 1, 0, 2)
+#: a probe every this many steps (doubling while drafting does not pay, up to MAX_PROBE_EVERY)
+PROBE_EVERY = 32
+MAX_PROBE_EVERY = 1024
+#: the pooled position table of every verified draft (the prior of :meth:`DraftBudget.lengths`)
+ANY = "*"
+
+
+@dataclass
+class RowEvidence:
+    """One row's acceptance against the controller's estimates for it (``RowState.evidence``)."""
+
+    evaluated: float = 0.0
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    def adjust(self, a: float) -> float:
+        """``a``, an estimate for this row, moved towards what the row measured: hits scaled
+        by ``(accepted + R) / (expected + R)`` when it did worse than predicted, misses by
+        ``(missed + R) / (expected missed + R)`` when better (``R`` = :data:`ROW_PRIOR`)."""
+        hit = (self.accepted + ROW_PRIOR) / (self.expected + ROW_PRIOR)
+        if hit <= 1.0:
+            return a * hit
+        miss = (self.evaluated - self.accepted + ROW_PRIOR) / (self.evaluated - self.expected + ROW_PRIOR)
+        return 1.0 - (1.0 - a) * miss
+
+    def observe(self, estimate: float, accepted: bool) -> None:
+        self.evaluated += 1.0
+        self.accepted += accepted
+        self.expected += estimate
+
+
+class Acceptance:
+    """Measured acceptance, per source: against the proposer's confidence (a calibration table
+    of :data:`CALIBRATION_BINS` bins) and by draft position (``[accepted, evaluated]`` counts)."""
+
+    def __init__(self):
+        self.bins: dict[tuple[str, int], list[float]] = {}
+        self.positions: dict[tuple[str, int], list[float]] = {}
+
+    def estimates(self, source: str, confidence: Sequence[float] | None, n: int) -> list[float]:
+        """``a_1 .. a_n`` of a draft of ``source``: calibrated confidences, else by position."""
+        if confidence is not None:
+            out = []
+            for c in confidence[:n]:
+                hits, seen = self.bins.get((source, _bin(c)), (0.0, 0.0))
+                out.append((hits + CALIBRATION_PRIOR * c) / (seen + CALIBRATION_PRIOR))
+            return out
+        out, prior = [], FIRST_POSITION
+        for j in range(n):
+            hits, seen = self.positions.get((source, j), (0.0, 0.0))
+            prior = (hits + POSITION_PRIOR * prior) / (seen + POSITION_PRIOR)
+            out.append(prior)
+        return out
+
+    def observe(self, source: str, confidence: float | None, position: int, accepted: bool) -> None:
+        keys = [(self.positions, (source, position))]
+        if confidence is not None:
+            keys.append((self.bins, (source, _bin(confidence))))
+        for table, key in keys:
+            entry = table.setdefault(key, [0.0, 0.0])
+            entry[0] += accepted
+            entry[1] += 1.0
+
+
+def _bin(c: float) -> int:
+    return min(max(int(c * CALIBRATION_BINS), 0), CALIBRATION_BINS - 1)
+
+
+@dataclass
+class Admission:
+    """Why a step verifies what it does (one per :meth:`DraftBudget.lengths` or :meth:`~DraftBudget.cut`).
+
+    Attributes:
+        phase: ``"lengths"`` (tokens asked of the proposer) or ``"cut"`` (tokens verified).
+        way: ``"gain"`` (by marginal value), ``"free"`` (a free proposer: asked its cap),
+            ``"fixed"``, ``"explore"`` (the cost curve is not measured yet) or ``"probe"``.
+        lengths: per row the tokens asked or verified.
+        survival: per row the survival of each position offered (the chosen draft's).
+        sources: per row the chosen draft's source (``None`` before proposing).
+        width: the pass's tokens per row (longest length + 1).
+        seconds: predicted seconds of the step at that width (the proposer's included before proposing).
+        plain_seconds: predicted seconds of a plain step.
+        marginal_seconds: the price of one more token of width: ``t(B, width + 1) - t(B, width)``.
+        tokens: the step's expected tokens (``B`` plus the admitted survivals).
+    """
+
+    phase: str
+    way: str
+    lengths: list[int]
+    survival: list[list[float]] = field(default_factory=list)
+    sources: list[str | None] = field(default_factory=list)
+    width: int = 1
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
+    marginal_seconds: float = 0.0
+    tokens: float = 0.0
+
+    def explain(self, row: int) -> str:
+        """One line: why ``row`` verifies (or asks for) what it does this step."""
+        n, s = self.lengths[row], self.survival[row] if self.survival else []
+        kept = ", ".join(f"{x:.2f}" for x in s[:n]) or "none"
+        left = f"; next position {s[n]:.2f}" if n < len(s) else ""
+        src = f" from {self.sources[row]}" if self.sources and self.sources[row] else ""
+        return (f"{self.phase} ({self.way}): row {row} {n} token(s){src}, survival {kept}{left}; width {self.width}, "
+                f"{self.tokens:.2f} tokens in {1e3 * self.seconds:.1f} ms against plain "
+                f"{len(self.lengths)} in {1e3 * self.plain_seconds:.1f} ms; one more token of width "
+                f"{1e3 * self.marginal_seconds:.2f} ms")
+
+
+@dataclass
+class _Pick:
+    """A row's chosen draft after :meth:`DraftBudget.cut`, kept for :meth:`DraftBudget.observe`."""
+
+    primary: Draft
+    chosen: Draft
+    prior: list[float]  # calibrated estimates before the row's record (what its record is judged against)
+    survival: list[float]
+    verified: Draft | None = None
+
+
+class DraftBudget:
+    """The draft-length controller of one engine (see the module docstring).
+
+    Args:
+        k_max: the method's draft length ``K`` (the most any row drafts).
+        fixed: every row verifies its cap and the proposer's primary draft, trees whole (a
+            fixed ``k``); the costs and acceptance are still measured.
+    """
+
+    def __init__(self, k_max: int, fixed: bool = False):
+        self.k_max = k_max
+        self.fixed = fixed
+        self.curve = CostCurve()
+        self.record = False  # keep every Admission in history (tests, the docs' plot)
+        self.history: list[Admission] = []
+        self.last: Admission | None = None
+        self.steps = 0
+        self._asked: list[int] = []
+        self._picks: list[_Pick] = []
+        self._sampled = self._free = False
+        self.reset_learning()
+
+    def reset_learning(self) -> None:
+        """Forget acceptance (calibration, positions, the tree's side-node gain, probes); keep
+        the cost curve (the engine's :meth:`~pipeline.engine.loop.StepEngine.reset_learning`)."""
+        self.acceptance = Acceptance()
+        self.trees = TreeSizer()
+        self.kept: dict[int, list[float]] = {}  # draft position -> [verified, proposed] (what cut() keeps)
+        self.probing = False
+        self.probe_every = PROBE_EVERY
+        self._next_probe = self.steps + PROBE_EVERY
+        self._probe_turn = 0
+
+    def _log(self, admission: Admission) -> None:
+        self.last = admission
+        if self.record:
+            self.history.append(admission)
+
+    # ------------------------------------------------------------------ 1. before proposing
+    def lengths(self, rows: Sequence[RowEvidence], caps: Sequence[int], sampled: bool = False) -> list[int]:
+        """Tokens to ask each row's proposer for: per row ``0 .. caps[i]`` (its schedule,
+        budget and context; at most ``k_max`` unless ``fixed``, where a schedule may grow it)."""
+        self.steps += 1
+        caps = [max(0, int(c) if self.fixed else min(int(c), self.k_max)) for c in caps]
+        self._sampled = sampled
+        b = len(caps)
+        way = "fixed" if self.fixed else "explore" if not self.curve.ready else None
+        self.probing = way is None and self.steps >= self._next_probe
+        if way is None and self.curve.propose_seconds(caps) <= FREE_PROPOSER * self.curve.seconds(b, 1):
+            way = "free"
+        self._free = way == "free"
+        if way is not None:
+            ks = caps if way != "explore" else [min(c, EXPLORE[(self.steps - 1) % len(EXPLORE)]) for c in caps]
+            self._asked = ks
+            self._log(Admission("lengths", way, ks, width=max(ks, default=0) + 1))
+            return ks
+        survival = [self._asking(r, c) for r, c in zip(rows, caps)]
+        ks, adm = self._admit(survival, caps, with_proposer=True)
+        open_rows = [i for i, (c, k) in enumerate(zip(caps, ks)) if k < c]
+        if self.probing:  # one row asks one token more (rows in turn): acceptance and costs stay measured
+            self._probed(any(ks))
+            if open_rows:
+                ks[open_rows[self._probe_turn % len(open_rows)]] += 1
+                self._probe_turn += 1
+                adm.way, adm.width = "probe", max(ks) + 1
+        self._asked = ks
+        self._log(adm)
+        return ks
+
+    def _probed(self, paid: bool) -> None:
+        """A probe step: the next comes :attr:`probe_every` steps on, an interval that doubles
+        (up to :data:`MAX_PROBE_EVERY`) while drafting still does not pay and is
+        :data:`PROBE_EVERY` again once it does."""
+        self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, MAX_PROBE_EVERY)
+        self._next_probe = self.steps + self.probe_every
+
+    def _asking(self, row: RowEvidence, cap: int) -> list[float]:
+        """What asking a row for each position is worth before its draft is seen: the survival
+        of a verified draft by position (pooled, moved by the row's record), times the share of
+        proposed tokens at that position the cut has kept (a proposer whose drafts are cut
+        short is asked for less); never increasing."""
+        out, low = [], 1.0
+        survival = _survive([row.adjust(a) for a in self.acceptance.estimates(ANY, None, cap)])
+        for j, s in enumerate(survival):
+            kept, proposed = self.kept.get(j, (0.0, 0.0))
+            low = min(low, s * (kept + 1.0) / (proposed + 1.0))
+            out.append(low)
+        return out
+
+    def _admit(self, survival: list[list[float]], caps: Sequence[int], with_proposer: bool) -> tuple[list[int], Admission]:
+        """Positions admitted across the rows, highest survival first, for the width of the
+        best expected tokens per second (see the module docstring)."""
+        b = len(caps)
+        curve = self.curve
+        top = max(caps, default=0)
+        verify = [curve.seconds(b, w + 1) for w in range(top + 2)]
+
+        def seconds(longest: int, total: int) -> float:
+            return verify[longest] + (curve.proposing(longest, total) if with_proposer else 0.0)
+
+        order = sorted(((s[j], i, j) for i, s in enumerate(survival) for j in range(min(caps[i], len(s))) if s[j] > 0.0),
+                       key=lambda t: (-t[0], t[2]))
+        plain = b / verify[0]
+        best, best_prefix = plain * (1.0 + MIN_GAIN), None  # the best (width, positions admitted) so far
+        for w in range(1, top + 1):
+            tokens, longest, total = float(b), 0, 0
+            for n, (s, _, j) in enumerate(o for o in order if o[2] < w):
+                tokens, total = tokens + s, total + 1
+                if j >= longest:
+                    longest = j + 1
+                rate = tokens / seconds(longest, total)
+                if rate > best:
+                    best, best_prefix = rate, (w, n + 1)
+        best_ks, best_tokens = [0] * b, float(b)
+        if best_prefix is not None:
+            w, n = best_prefix
+            for s, i, j in [o for o in order if o[2] < w][:n]:
+                best_ks[i], best_tokens = max(best_ks[i], j + 1), best_tokens + s
+        width = max(best_ks, default=0)
+        adm = Admission("lengths" if with_proposer else "cut", "gain", best_ks, survival, width=width + 1,
+                        seconds=seconds(width, sum(best_ks)), plain_seconds=verify[0],
+                        marginal_seconds=verify[min(width + 1, top + 1)] - verify[width], tokens=best_tokens)
+        return best_ks, adm
+
+    # ------------------------------------------------------------------ 2. after proposing
+    def cut(self, drafts: Sequence[Draft], rows: Sequence[RowEvidence]) -> list[Draft]:
+        """The drafts to verify: per row the draft (of the primary and its alternatives) with
+        the most expected accepted tokens, cut to the step's width; a tree's first branch cut
+        so, then the trees cut to the node budget (:class:`~pipeline.engine.tree_size.TreeSizer`).
+        With ``fixed``, the primary drafts as they came."""
+        picks = [self._pick(d, r) for d, r in zip(drafts, rows)]
+        self._picks = picks
+        if self.fixed or not any(len(p.chosen) for p in picks):
+            for p in picks:
+                p.verified = p.chosen
+            self._log(Admission("cut", "fixed" if self.fixed else "gain", [len(p.chosen) for p in picks],
+                                [p.survival for p in picks], [p.chosen.source for p in picks],
+                                width=max((len(p.chosen) for p in picks), default=0) + 1))
+            return [p.chosen for p in picks]
+        firsts = [len(p.survival) for p in picks]
+        stops = [self._stopping_length(p) for p in picks]
+        if not self.curve.ready:
+            w = EXPLORE[(self.steps - 1) % len(EXPLORE)]
+            width, adm = w, Admission("cut", "explore", [min(f, w) for f in firsts], width=w + 1)
+        else:
+            width, adm = self._width(picks, firsts, stops)
+            if self.probing and self._free:  # a free proposer's probe: one token of width more than pays
+                self._probed(width > 0)
+                if width < max(firsts):
+                    width, adm.way = width + 1, "probe"
+            elif self.probing:  # a probe asked one row one token more: verify what was asked
+                width, adm.way = max(firsts), "probe"
+        width = max([width] + [s for s in stops if s is not None])  # a stopping rule's length is never cut
+        out = []
+        for p, f, s in zip(picks, firsts, stops):
+            n = s if s is not None else min(f, width)
+            p.verified = p.chosen.pruned(n, len(p.chosen)) if p.chosen.parents is not None else p.chosen.truncated(n)
+            out.append(p.verified)
+        adm.lengths, adm.sources = [min(len(p.survival), len(v.first_branch())) for p, v in zip(picks, out)], \
+            [p.chosen.source for p in picks]
+        if any(v.is_tree for v in out) and adm.way == "gain":
+            first = [len(v.first_branch()) for v in out]
+            nodes = self.trees.nodes(self.curve.seconds, [p.survival for p in picks], first, [len(v) for v in out])
+            out = [v.truncated(nodes) if len(v) > nodes else v for v in out]
+            for p, v in zip(picks, out):
+                p.verified = v
+        self._log(adm)
+        return out
+
+    def _pick(self, draft: Draft, row: RowEvidence) -> _Pick:
+        """The row's draft with the most expected accepted tokens (``fixed``: the primary).  A
+        draft sampled from a drafter's ``q`` is valued, for this choice, without its
+        confidences (they follow its draws); a tree is valued by its first branch, by position."""
+        best = None
+        for cand in (draft,) + tuple(draft.alternatives if draft.parents is None and not self.fixed else ()):
+            n = len(cand.first_branch()) if cand.parents is not None else len(cand)
+            conf = None if cand.confidence is None or cand.parents is not None else cand.confidence.tolist()
+            prior = self.acceptance.estimates(cand.source, conf, n)
+            survival = _survive([row.adjust(a) for a in prior])
+            drawn = self._sampled and cand.probs is not None
+            value = sum(_survive([row.adjust(a) for a in self.acceptance.estimates(cand.source, None, n)])) \
+                if drawn and conf is not None else sum(survival)
+            if best is None or value > best[0]:
+                best = (value, _Pick(draft, cand, prior, survival))
+        return best[1]
+
+    def _stopping_length(self, pick: _Pick) -> int | None:
+        """The stopping rule's length of a draft sampled from ``q`` in a sampled step (see the
+        module docstring); ``None`` for any other draft."""
+        if not self._sampled or pick.chosen.probs is None:
+            return None
+        b, total = len(self._picks), 1.0
+        if not self.curve.ready:
+            return min(len(pick.survival), EXPLORE[(self.steps - 1) % len(EXPLORE)])
+        for j, s in enumerate(pick.survival):
+            narrow, wide = self.curve.seconds(b, j + 1), self.curve.seconds(b, j + 2)
+            if s < (wide - narrow) / narrow * total * (1.0 + MIN_GAIN):
+                return j
+            total += s
+        return len(pick.survival)
+
+    def _width(self, picks: list[_Pick], firsts: list[int], stops: list[int | None]) -> tuple[int, Admission]:
+        """The width of the best expected tokens per second, the proposer's time spent: every
+        row keeps ``min(W, its length)`` (a stopping rule's rows their own length)."""
+        b = len(picks)
+        low = max([s for s in stops if s is not None], default=0)
+        caps = [f if s is None else s for f, s in zip(firsts, stops)]
+        ks, adm = self._admit([p.survival for p in picks], caps, with_proposer=False)
+        width = max([low] + ks)  # every row keeps its positions within the width: they cost nothing more
+        adm.tokens = b + sum(sum(p.survival[:min(width, c)]) for p, c in zip(picks, caps))
+        adm.seconds, adm.width = self.curve.seconds(b, width + 1), width + 1
+        adm.marginal_seconds = self.curve.seconds(b, width + 2) - adm.seconds
+        return width, adm
+
+    # ------------------------------------------------------------------ 3. after verifying
+    def observe(self, rows: Sequence[RowEvidence], paths: Sequence[Sequence[int]], emitted: Sequence[Sequence[int]],
+                propose_s: float, verify_s: float) -> None:
+        """The step's outcome: per row the accepted nodes of its verified draft (``paths``,
+        the verdict's) and the tokens it emitted (``emitted``: accepted tokens and the
+        target's, cut by a stop); the seconds of proposing (this call's ``lengths`` to ``cut``)
+        and of verifying (the pass and the settling)."""
+        picks, self._picks = self._picks, []
+        if not picks:
+            return
+        width = max(len(p.verified) for p in picks) + 1
+        self.curve.observe(len(picks), width, verify_s)
+        if any(self._asked):
+            self.curve.observe_propose(self._asked, propose_s)
+        for p, k in zip(picks, self._asked):
+            n = len(p.verified.first_branch()) if p.verified.parents is not None else len(p.verified)
+            for j in range(min(k, len(p.chosen))):
+                entry = self.kept.setdefault(j, [0.0, 0.0])
+                entry[0] += j < n
+                entry[1] += 1.0
+        for p, row, path, block in zip(picks, rows, paths, emitted):
+            v = p.verified
+            if v.is_tree:
+                first = v.first_branch()
+                on_first = next((i for i, (a, b) in enumerate(zip(path, first)) if a != b), min(len(path), len(first)))
+                self.trees.observe(len(v) - len(first), len(path) - on_first)
+            for cand in (p.primary,) + tuple(p.primary.alternatives):
+                if cand is not p.chosen and self._sampled and cand.probs is not None:
+                    continue  # a sampled draft that was not verified: its fate is unknown
+                self._judge(cand, p, row, path, block)
+
+    def _judge(self, cand: Draft, pick: _Pick, row: RowEvidence, path: Sequence[int], block: Sequence[int]) -> None:
+        """Count the evaluated positions of ``cand``: against the emitted tokens (greedy, or a
+        point mass), else the verdict of its verified tokens (a sampled draft)."""
+        tokens = cand.tokens[cand.first_branch()].tolist() if cand.parents is not None else cand.tokens.tolist()
+        conf = None if cand.confidence is None or cand.parents is not None else cand.confidence.tolist()
+        prior = pick.prior if cand is pick.chosen else self.acceptance.estimates(cand.source, conf, len(tokens))
+        if self._sampled and cand.probs is not None:  # only its verified positions are known
+            n = len(pick.verified)
+            outcome = [j < len(path) for j in range(min(len(path) + 1, n))]
+        else:
+            outcome = []
+            for j, t in enumerate(tokens):
+                if j >= len(block):
+                    break
+                outcome.append(t == block[j])
+                if not outcome[-1]:
+                    break
+        for j, hit in enumerate(outcome):
+            c = conf[j] if conf is not None else None
+            self.acceptance.observe(cand.source, c, j, hit)
+            if cand is pick.chosen:
+                self.acceptance.observe(ANY, None, j, hit)
+            row.observe(prior[j], hit)
+
+
+def _survive(acceptance: Sequence[float]) -> list[float]:
+    """Survival by position: the running product of per-position acceptance, in [0, 1]."""
+    out, s = [], 1.0
+    for a in acceptance:
+        s *= min(max(a, 0.0), 1.0)
+        out.append(s)
+    return out
