@@ -38,7 +38,10 @@ Nightly reuse (``reuse``, :mod:`pipeline.reuse`): every decoded row gets its ``r
 and ``output_token_ids``; a row whose key a previous output holds is copied, not decoded
 (:meth:`GenerateActor._reused`, :meth:`GenerateActor._fill_reused`): its output is the
 previous row's, ``reused_from`` names where it came from, its decode statistics are null,
-and the audit re-decodes its sampled fraction with plain decoding, as for decoded rows.
+and the audit re-decodes its sampled fraction with plain decoding, as for decoded rows.  A
+decoded row whose id the previous output holds (an edited row) drafts from that row's
+``output_token_ids`` too (:meth:`GenerateActor._reference`; reference drafting,
+:mod:`pipeline.engine.reference`): lossless, counted in ``accepted_from_reference``.
 
 Used as::
 
@@ -141,6 +144,7 @@ class GenerateActor:
         outs: list[dict[str, Any]] = []
         todo: list[tuple[int, list[int]]] = []  # (index in rows, prompt ids)
         settings: list = []
+        references: list = []  # per row of todo: the previous output of its id to draft from, or None
         reused: list[tuple[int, list[int], Any]] = []  # (index in rows, prompt ids, settings) of copied rows
         for i, row in enumerate(rows):
             out: dict[str, Any] = {
@@ -164,9 +168,10 @@ class GenerateActor:
                 continue
             todo.append((i, ids))
             settings.append(one)
+            references.append(self._reference(row))
         audit = [j for j, (i, ids) in enumerate(todo) if self.plain_engine is not None
                  and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
-        results, plain = self._decode_audited(todo, settings, audit)
+        results, plain = self._decode_audited(todo, settings, audit, references)
         audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None)
                    for j, p in zip(audit, plain) if results[j].error is None}
         plain_time = {j: p.stats.wall_time_s for j, p in zip(audit, plain) if p.error is None and j in audited}
@@ -233,15 +238,31 @@ class GenerateActor:
                 logging.getLogger(__name__).warning("warm-up failed (the first rows will pay for compiling): %s", e)
         return seconds
 
-    def _decode_audited(self, todo: list[tuple[int, list[int]]], settings: list, audit: list[int]):
+    def _reference(self, row: dict[str, Any]) -> list[int] | None:
+        """The row's reference for drafting (:mod:`pipeline.engine.reference`): the previous
+        output's token ids of the row's id (:meth:`pipeline.reuse.RowReuse.reference_for`; the
+        row was not copied, so its prompt or settings changed), or None: no previous output, no
+        row of that id, or ids outside this target's vocabulary (a previous output of another
+        tokenizer: nothing to draft from)."""
+        if self.reuse is None or self.columns != "job":
+            return None
+        ref = self.reuse.reference_for(row.get(self.id_column))
+        if not ref or max(ref) >= self.engine.target_vocab or min(ref) < 0:
+            return None
+        return ref
+
+    def _decode_audited(self, todo: list[tuple[int, list[int]]], settings: list, audit: list[int],
+                        references: list | None = None):
         """The job's engine's results of every row of ``todo``, and plain decoding's of the rows
         ``audit`` (indices into ``todo``), in that order.  The audited rows are decoded by both
         engines in turn, A B B A: a group of at least ``2 x compute.max_batch_size`` rows in two
         halves, the engine that went first on the first half going second on the second (a shape
         the warm-up did not run costs whichever engine meets it first: each meets half of them
-        first), the first engine alternating by batch; then the batch's other rows."""
+        first), the first engine alternating by batch; then the batch's other rows.  The job's
+        engine drafts from ``references`` (one per row of ``todo``, or None) where a row has one."""
+        refs = references or [None] * len(todo)
         if not audit:
-            return self._decode(self.engine, [ids for _, ids in todo], settings), []
+            return self._decode(self.engine, [ids for _, ids in todo], settings, refs), []
         chosen = set(audit)
         rest = [j for j in range(len(todo)) if j not in chosen]
         half = len(audit) // 2 if len(audit) >= 2 * self.cfg.compute.max_batch_size else len(audit)
@@ -250,9 +271,11 @@ class GenerateActor:
         decoded: dict[int, dict[int, object]] = {id(self.engine): {}, id(self.plain_engine): {}}
         for part, engines in ((audit[:half], order), (audit[half:], order[::-1])):
             for engine in engines if part else ():
-                out = self._decode(engine, [todo[j][1] for j in part], [settings[j] for j in part])
+                out = self._decode(engine, [todo[j][1] for j in part], [settings[j] for j in part],
+                                   [refs[j] for j in part] if engine is self.engine else None)
                 decoded[id(engine)].update(zip(part, out))
-        others = self._decode(self.engine, [todo[j][1] for j in rest], [settings[j] for j in rest])
+        others = self._decode(self.engine, [todo[j][1] for j in rest], [settings[j] for j in rest],
+                              [refs[j] for j in rest])
         spec = {**decoded[id(self.engine)], **dict(zip(rest, others))}
         return [spec[j] for j in range(len(todo))], [decoded[id(self.plain_engine)][j] for j in audit]
 
@@ -311,20 +334,21 @@ class GenerateActor:
         return row_settings(settings, key)
 
     @staticmethod
-    def _decode(engine, prompts: list[list[int]], settings: list) -> list:
-        """``engine.generate_batch``; if the batched call raises, each row alone, so that
-        only the rows that fail by themselves get an error."""
+    def _decode(engine, prompts: list[list[int]], settings: list, references: list | None = None) -> list:
+        """``engine.generate_batch`` (with the rows' ``references``, where given); if the
+        batched call raises, each row alone, so that only the rows that fail by themselves
+        get an error."""
         from pipeline.engine import GenerationResult
 
         if not prompts:
             return []
         try:
-            return engine.generate_batch(prompts, settings)
+            return engine.generate_batch(prompts, settings, **_refs(references))
         except Exception:  # noqa: BLE001 - isolate the row(s) at fault
             results = []
-            for ids, s in zip(prompts, settings):
+            for ids, s, r in zip(prompts, settings, references or [None] * len(prompts)):
                 try:
-                    results.append(engine.generate_batch([ids], [s])[0])
+                    results.append(engine.generate_batch([ids], [s], **_refs([r]))[0])
                 except Exception as e:  # noqa: BLE001
                     _free_cuda_if_oom(e)
                     results.append(GenerationResult.failed(f"{type(e).__name__}: {e}"))
@@ -363,6 +387,12 @@ class GenerateActor:
             "warm_up_time_s": self.warm_up_time_s,
             "device": self.models.device,
         }
+
+
+def _refs(references: list | None) -> dict[str, Any]:
+    """``generate_batch``'s ``references`` argument where a row has one (an engine stand-in
+    without references, such as bench_scale's stub, is called as before otherwise)."""
+    return {"references": references} if references and any(r is not None for r in references) else {}
 
 
 def _origin(row: dict[str, Any], ids: list[int] | None) -> tuple[Any, Any]:

@@ -397,3 +397,47 @@ def test_two_nights_the_second_copies_the_unchanged_rows(ray_local, tiny_models,
     assert all(r["reused_from"] is None and r["verify_steps"] for r in decoded)
     assert s2["new_tokens"] == sum(r["new_tokens"] for r in decoded)  # tokens/s counts these only
     assert s2["reused_tokens"] == sum(len(rows1[rid]["output_token_ids"]) for rid in ("r0", "r2", "r3"))
+
+
+class _FixedCosts:
+    """A CPU-like cost curve for the draft-length controller, fixed (its choices do not follow the
+    machine's load): a plain step of B rows 10 ms + 1 ms per row, a token of width 1.5 ms per row."""
+
+    ready = True
+
+    def observe(self, *args) -> None:
+        pass
+
+    observe_propose = observe
+
+    def seconds(self, rows: int, width: int) -> float:
+        return 0.010 + 0.001 * rows + 0.0015 * rows * (width - 1)
+
+    def proposing(self, longest: int, total: int) -> float:
+        return 0.0
+
+    def propose_seconds(self, asked) -> float:
+        return 0.0
+
+
+def test_an_edited_row_drafts_from_its_previous_output_losslessly(greedy_night, tiny_models, tmp_path):
+    """Night 2 asks for more tokens: no row is copied (a generation setting changed), each is
+    decoded with its id's previous output as its reference; the output is plain decoding's (the
+    audit re-decodes every row), the reference's tokens are accepted, and the summary counts them."""
+    night1, table = greedy_night
+    cfg = job_config(tiny_models, "unused", str(tmp_path / "o"),
+                     overrides=["method.name=suffix", "generation.max_new_tokens=20", "audit.fraction=1.0"])
+    actor = _actor(cfg, table)
+    actor.engine.budget.curve = _FixedCosts()
+    outs = _decode(actor)
+    assert [o["reused_from"] for o in outs] == [None] * 3 and [o["audit"] for o in outs] == [True] * 3
+    for o, prev in zip(outs, night1):
+        if prev["finish_reason"] == "length":  # greedy: night 1's output is a prefix of night 2's
+            assert o["output_token_ids"][:12] == prev["output_token_ids"]
+    assert sum(o["accepted_from_reference"] for o in outs) >= 6
+    totals = RunTotals()
+    totals.add(pa.Table.from_pylist(outs, schema=OUTPUT_SCHEMA))
+    summary = totals.to_dict()
+    assert summary["accepted_from_reference"] == sum(o["accepted_from_reference"] for o in outs)
+    assert summary["accepted_tokens"] == sum(summary[f"accepted_from_{s}"] for s in ("prompt", "pool", "reference",
+                                                                                     "drafter"))
