@@ -182,6 +182,8 @@ class RunTotals:
             **{name: getattr(self, name) for name in COUNTERS},
             "audit_speedup": self.audit_plain_time_s / self.audit_time_s if self.audit_time_s else None,
             "warm_up_time_s": self.warm_up_time_s,
+            # the same counts under vLLM's per-request names, over the decoded rows (RowStats.vllm_metrics)
+            "vllm": s.vllm_metrics(),
         }
         return d
 
