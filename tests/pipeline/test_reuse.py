@@ -24,7 +24,7 @@ from pipeline.config import ConfigError, OutputConfig, load_config
 from pipeline.fingerprint import reuse_fingerprint
 from pipeline.input.units import Shard, Split, Unit
 from pipeline.output import OutputWriter
-from pipeline.output.reader import RUN_COLUMN, OutputReadError
+from pipeline.output.reader import RUN_COLUMN
 from pipeline.processor import check_generation
 from pipeline.reuse import ReuseTable, plan_reuse, read_previous, row_reuse_key
 from pipeline.run import run_identity
