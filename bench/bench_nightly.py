@@ -140,11 +140,11 @@ def run(args) -> dict:
         pf_plain, pf_prev = sum(x.stats.prefill_time_s or 0.0 for x in r_plain), sum(x.prefill_time_s or 0.0 for x in stats)
         out["kinds"][kind] = {
             "rows": len(group), "tokens": tokens, "cpu_s_plain": c_plain, "cpu_s_previous": c_prev,
-            "tokens_per_s_plain": tokens / c_plain if c_plain else None,
-            "tokens_per_s_previous": tokens / c_prev if c_prev else None,
-            "ratio": c_plain / c_prev if c_prev else None, "rows_differing": diff,
+            "tokens_per_s_plain": tokens / c_plain if c_plain and tokens else None,
+            "tokens_per_s_previous": tokens / c_prev if c_prev and tokens else None,
+            "ratio": c_plain / c_prev if c_prev and tokens else None, "rows_differing": diff,
             "prefill_cpu_s_plain": pf_plain, "prefill_cpu_s_previous": pf_prev,
-            "decode_ratio": (c_plain - pf_plain) / (c_prev - pf_prev) if c_prev - pf_prev > 0 else None,
+            "decode_ratio": (c_plain - pf_plain) / (c_prev - pf_prev) if c_prev - pf_prev > 0 and tokens else None,
             "accepted_by_source": {s: sum(getattr(x, f"accepted_from_{s}") for x in stats)
                                    for s in ("prompt", "pool", "reference", "drafter")},
             "accepted_by_source_plain": {s: sum(getattr(x.stats, f"accepted_from_{s}") for x in r_plain)
@@ -192,8 +192,9 @@ def main(argv=None) -> int:
     out = run(args)
     print(table(out))
     e, o = out["kinds"]["edited"], out["overall"]
-    print(f"goals: night 2 overall {o['ratio']:.2f}× plain (goal 3×); edited rows "
-          f"{(e['ratio'] or 0):.2f}× (goal 1.5×); outputs differing from plain: {out['rows_differing']} (goal 0)")
+    f = lambda v: "–" if v is None else f"{v:.2f}×"  # noqa: E731
+    print(f"goals: night 2 overall {f(o['ratio'])} plain (goal 3×); edited rows {f(e['ratio'])} (goal 1.5×); "
+          f"outputs differing from plain: {out['rows_differing']} (goal 0)")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(out, indent=2) + "\n")
