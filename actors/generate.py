@@ -34,6 +34,15 @@ engine that went first on the first going second on the second; the first altern
 to batch), before the batch's other rows; ``audit_plain_time_s`` against the row's
 ``wall_time_s`` is then plain decoding against the job's method on the same clock.
 
+Nightly reuse (``reuse``, :mod:`pipeline.reuse`): every decoded row gets its ``reuse_key``
+and ``output_token_ids``; a row whose key a previous output holds is copied, not decoded
+(:meth:`GenerateActor._reused`, :meth:`GenerateActor._fill_reused`): its output is the
+previous row's, ``reused_from`` names where it came from, its decode statistics are null,
+and the audit re-decodes its sampled fraction with plain decoding, as for decoded rows.  A
+decoded row whose id the previous output holds (an edited row) drafts from that row's
+``output_token_ids`` too (:meth:`GenerateActor._reference`; reference drafting,
+:mod:`pipeline.engine.reference`): lossless, counted in ``accepted_from_reference``.
+
 Used as::
 
     ds.map_batches(GenerateActor, fn_constructor_kwargs={"config": cfg.model_dump()},
@@ -59,11 +68,14 @@ from pipeline.loading import build_engine, limit_cpu_threads, load_engine, proce
 from pipeline.models import model_ref
 from pipeline.ray_setup import post_load_facts
 from pipeline.prompts import PromptBuilder
+from pipeline.reuse import RowReuse
 from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
 
 
-#: output columns the actor adds to a row (OUTPUT_SCHEMA less the row's own id and origin)
-ADDED_COLUMNS = tuple(n for n in OUTPUT_SCHEMA.names if n not in ("id", "source_file", "source_row"))
+#: output columns the actor adds to a row of the processor (OUTPUT_SCHEMA less the row's own id
+#: and origin, and the job's nightly reuse columns)
+ADDED_COLUMNS = tuple(n for n in OUTPUT_SCHEMA.names
+                      if n not in ("id", "source_file", "source_row", "reuse_key", "reused_from"))
 _ADDED_SCHEMA = pa.schema([OUTPUT_SCHEMA.field(n) for n in ADDED_COLUMNS])
 #: per-row generation fields a row may carry (Ray Data LLM's / vLLM's names) -> GenerationSettings field
 ROW_SETTINGS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "stop": "stop_strings"}
@@ -89,12 +101,15 @@ class GenerateActor:
             but ``input_error``, then :data:`ADDED_COLUMNS` (a column of the same name in the
             input is replaced).
         text_column, id_column: the row's text and id fields (the id keys a sampled row's seed).
+        reuse: nightly reuse, :func:`pipeline.reuse.share_previous`'s ``{"fingerprint", "table"}``:
+            every row gets its ``reuse_key``, and a row the table holds is copied; None: no keys.
         load_board: the driver's load board (:func:`pipeline.ray_setup.open_load_board`), where
             the actor posts what its load did for the CPU; ``None`` posts nothing.
     """
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
-                 text_column: str = "text", id_column: str = "id", load_board=None):
+                 text_column: str = "text", id_column: str = "id", reuse: dict[str, Any] | None = None,
+                 load_board=None):
         if columns not in ("job", "processor"):
             raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
         self.columns, self.text_column, self.id_column = columns, text_column, id_column
@@ -121,6 +136,7 @@ class GenerateActor:
             "draft_model": model_ref(self.cfg.models.drafter, self.cfg.models.drafter_gguf_file)
             if self.cfg.uses_drafter else None,
         }
+        self.reuse = RowReuse.of(reuse)
         self.rows_done = 0
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -128,6 +144,8 @@ class GenerateActor:
         outs: list[dict[str, Any]] = []
         todo: list[tuple[int, list[int]]] = []  # (index in rows, prompt ids)
         settings: list = []
+        references: list = []  # per row of todo: the previous output of its id to draft from, or None
+        reused: list[tuple[int, list[int], Any]] = []  # (index in rows, prompt ids, settings) of copied rows
         for i, row in enumerate(rows):
             out: dict[str, Any] = {
                 "id": row.get(self.id_column) if self.columns == "job" else None,
@@ -145,11 +163,15 @@ class GenerateActor:
             except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
                 out["error"] = f"{type(e).__name__}: {e}"
                 continue
+            if self._reused(out, ids, one):
+                reused.append((i, ids, one))
+                continue
             todo.append((i, ids))
             settings.append(one)
+            references.append(self._reference(row))
         audit = [j for j, (i, ids) in enumerate(todo) if self.plain_engine is not None
                  and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
-        results, plain = self._decode_audited(todo, settings, audit)
+        results, plain = self._decode_audited(todo, settings, audit, references)
         audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None)
                    for j, p in zip(audit, plain) if results[j].error is None}
         plain_time = {j: p.stats.wall_time_s for j, p in zip(audit, plain) if p.error is None and j in audited}
@@ -161,14 +183,46 @@ class GenerateActor:
             out.update(res.stats.to_columns())
             out["finish_reason"] = res.finish_reason
             out["output_text"] = self.models.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+            out["output_token_ids"] = list(res.token_ids)
             out["error"] = None
             out["audit"] = audited.get(j)
             out["audit_plain_time_s"] = plain_time.get(j)
+        self._fill_reused(rows, outs, reused)
         if outs and self._warm_up_unreported:
             outs[0]["warm_up_time_s"] = self.warm_up_time_s
             self._warm_up_unreported = False
         self.rows_done += len(rows)
         return outs
+
+    def _reused(self, out: dict[str, Any], ids: list[int], settings) -> bool:
+        """Set the row's ``reuse_key``; when the previous output holds it, its output too
+        (:meth:`_fill_reused` audits it) and return True: the row is not decoded."""
+        if self.reuse is None:
+            return False
+        out["reuse_key"] = key = self.reuse.key(ids, settings, self.settings)
+        hit = self.reuse.find(key)
+        if hit is None:
+            return False
+        out.update(prompt_tokens=len(ids), new_tokens=len(hit.token_ids), finish_reason=hit.finish_reason,
+                   output_text=self.models.tokenizer.decode(hit.token_ids, skip_special_tokens=True),
+                   output_token_ids=hit.token_ids, reused_from=hit.reused_from, error=None)
+        return True
+
+    def _fill_reused(self, rows: list[dict[str, Any]], outs: list[dict[str, Any]],
+                     reused: list[tuple[int, list[int], Any]]) -> None:
+        """The audit of the copied rows: its sample of them decoded with plain decoding, whose
+        token ids must be the copied ones (``audit``; ``audit_plain_time_s``).  A row whose
+        decoding failed gets no ``reuse_key``."""
+        for out in outs:
+            if out.get("error") is not None:
+                out["reuse_key"] = None
+        audit = [(i, ids, s) for i, ids, s in reused if self.plain_engine is not None
+                 and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
+        plain = self._decode(self.plain_engine, [ids for _, ids, _ in audit], [s for _, _, s in audit]) if audit else []
+        for (i, _, _), p in zip(audit, plain):
+            if p.error is None:
+                outs[i]["audit"] = p.token_ids == outs[i]["output_token_ids"]
+                outs[i]["audit_plain_time_s"] = p.stats.wall_time_s
 
     def _warm_up(self) -> float:
         """Every engine's warm-up (the job's, then the audit's plain one) at every number of rows
@@ -184,15 +238,31 @@ class GenerateActor:
                 logging.getLogger(__name__).warning("warm-up failed (the first rows will pay for compiling): %s", e)
         return seconds
 
-    def _decode_audited(self, todo: list[tuple[int, list[int]]], settings: list, audit: list[int]):
+    def _reference(self, row: dict[str, Any]) -> list[int] | None:
+        """The row's reference for drafting (:mod:`pipeline.engine.reference`): the previous
+        output's token ids of the row's id (:meth:`pipeline.reuse.RowReuse.reference_for`; the
+        row was not copied, so its prompt or settings changed), or None: no previous output, no
+        row of that id, or ids outside this target's vocabulary (a previous output of another
+        tokenizer: nothing to draft from)."""
+        if self.reuse is None or self.columns != "job":
+            return None
+        ref = self.reuse.reference_for(row.get(self.id_column))
+        if not ref or max(ref) >= self.engine.target_vocab or min(ref) < 0:
+            return None
+        return ref
+
+    def _decode_audited(self, todo: list[tuple[int, list[int]]], settings: list, audit: list[int],
+                        references: list | None = None):
         """The job's engine's results of every row of ``todo``, and plain decoding's of the rows
         ``audit`` (indices into ``todo``), in that order.  The audited rows are decoded by both
         engines in turn, A B B A: a group of at least ``2 x compute.max_batch_size`` rows in two
         halves, the engine that went first on the first half going second on the second (a shape
         the warm-up did not run costs whichever engine meets it first: each meets half of them
-        first), the first engine alternating by batch; then the batch's other rows."""
+        first), the first engine alternating by batch; then the batch's other rows.  The job's
+        engine drafts from ``references`` (one per row of ``todo``, or None) where a row has one."""
+        refs = references or [None] * len(todo)
         if not audit:
-            return self._decode(self.engine, [ids for _, ids in todo], settings), []
+            return self._decode(self.engine, [ids for _, ids in todo], settings, refs), []
         chosen = set(audit)
         rest = [j for j in range(len(todo)) if j not in chosen]
         half = len(audit) // 2 if len(audit) >= 2 * self.cfg.compute.max_batch_size else len(audit)
@@ -201,9 +271,11 @@ class GenerateActor:
         decoded: dict[int, dict[int, object]] = {id(self.engine): {}, id(self.plain_engine): {}}
         for part, engines in ((audit[:half], order), (audit[half:], order[::-1])):
             for engine in engines if part else ():
-                out = self._decode(engine, [todo[j][1] for j in part], [settings[j] for j in part])
+                out = self._decode(engine, [todo[j][1] for j in part], [settings[j] for j in part],
+                                   [refs[j] for j in part] if engine is self.engine else None)
                 decoded[id(engine)].update(zip(part, out))
-        others = self._decode(self.engine, [todo[j][1] for j in rest], [settings[j] for j in rest])
+        others = self._decode(self.engine, [todo[j][1] for j in rest], [settings[j] for j in rest],
+                              [refs[j] for j in rest])
         spec = {**decoded[id(self.engine)], **dict(zip(rest, others))}
         return [spec[j] for j in range(len(todo))], [decoded[id(self.plain_engine)][j] for j in audit]
 
@@ -262,20 +334,21 @@ class GenerateActor:
         return row_settings(settings, key)
 
     @staticmethod
-    def _decode(engine, prompts: list[list[int]], settings: list) -> list:
-        """``engine.generate_batch``; if the batched call raises, each row alone, so that
-        only the rows that fail by themselves get an error."""
+    def _decode(engine, prompts: list[list[int]], settings: list, references: list | None = None) -> list:
+        """``engine.generate_batch`` (with the rows' ``references``, where given); if the
+        batched call raises, each row alone, so that only the rows that fail by themselves
+        get an error."""
         from pipeline.engine import GenerationResult
 
         if not prompts:
             return []
         try:
-            return engine.generate_batch(prompts, settings)
+            return engine.generate_batch(prompts, settings, **_refs(references))
         except Exception:  # noqa: BLE001 - isolate the row(s) at fault
             results = []
-            for ids, s in zip(prompts, settings):
+            for ids, s, r in zip(prompts, settings, references or [None] * len(prompts)):
                 try:
-                    results.append(engine.generate_batch([ids], [s])[0])
+                    results.append(engine.generate_batch([ids], [s], **_refs([r]))[0])
                 except Exception as e:  # noqa: BLE001
                     _free_cuda_if_oom(e)
                     results.append(GenerationResult.failed(f"{type(e).__name__}: {e}"))
@@ -314,6 +387,12 @@ class GenerateActor:
             "warm_up_time_s": self.warm_up_time_s,
             "device": self.models.device,
         }
+
+
+def _refs(references: list | None) -> dict[str, Any]:
+    """``generate_batch``'s ``references`` argument where a row has one (an engine stand-in
+    without references, such as bench_scale's stub, is called as before otherwise)."""
+    return {"references": references} if references and any(r is not None for r in references) else {}
 
 
 def _origin(row: dict[str, Any], ids: list[int] | None) -> tuple[Any, Any]:

@@ -116,7 +116,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
         signal.signal(signal.SIGTERM, previous if previous is not signal.SIG_DFL else _after_the_run)
     headline = {k: summary.get(k) for k in ("run_id", "output", "rows", "errors", "new_tokens", "acceptance_rate",
                                             "mean_accepted_length", "tokens_per_step", "tokens_per_s", "elapsed_s",
-                                            "audit_rows", "audit_mismatches", "audit_speedup")}
+                                            "audit_rows", "audit_mismatches", "audit_speedup", "reused_rows")}
     this = summary.get("this_run") or {}
     headline["this_run"] = {"units_run": len(this.get("units_run", [])),
                             "units_skipped": len(this.get("units_skipped", [])),
@@ -125,6 +125,7 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
     if cpu.get("headline"):  # the CPU kernels the actors' models run, and the slowest actor's compile time
         headline["cpu"] = f"{cpu['headline']}; slowest actor compiled {cpu['compile_s_max']:.1f} s at load"
     print(json.dumps(headline, indent=2))
+    reuse_line(summary)
     speedup_line(summary)
     rows, errors = summary.get("rows") or 0, summary.get("errors") or 0
     if rows and errors == rows:
@@ -132,6 +133,20 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
         print(f"error: every row failed ({rows} rows; {kinds}); the output holds each row's error", file=sys.stderr)
         return 1
     return 0
+
+
+def reuse_line(summary: dict) -> None:
+    """One line on stderr: how many rows this run copied from the previous output, not
+    decoded (``output.previous``), or why it copied none; nothing when it was not asked."""
+    previous, this = summary.get("previous") or {}, summary.get("this_run") or {}
+    if not previous or this.get("nothing_to_do"):
+        return
+    rows = this.get("reused_rows") or 0
+    if rows:
+        print(f"reuse: {rows:,} rows reused from {previous.get('output')} (copied, not decoded: tokens/s counts "
+              "the decoded rows only)", file=sys.stderr)
+    else:
+        print(f"reuse: no row reused: {previous.get('note')}", file=sys.stderr)
 
 
 def speedup_line(summary: dict) -> None:

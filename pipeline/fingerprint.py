@@ -35,6 +35,15 @@ committed shard and compared when a run resumes (see pipeline.output).
 
 :func:`config_fingerprint` is a short SHA-256 of that data; :func:`describe_changes` names the
 keys that differ between two identities, for the refusal message.
+
+:func:`reuse_identity` is the part of an identity that shapes a row's output when its prompt
+token ids are given (a nightly run copies a previous row whose reuse key matches,
+:mod:`pipeline.reuse`): the identity less the ``input:`` settings (the prompt ids and the
+row's seed key stand for them), and, for a greedy lossless run, less the method and its
+drafter (a lossless method's greedy output is plain greedy decoding's).  A sampled run keeps
+them: the tokens a seed draws depend on how the method uses the random stream (the law does
+not), and so does a lossy static ensemble (``assistant_ensemble_weight``), greedy or not.
+:func:`reuse_fingerprint` is its hash.
 """
 
 from __future__ import annotations
@@ -144,6 +153,35 @@ def config_fingerprint(identity: dict[str, Any]) -> str:
     """A 16-hex-digit SHA-256 of :func:`config_identity` (canonical JSON)."""
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+#: the method setting that makes a method lossy (static ensemble verification)
+LOSSY_FIELDS = ("assistant_ensemble_weight",)
+
+
+def reuse_identity(identity: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    """What shapes a row's output besides its prompt token ids (and, sampling, its seed):
+    ``identity`` (:func:`config_identity`) less ``input`` and, when ``greedy`` and the method
+    is lossless (no :data:`LOSSY_FIELDS` set), less ``method`` and the drafter (its section
+    key, its GGUF file and its files' hashes).  See the module docstring for why a sampled or
+    lossy run keeps them.
+
+    Args:
+        identity: a run's :func:`config_identity`, or one a committed unit recorded.
+        greedy: whether the run that asks decodes greedily (its resolved ``do_sample``).
+    """
+    out = {k: v for k, v in identity.items() if k != "input"}
+    lossy = any((identity.get("method") or {}).get(f) is not None for f in LOSSY_FIELDS)
+    if greedy and not lossy:
+        out.pop("method", None)
+        out["models"] = {k: v for k, v in (out.get("models") or {}).items() if k not in ("drafter", "drafter_gguf_file")}
+        out["model_files"] = {k: v for k, v in (out.get("model_files") or {}).items() if k != "drafter"}
+    return out
+
+
+def reuse_fingerprint(identity: dict[str, Any], greedy: bool) -> str:
+    """A 16-hex-digit SHA-256 of :func:`reuse_identity` (the first part of every row's reuse key)."""
+    return config_fingerprint(reuse_identity(identity, greedy))
 
 
 def model_files(path: str) -> dict[str, str]:

@@ -89,6 +89,9 @@ FLAGS: dict[str, Flag] = _flags(
     Flag("--run-date", "write to <output>/date=YYYY-MM-DD/ (output.run_date, sets output.partition_by_date); "
                        "default with partition_by_date: today in UTC",
          key="output.run_date", metavar="YYYY-MM-DD", also=("output.partition_by_date=true",)),
+    Flag("--previous", "copy, not decode, the rows an earlier output of this job holds unchanged (output.previous): "
+                       "'auto' (the latest earlier complete date= partition of the output) or an output folder",
+         key="output.previous", metavar="auto|FOLDER"),
     # the models and the method
     Flag("--method", "speculation method (method.name)", key="method.name"),
     Flag("--target", "target model path (models.target)", key="models.target"),
@@ -149,7 +152,7 @@ FLAGS: dict[str, Flag] = _flags(
 
 _BATCH_JOB = ("config", "overrides", "input", "output", "method", "target", "drafter", "max_new_tokens",
               "num_actors", "gpus_per_actor", "rows_per_batch", "max_batch_size", "overwrite", "run_date",
-              "audit_fraction", "print_config", "no_progress")
+              "previous", "audit_fraction", "print_config", "no_progress")
 
 #: the flags of each job, by ``dest``, in ``--help`` order
 JOB_FLAGS: dict[str, tuple[str, ...]] = {

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 #: (section, key) -> kind: ``uri`` (a local path or glob, or an fsspec URL), ``model`` (a
-#: local folder or a hub id), ``file`` (a local file, unless the value is inline text)
+#: local folder or a hub id), ``file`` (a local file, unless the value is inline text),
+#: ``previous`` (a ``uri``, unless the value is ``auto``: ``./auto`` names a folder of that name)
 PATH_KEYS: dict[tuple[str, str], str] = {
     ("input", "uri"): "uri",
     ("output", "uri"): "uri",
+    ("output", "previous"): "previous",
     ("models", "target"): "model",
     ("models", "drafter"): "model",
     ("serve", "chat_template"): "file",
@@ -65,6 +67,8 @@ def resolve_path(value: Any, kind: str, base: Path) -> Any:
         return value  # a hub id
     if kind == "file" and ("{{" in value or "{%" in value):
         return value  # an inline Jinja template
+    if kind == "previous" and value == "auto":
+        return value  # output.previous: auto
     return _join(base, value)
 
 

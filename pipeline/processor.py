@@ -42,7 +42,7 @@ statistics record (``prompt_tokens``, ``new_tokens``, ``verify_steps``, ``draft_
 ``accepted_tokens``, ``acceptance_rate``, ``mean_accepted_length``, ``drafted_per_position``,
 ``accepted_per_position``, ``draft_time_s``, ``prefill_time_s``, ``verify_time_s``,
 ``wall_time_s``, ``draft_steps``, ``tokens_per_step``, ``tree_steps``, ``tree_nodes``, ``tree_off_steps``), ``method``, ``target_model``,
-``draft_model``, ``error`` and ``audit`` (see pipeline.schema's OUTPUT_SCHEMA for types).
+``draft_model``, ``error``, ``audit`` and ``output_token_ids`` (see pipeline.schema's OUTPUT_SCHEMA for types).
 A bad row (no usable prompt, a prompt longer than the context, a bad per-row setting, a
 ``preprocess`` that raised on it) is not dropped: its ``error`` says why and its statistics
 are null.  ``postprocess`` is then called on every row, error rows included (check
@@ -192,11 +192,14 @@ class Processor:
             pool (balanced work, rows of one block spread over actors); ``False`` keeps the
             blocks as they come, each decoded by one actor task in order (the job: one
             block per work unit, so a unit's rows come back together and in order).
+        reuse: the job's nightly reuse for the actors (:func:`pipeline.reuse.share_previous`);
+            None: rows get no reuse key and nothing is copied.
     """
 
     def __init__(self, config: JobConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None, *,
                  generation=None, text_column: str | None = None, id_column: str | None = None,
-                 columns: str = "processor", embedded: bool | None = None, rebatch: bool = True):
+                 columns: str = "processor", embedded: bool | None = None, rebatch: bool = True,
+                 reuse: dict[str, Any] | None = None):
         self.config = config
         self.preprocess = preprocess
         self.postprocess = postprocess
@@ -206,6 +209,7 @@ class Processor:
         self.columns = columns
         self.embedded = embedded
         self.rebatch = rebatch
+        self.reuse = reuse
 
     def __call__(self, ds):
         import ray
@@ -235,7 +239,8 @@ class Processor:
                 GenerateActor,
                 fn_constructor_kwargs={"config": cfg.model_dump(), "columns": self.columns,
                                        "text_column": self.text_column, "id_column": self.id_column,
-                                       "load_board": board},
+                                       "load_board": board,
+                                       **({"reuse": self.reuse} if self.reuse is not None else {})},
                 batch_size=c.rows_per_batch,
                 batch_format="pyarrow",
                 compute=pool.strategy(),

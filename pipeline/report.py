@@ -24,7 +24,9 @@ directory name appended):
   (model loading and Ray start-up excluded); ``job tokens/s`` is the summary's
   ``tokens_per_s`` (new tokens over the wall time of the whole generate stage)
 - ``speedup`` = tokens/s of the run / tokens/s of the baseline run (``plain`` unless told
-  otherwise), both over the *same rows*: ids present and without error in both runs
+  otherwise), both over the *same rows*: ids present, without error and decoded in both runs
+  (a row a nightly run copied from its previous output, ``reused_from`` set, has no decode
+  statistics: it counts in ``reused`` and in no figure)
 - ``decode tokens/s`` = Σ new_tokens / Σ (wall_time_s − prefill_time_s): the target's prompt
   prefill, the same work for every method, left out (a drafter's own prefill stays in, it is
   a cost of speculation); ``decode speedup`` its ratio to the baseline's on the same rows.
@@ -150,8 +152,14 @@ def row_stats(table: pa.Table, ids: set[str] | None = None) -> Stats:
 
 
 def _ok_ids(table: pa.Table) -> set[str]:
+    """Ids of the rows decoded without error (copied rows left out: see the module docstring)."""
     ids, err = table.column("id").to_pylist(), table.column("error").to_pylist()
-    return {i for i, e in zip(ids, err) if e is None and i is not None}
+    return {i for i, e, r in zip(ids, err, _reused(table)) if e is None and r is None and i is not None}
+
+
+def _reused(table: pa.Table) -> list[str | None]:
+    """Each row's ``reused_from`` (all None for an output written before the column existed)."""
+    return table.column("reused_from").to_pylist() if "reused_from" in table.column_names else [None] * table.num_rows
 
 
 def _outputs(table: pa.Table) -> dict[str, str]:
@@ -211,6 +219,7 @@ def summarize_runs(runs: list[Run], baseline: str = "plain") -> dict[str, Any]:
             "label": r.label, "method": r.method, "uri": r.uri, "finished": r.finished, "output": r.note,
             "rows": r.table.num_rows,
             "errors": r.table.num_rows - r.table.column("error").null_count,
+            "reused": sum(x is not None for x in _reused(r.table)),
             "acceptance_rate": s_all.acceptance_rate, "draft_steps": s_all.draft_steps,
             "mean_accepted_length": s_all.mean_accepted_length, "tokens_per_step": s_all.tokens_per_step,
             "tokens_per_s": s_all.tokens_per_s, "decode_tokens_per_s": s_all.decode_tokens_per_s,
@@ -239,6 +248,12 @@ def _fmt(v, spec=".3f", none="–") -> str:
     return format(v, spec)
 
 
+def _rows_ok(d: dict[str, Any]) -> str:
+    """Rows without error: those decoded, and those a nightly run copied (not in the figures)."""
+    decoded = d["rows"] - d["errors"] - d["reused"]
+    return f"{decoded} + {d['reused']} copied" if d["reused"] else str(decoded)
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     b = result["baseline"] or "baseline"
     head = (f"| method | rows ok | acceptance rate | mean accepted length | tokens/step | tokens/s | "
@@ -248,7 +263,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     for d in result["runs"]:
         same = (f"{d['same_output']}/{d['compared_rows']}" if d["same_output"] is not None else "–")
         lines.append(
-            f"| {d['label']} | {d['rows'] - d['errors']} | {_fmt(d['acceptance_rate'])} | "
+            f"| {d['label']} | {_rows_ok(d)} | {_fmt(d['acceptance_rate'])} | "
             f"{_fmt(d['mean_accepted_length'], '.2f')} | {_fmt(d['tokens_per_step'], '.2f')} | "
             f"{_fmt(d['tokens_per_s'], '.1f')} | "
             f"{_fmt(d['speedup'], '.2f')}{'×' if d['speedup'] is not None else ''} | "

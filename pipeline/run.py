@@ -21,6 +21,11 @@ the cause, a run whose driver receives no record for ``compute.stall_timeout_s``
 with :class:`StallError` instead of waiting forever (a record comes when a unit's rows
 are written: the timeout must be longer than one unit's work).
 
+Nightly reuse (``output.previous``, :mod:`pipeline.reuse`): the previous output is resolved
+and checked in the preflight (a folder that is not a job output is refused); once Ray runs,
+its committed rows are read by one task into a table the actors share, and a row whose reuse
+key it holds is copied, not decoded.
+
 Reliability.  Units already committed in the output by an earlier run of the same job
 (same input, same config fingerprint) are skipped (resume; ``output.overwrite`` starts
 afresh), so an interrupt loses at most the units in flight.  A dead actor is restarted by
@@ -57,6 +62,7 @@ from pipeline.processor import Processor, check_generation, resolve_job_generati
 from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console, read_load_board  # noqa: F401
 from pipeline.input import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
+from pipeline.reuse import ReusePlan, plan_reuse, share_previous
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.summary import RunFacts, RunTotals, cpu_summary, run_summary, stored_summary
 
@@ -79,13 +85,14 @@ class ActorPoolError(RuntimeError):
 @dataclasses.dataclass
 class Preflight:
     """What :func:`preflight` found: the input's shards, the resume plan (its ``todo``
-    units are this run's), the writer (holding the output's lease), and the generation
-    settings every row is decoded with."""
+    units are this run's), the writer (holding the output's lease), the generation
+    settings every row is decoded with, and what rows are copied from (``output.previous``)."""
 
     shards: list[Shard]
     plan: ResumePlan
     writer: OutputWriter
     generation: GenerationSettings
+    reuse: ReusePlan
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -100,6 +107,8 @@ def preflight(cfg: JobConfig) -> Preflight:
             input, model (path, architecture, vocabulary), prompt or chat template, generation
             setting (explicit or the checkpoint's), or output location (foreign files, another
             config or input committed there, units of another ``input.split_rows``).
+        OutputReadError (a :class:`JobRefused`): ``output.previous`` names a folder that is not
+            a job output (:func:`pipeline.reuse.plan_reuse`).
         LeaseHeld (a :class:`JobRefused`): another run holds the output's lease.
         StorageError: the storage kept failing with transient errors.
     """
@@ -108,13 +117,14 @@ def preflight(cfg: JobConfig) -> Preflight:
     writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards),
                           split_rows=cfg.input.split_rows)
     identity = run_identity(cfg, generation, shards)
+    reuse = plan_reuse(cfg, identity, greedy=not generation.do_sample, own_url=writer.location.url())
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
     try:
         plan = writer.prepare(units_of(shards), identity)
     except BaseException as e:
         writer.abandon_lease() if isinstance(e, StorageError) else writer.release_lease()
         raise
-    return Preflight(shards, plan, writer, generation)
+    return Preflight(shards, plan, writer, generation, reuse)
 
 
 def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Shard]) -> dict[str, Any]:
@@ -150,10 +160,12 @@ def explain_actor_args_error(cfg: JobConfig) -> None:
 
 
 def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation: GenerationSettings | None = None,
-                  embedded: bool = False, partition_columns: list[str] | None = None):
+                  embedded: bool = False, partition_columns: list[str] | None = None,
+                  reuse: dict[str, Any] | None = None):
     """The lazy Ray Data dataset of the write stage's records (one per staged fragment,
     :data:`pipeline.output.sink.FRAGMENT_SCHEMA`) for ``units``: the read stage (one
-    block per unit), the :class:`Processor`, then the write stage on the workers."""
+    block per unit), the :class:`Processor` (with the run's ``reuse``:
+    :func:`pipeline.reuse.share_previous`), then the write stage on the workers."""
     import ray
     from ray.data import TaskPoolStrategy
 
@@ -179,7 +191,7 @@ def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation:
     )
     # INPUT_SCHEMA's text and id columns; the job's own output columns; one actor task per unit
     ds = Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
-                   embedded=embedded, rebatch=False)(ds)
+                   embedded=embedded, rebatch=False, reuse=reuse)(ds)
     return ds.map_batches(write_fragments, fn_kwargs=writer.sink_kwargs(), batch_size=None,
                           batch_format="pyarrow", num_cpus=0)
 
@@ -314,7 +326,7 @@ def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int, progress
     if total_rows:
         embedded = init_ray(cfg)
         ds = build_dataset(cfg, [u for u in pre.plan.todo if u.num_rows], writer, pre.generation, embedded=embedded,
-                           partition_columns=writer.extra_columns)
+                           partition_columns=writer.extra_columns, reuse=share_previous(pre.reuse, cfg))
         describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
         with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
             for records in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -357,7 +369,7 @@ def _finish(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, ge
         generate_elapsed_s=generate_elapsed, first_batch_s=first,
         audit={"fraction": cfg.audit.fraction, "seed": cfg.audit.seed, "greedy": not pre.generation.do_sample},
         generation=dataclasses.asdict(pre.generation), config=cfg.resolved(),
-        config_fingerprint=writer.config_fingerprint,
+        config_fingerprint=writer.config_fingerprint, previous=pre.reuse.facts(),
         cpu=cpu_summary(read_load_board()) if any(u.num_rows for u in pre.plan.todo) else None)  # the actors' CPU plans (load board)
     return run_summary(facts, overall, writer.totals, entries, [u.part for u in pre.plan.todo], pre.plan.done)
 

@@ -53,6 +53,14 @@ OUTPUT_SCHEMA = pa.schema(
         # seconds (engine clock) the row's actor spent warming up its engines before its first batch:
         # on the first row each actor returned, null on the others
         ("warm_up_time_s", pa.float64()),
+        # the generated token ids (target tokenizer), EOS included when generated; null when failed
+        ("output_token_ids", pa.list_(pa.int32())),
+        # 32 hex digits: what the row's output depends on (pipeline.reuse.row_reuse_key); a later run
+        # copies this row instead of decoding it when its own row has the same key; null when failed
+        ("reuse_key", pa.string()),
+        # "<output folder>#<run id>": the previous output this row was copied from (not decoded in this
+        # run; its decode statistics are null); null for a row this run decoded
+        ("reused_from", pa.string()),
     ]
 )
 

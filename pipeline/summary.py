@@ -40,6 +40,13 @@ tokens and steps are summed over rows first, then divided (never a mean of per-r
 - ``warm_up_time_s``: seconds the actors spent warming up their engines before their first
   batch (summed over actors: each reports it on its first output row), kept out of every
   row's times and of ``audit_speedup``.
+- ``reused_rows`` / ``reused_tokens``: rows copied from the previous output
+  (``output.previous``, :mod:`pipeline.reuse`) and their output tokens.  They are not decoded:
+  every other count, time and rate (``new_tokens``, ``tokens_per_s``, ``acceptance_rate``...)
+  is over the decoded rows only; ``rows`` and ``finish_reasons`` count both; the audit counts
+  the reused rows it re-decoded in ``audit_rows`` / ``audit_mismatches`` (not in ``audit_speedup``:
+  no decode time to compare).  ``previous`` (a :class:`RunFacts` field) says which output
+  they came from, or why none.
 
 The summary's ``cpu`` (:func:`cpu_summary`) says what the actors' loads chose for the CPU
 (each weight shape's kernel per row count, the lean pass, the compiled layer) and what
@@ -73,16 +80,19 @@ COUNTERS: dict[str, type] = {
     "audit_time_s": float,  # the method's engine time on the audited rows
     "audit_plain_time_s": float,  # plain decoding's on the same rows
     "warm_up_time_s": float,  # the actors' warm-ups, before their first batch (apart from the rows' times)
+    "reused_rows": int,  # rows copied from the previous output (output.previous), not decoded
+    "reused_tokens": int,  # ... their output tokens (not in new_tokens, nor in any rate)
 }
 #: the figures of this run alone in the summary's ``this_run`` (keys of :meth:`RunTotals.to_dict`)
-THIS_RUN = ("rows", "errors", "new_tokens", "audit_rows", "audit_mismatches")
+THIS_RUN = ("rows", "errors", "new_tokens", "audit_rows", "audit_mismatches", "reused_rows")
 
 
 class RunTotals:
     """Accumulates output tables (OUTPUT_SCHEMA) batch by batch.
 
     Attributes:
-        stats: the :class:`RowStats` sum of every row without error.
+        stats: the :class:`RowStats` sum of every decoded row without error (a row copied
+            from the previous output, ``reused_from`` set, is counted in ``reused_rows`` instead).
     """
 
     def __init__(self) -> None:
@@ -124,8 +134,12 @@ class RunTotals:
             if e is not None:
                 self.error_kinds[e.split(":", 1)[0]] += 1
         present = [c.name for c in COLUMNS if c.name in table.column_names]
-        for row, e in zip(table.select(present).to_pylist(), err.to_pylist()):
-            if e is None:  # a failed row's statistics are null
+        reused = table.column("reused_from").to_pylist() if "reused_from" in table.column_names else [None] * len(err)
+        for row, e, r in zip(table.select(present).to_pylist(), err.to_pylist(), reused):
+            if e is None and r is not None:  # copied, not decoded: no decode statistics
+                self.reused_rows += 1
+                self.reused_tokens += row.get("new_tokens") or 0
+            elif e is None:  # a failed row's statistics are null
                 self.stats.merge(RowStats.from_columns(row))
         for r in table.column("finish_reason").to_pylist():
             if r is not None:
@@ -168,6 +182,8 @@ class RunTotals:
             **{name: getattr(self, name) for name in COUNTERS},
             "audit_speedup": self.audit_plain_time_s / self.audit_time_s if self.audit_time_s else None,
             "warm_up_time_s": self.warm_up_time_s,
+            # the same counts under vLLM's per-request names, over the decoded rows (RowStats.vllm_metrics)
+            "vllm": s.vllm_metrics(),
         }
         return d
 
@@ -232,6 +248,7 @@ class RunFacts:
     config_fingerprint: str | None
     environment: dict[str, Any] = dataclasses.field(default_factory=lambda: environment())
     cpu: dict[str, Any] | None = None  # what the actors' loads did for the CPU (cpu_summary), None without actors
+    previous: dict[str, Any] | None = None  # output.previous resolved (pipeline.reuse.ReusePlan.facts); None: unset
     status: str = "succeeded"
 
 

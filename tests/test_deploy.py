@@ -152,6 +152,7 @@ def test_the_rayjob_entrypoint_runs_the_job_with_its_run_date():
     assert cfg["output"]["run_date"] == _today() and cfg["output"]["partition_by_date"] is True
     assert cfg["output"]["uri"] == "s3://specbatch-nightly/summaries/" and cfg["compute"]["num_actors"] == 2
     assert cfg["task"]["name"] == "summarize"
+    assert cfg["output"]["previous"] == "auto"  # copies the rows the night before holds unchanged
 
 
 # ------------------------------------------------------------------ CronJob
@@ -183,7 +184,7 @@ def test_the_cronjob_creates_the_rayjob_with_the_nights_date(tmp_path):
     assert env["SPECBATCH_RUN_DATE"] == _today()  # pinned: a retry after midnight keeps it
     # the job's driver gets the runtime env's variables: the entrypoint then uses that date
     cfg = _print_config(job["spec"]["entrypoint"], env={"SPECBATCH_RUN_DATE": "2026-02-03"})
-    assert cfg["output"]["run_date"] == "2026-02-03"
+    assert cfg["output"]["run_date"] == "2026-02-03" and cfg["output"]["previous"] == "auto"
 
 
 # ------------------------------------------------------------------ Airflow
@@ -226,6 +227,7 @@ def test_the_airflow_dag_parses_and_its_command_is_a_valid_ray_job_submit():
     entrypoint = shlex.join(params["entrypoint"])
     cfg = _print_config(entrypoint, cwd=REPO)  # run from the working directory Ray uploads
     assert cfg["output"]["run_date"] == "2026-03-04" and cfg["output"]["uri"] == "s3://specbatch-nightly/summaries/"
+    assert cfg["output"]["previous"] == "auto" and cfg["output"]["partition_by_date"] is True
 
 
 def test_the_airflow_dag_imports_where_airflow_is_installed():

@@ -145,6 +145,26 @@ def test_decode_figures_leave_the_prefill_out(tmp_path):
     assert d["same_output"] == 2
 
 
+def test_rows_a_nightly_run_copied_are_in_no_figure(tmp_path):
+    """A night-2 output whose row a was copied from night 1 (``reused_from``, null decode
+    statistics): the common rows are the rows every run decoded (b), the figures are b's."""
+    fs = fsspec.filesystem("file")
+    copied = dict(_row("a", "draft_model", "x y", 10, 4), **{k: None for k in (
+        "verify_steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_step",
+        "drafted_per_position", "accepted_per_position", "draft_time_s", "prefill_time_s", "verify_time_s",
+        "wall_time_s")}, reused_from="out/date=2026-01-01#0123456789ab")
+    _write_run(fs, str(tmp_path / "plain"), PLAIN)
+    _write_run(fs, str(tmp_path / "night2"), [copied, DRAFT[1]])
+    res = summarize_runs([load_run(str(tmp_path / "plain")), load_run(str(tmp_path / "night2"))])
+    p, d = res["runs"]
+    assert res["common_rows"] == 1 and d["reused"] == 1 and p["reused"] == 0
+    assert d["stats"].rows == 1 and d["tokens_per_s"] == pytest.approx(20 / 1.0)
+    assert d["speedup"] == pytest.approx((20 / 1.0) / (20 / 2.0))  # row b against row b
+    from pipeline.report import markdown_table
+
+    assert "| draft_model | 1 + 1 copied |" in markdown_table(res) and "| plain | 3 |" in markdown_table(res)
+
+
 # Prompt lookup with misses (k = 2).  Row a: 7 steps, 4 of them with a draft (accepted 2, 1, 0, 0);
 # row b: 5 steps, 2 with a draft (1, 1).  Σ accepted 5, Σ draft steps 6, Σ new tokens 17, Σ steps 12.
 PLD = [_row("a", "prompt_lookup", "x", 10, 7, 8, 3, [4, 4], [2, 1], draft_steps=4),

@@ -18,10 +18,11 @@ next-token distribution); nothing is generated.  Steps (:func:`run`):
    recovered from its ``prompt`` column by the job's template and chat template
    (:class:`pipeline.prompts.PromptBuilder` with the job's ``task:``), built again, and the
    rebuilt prompt must equal the stored one and have its ``prompt_tokens`` ids.  The
-   answer's ids are the output text re-tokenized (the output stores the text, not the ids),
-   with the EOS the job generated when it finished on EOS; a row whose re-tokenized answer
-   has another length than its ``new_tokens`` is still used, and counted
-   (``answers_retokenized_exactly``).  Failed rows and rows with an empty answer are left out,
+   answer's ids are the row's ``output_token_ids``, exactly what the target generated (counted:
+   ``answers_from_token_ids``); an output written before that column existed stores only the
+   text, which is re-tokenized, with the EOS the job generated when it finished on EOS; a row
+   whose re-tokenized answer has another length than its ``new_tokens`` is still used, and
+   counted (``answers_retokenized_exactly`` counts the exact ones, stored ids included).  Failed rows and rows with an empty answer are left out,
    counted by reason.
 3. **Hold back** ``--holdout`` of the rows (chosen by a hash of the row id and ``--seed``,
    the same rows on every rerun), and measure the starting head's acceptance on them.
@@ -82,7 +83,7 @@ NEW_HEAD_VOCAB = 16384
 #: steps between two saves of ``train_state.pt``
 SAVE_EVERY = 10
 #: the columns of a job's output rows the training reads
-COLUMNS = ["id", "prompt", "output_text", "finish_reason", "error", "prompt_tokens", "new_tokens"]
+COLUMNS = ["id", "prompt", "output_text", "finish_reason", "error", "prompt_tokens", "new_tokens", "output_token_ids"]
 
 
 class TrainDrafterError(JobRefused):
@@ -214,7 +215,8 @@ class Row:
     id: str
     ids: list[int]  # prompt + answer
     prompt_len: int
-    exact_answer: bool  # the re-tokenized answer has the job's new_tokens ids
+    exact_answer: bool  # the answer's ids are the job's (stored), or re-tokenized to its new_tokens ids
+    from_ids: bool = False  # the answer's ids are the row's output_token_ids
 
 
 def rows_to_ids(job: JobOutput, tokenizer, task, eos_ids: list[int], stop_strings: list[str]) -> tuple[list[Row], dict]:
@@ -238,15 +240,20 @@ def rows_to_ids(job: JobOutput, tokenizer, task, eos_ids: list[int], stop_string
         if r.get("prompt_tokens") is not None and len(p) != r["prompt_tokens"]:
             skip("prompt ids differ from the job's prompt_tokens")
             continue
-        a = list(tokenizer(r["output_text"], add_special_tokens=False)["input_ids"])
-        text = r["output_text"]
-        if (r.get("finish_reason") == "stop" and eos_ids and not any(text.endswith(s) for s in stop_strings)
-                and (r.get("new_tokens") is None or len(a) < r["new_tokens"])):
-            a.append(eos_ids[0])  # the EOS the job generated (skipped in output_text)
+        stored = r.get("output_token_ids")
+        if stored is not None:
+            a = [int(t) for t in stored]  # the target's own ids, EOS included when it stopped on it
+        else:  # an output written before the column existed: its text re-tokenized
+            a = list(tokenizer(r["output_text"], add_special_tokens=False)["input_ids"])
+            text = r["output_text"]
+            if (r.get("finish_reason") == "stop" and eos_ids and not any(text.endswith(s) for s in stop_strings)
+                    and (r.get("new_tokens") is None or len(a) < r["new_tokens"])):
+                a.append(eos_ids[0])  # the EOS the job generated (skipped in output_text)
         if not a:
             skip("empty answer")
             continue
-        out.append(Row(str(r["id"]), p + a, len(p), r.get("new_tokens") == len(a)))
+        out.append(Row(str(r["id"]), p + a, len(p), stored is not None or r.get("new_tokens") == len(a),
+                       stored is not None))
     return out, skipped
 
 
@@ -597,6 +604,7 @@ def build_report(opts: Options, job: JobOutput, training: Training, after: dict,
                  "held_back": len(setup.held_rows), "left_out": setup.skipped,
                  "uncommitted_files_not_read": len(job.uncommitted_files),
                  "answers_retokenized_exactly": sum(r.exact_answer for r in setup.rows),
+                 "answers_from_token_ids": sum(r.from_ids for r in setup.rows),
                  "held_back_answer_tokens_equal_to_the_targets_argmax":
                      round(sum(h.argmax_agrees for h in held) / max(1, sum(h.answer_tokens for h in held)), 4)},
         "training": {"steps": st["step"], "epochs": st["epoch"], "rows_seen": st["rows_seen"],

@@ -7,7 +7,9 @@ and ``RAY_ADDRESS`` set to the cluster's dashboard (``http://<head>:8265``).
 
 ``--run-date {{ ds }}``: the run's logical date, the same on every retry and backfill, so a
 retry resumes the shards its first try committed, and clearing an old run redoes only its
-missing shards.  ``max_active_runs=1``: two nights never write at once.
+missing shards.  ``max_active_runs=1``: two nights never write at once.  ``--previous auto``:
+the rows the latest earlier complete night holds unchanged are copied, not decoded (a
+backfill of an old date copies from the night complete before it).
 """
 
 import pendulum
@@ -18,7 +20,7 @@ from airflow.sdk import DAG
 ENTRYPOINT = (
     "python jobs/summarize.py --config configs/summarize.yaml"
     " --input s3://specbatch-nightly/articles/ --output s3://specbatch-nightly/summaries/"
-    " --run-date {{ ds }} --no-progress"
+    " --run-date {{ ds }} --previous auto --no-progress"
 )
 
 #: waits for the job and fails the task when the job fails (ray job submit's exit status)

@@ -410,6 +410,13 @@ class OutputConfig(_Section):
     partition_by_date: bool = False
     #: ``YYYY-MM-DD`` of the ``date=`` partition; ``None``: today in UTC
     run_date: str | None = None
+    #: an earlier output of this job whose unchanged rows are copied, not decoded (:mod:`pipeline.reuse`):
+    #: a row is reused when a committed row there has its reuse key (the same prompt token ids, model
+    #: and tokenizer files, task and generation settings, and when sampling the same seed and row id);
+    #: ``auto``: the latest earlier complete ``date=`` partition of ``uri`` (needs ``partition_by_date``;
+    #: none: every row is decoded, said in the log); a folder (local or any fsspec URL, read with
+    #: ``storage_options``) must be a job output, else the run is refused; ``None``: decode every row
+    previous: str | None = None
     #: a shard's rows are written as Parquet files of at most this many rows, so the driver
     #: holds at most about this many rows per shard, whatever the shard's size
     max_rows_per_file: int = Field(10_000, ge=1)
@@ -435,6 +442,20 @@ class OutputConfig(_Section):
             return _dt.date.fromisoformat(str(v)).isoformat()
         except ValueError:
             raise ValueError(f"output.run_date must be YYYY-MM-DD, got {v!r}") from None
+
+    @field_validator("previous")
+    @classmethod
+    def _previous(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("output.previous must be auto, an output folder, or null; got an empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _previous_auto(self) -> "OutputConfig":
+        if self.previous == "auto" and not self.partition_by_date:
+            raise ValueError("output.previous: auto picks the latest earlier date= partition of output.uri, so it "
+                             "needs output.partition_by_date (--run-date sets it); or name the previous output folder")
+        return self
 
     def effective_run_date(self) -> str:
         import datetime as _dt

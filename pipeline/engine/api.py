@@ -14,6 +14,7 @@ import torch
 
 from .batch import per_row_settings
 from .loop import StepEngine
+from .reference import ReferenceIndex
 from .scheduler import Scheduler
 from .settings import GenerationSettings
 from .stats import GenerationResult
@@ -46,7 +47,8 @@ class SpeculativeEngine(StepEngine):
         return result
 
     @torch.inference_mode()
-    def generate_batch(self, prompts, settings=None, max_batch_size: int | None = None) -> list[GenerationResult]:
+    def generate_batch(self, prompts, settings=None, max_batch_size: int | None = None,
+                       references=None) -> list[GenerationResult]:
         """Generate many rows, up to ``max_batch_size`` in flight, in input order.
 
         Args:
@@ -55,6 +57,10 @@ class SpeculativeEngine(StepEngine):
                 prompt; rows may differ only in ``max_new_tokens``, ``eos_token_id``,
                 ``stop_strings`` and ``seed``.
             max_batch_size: rows in flight (default: the engine's).
+            references: ``None``, or one per prompt: ``None`` or the token ids the row's output
+                is likely to repeat (a lightly edited row's previous output), from which the
+                row drafts beside the method (:mod:`pipeline.engine.reference`; ignored by
+                plain decoding).  Lossless: the results are what they are without them.
 
         Returns:
             One :class:`GenerationResult` per prompt, in order, each what :meth:`generate`
@@ -64,12 +70,18 @@ class SpeculativeEngine(StepEngine):
             others go on.
 
         Raises:
-            ValueError: bad or mixed settings (before any decoding).
+            ValueError: bad or mixed settings, or a reference with token ids outside the
+                target's vocabulary (before any decoding).
         """
         prompts = list(prompts)
+        references = [None] * len(prompts) if references is None else list(references)
+        if len(references) != len(prompts):
+            raise ValueError(f"references has {len(references)} entries for {len(prompts)} prompts")
+        references = [None if r is None else ReferenceIndex(r, self.target_vocab) for r in references]
         rows_settings = per_row_settings(settings, len(prompts), self.target.generation_config, self.target_vocab)
         scheduler = Scheduler(self, min(max_batch_size or self.max_batch_size, max(1, len(prompts))))
-        tickets = [scheduler.submit(p, s, resolved=True) for p, s in zip(prompts, rows_settings)]
+        tickets = [scheduler.submit(p, s, resolved=True, reference=r)
+                   for p, s, r in zip(prompts, rows_settings, references)]
         results = scheduler.run()
         return [results[t] for t in tickets]
 

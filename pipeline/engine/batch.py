@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .draft_budget import RowEvidence
+from .reference import ReferenceIndex
 from .sampling import LogitsShaper
 from .settings import GenerationSettings, resolve_generation_settings
 from .stats import RowStats
@@ -74,6 +75,8 @@ class RowState:
         evidence: its acceptance against the draft-length controller's estimates
             (:class:`~pipeline.engine.draft_budget.RowEvidence`), beside ``stats`` (which
             counts verified drafts only).
+        reference: the n-gram index of its reference text (:mod:`pipeline.engine.reference`),
+            whose drafts the loop offers beside the method's; ``None``: none.
     """
 
     index: int
@@ -93,6 +96,7 @@ class RowState:
     finish: str | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: each committed block
     evidence: RowEvidence = dataclasses.field(default_factory=RowEvidence)
+    reference: ReferenceIndex | None = None
 
     @property
     def length(self) -> int:

@@ -6,6 +6,7 @@ Each step, for every row in flight::
     k   <- min(its schedule, its budget - 1, what the context allows)  its cap
     k'  <- the draft-length controller's lengths for all rows at once  (0 .. k; pipeline.engine.draft_budget)
     d   <- the proposer drafts up to k' tokens for every row at once  (may be fewer, or none; per source)
+           and a row with a reference drafts from it too              (pipeline.engine.reference)
     d   <- the controller's cut: a draft per row, and how much of it  (the step's width)
     one target pass over every row's [last, d_1 .. d_n]               -> n + 1 distributions each
     (a, t) <- verify(d, p, q)  per row                                accepted prefix + one target token
@@ -33,6 +34,7 @@ import torch
 from .batch import RowState
 from .cpu import CpuOptions, CpuPlan, prepare
 from .draft_budget import DraftBudget
+from .reference import offer_reference
 from .proposers import METHODS, ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
 from .runner import ModelRunner, model_layout, prefill, text_config
@@ -287,7 +289,9 @@ class StepEngine:
         budget, evidence = self.budget, [r.evidence for r in rows]
         ks = budget.lengths(evidence, caps, rows[0].settings.do_sample) if budget is not None else caps
         proposed = self._propose(rows, ks, candidates)
-        drafts = budget.cut(proposed, evidence) if budget is not None else proposed
+        offered = [offer_reference(d, r.reference.draft(r.generated, k, r.sequence.device)) if r.reference is not None
+                   else d for r, d, k in zip(rows, proposed, ks)]
+        drafts = budget.cut(offered, evidence) if budget is not None else offered
         t1 = self.clock()
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
@@ -353,7 +357,6 @@ class StepEngine:
         n, path = len(draft), verdict.path
         depth = n
         if draft.parents is not None:
-            first = draft.first_branch()
             moves = [(row.length + j, row.length + i) for i, j in enumerate(path) if j != i]
             if moves:
                 src, dst = [a for a, _ in moves], [b for _, b in moves]

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .batch import PER_ROW_FIELDS, RowState
+from .reference import ReferenceIndex
 from .settings import GenerationSettings, resolve_generation_settings
 from .stats import GenerationResult, RowStats
 
@@ -41,6 +42,7 @@ class _Waiting:
     on_tokens: OnTokens | None
     on_done: OnDone | None
     draft_length: int | None = None
+    reference: ReferenceIndex | None = None
 
 
 def group_key(settings: GenerationSettings) -> str:
@@ -80,7 +82,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt, settings: GenerationSettings | None = None, on_tokens: OnTokens | None = None,
-               on_done: OnDone | None = None, resolved: bool = False, draft_length: int | None = None) -> int:
+               on_done: OnDone | None = None, resolved: bool = False, draft_length: int | None = None,
+               reference=None) -> int:
         """Queue a row; returns its ticket (results of :meth:`step` carry it).
 
         Args:
@@ -91,9 +94,13 @@ class Scheduler:
             on_done: called (on the stepping thread) with the row's final result.
             draft_length: the row's draft length ``k``, 1 .. the engine's (default: the
                 engine's); with the ``heuristic`` schedule, its starting length.
+            reference: token ids (``list[int]`` or an int tensor ``(n,)``, the target's
+                vocabulary) the row's output is likely to repeat, or their
+                :class:`~pipeline.engine.reference.ReferenceIndex`: the row drafts from them
+                too (:mod:`pipeline.engine.reference`; lossless whatever they hold); ``None``: none.
 
         Raises:
-            ValueError: a bad setting or draft length (the row is not queued).
+            ValueError: a bad setting, draft length or reference (the row is not queued).
         """
         if not resolved:
             settings = resolve_generation_settings(settings, self.engine.target.generation_config,
@@ -102,9 +109,11 @@ class Scheduler:
             top = self.engine.spec.draft_length
             if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 1 <= draft_length <= top:
                 raise ValueError(f"draft_length must be an integer in 1 .. {top} (the engine's), got {draft_length!r}")
+        if reference is not None and not isinstance(reference, ReferenceIndex):
+            reference = ReferenceIndex(reference, self.engine.target_vocab)
         with self._lock:
             ticket = next(self._tickets)
-            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done, draft_length))
+            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done, draft_length, reference))
         return ticket
 
     def cancel(self, ticket: int) -> None:
@@ -159,6 +168,8 @@ class Scheduler:
             row.on_tokens = w.on_tokens
             if w.draft_length is not None:
                 row.k = w.draft_length
+            if self.engine.proposer is not None:  # a reference drafts beside a method's drafts
+                row.reference = w.reference
             self._callbacks[w.ticket] = (w.on_tokens, w.on_done)
             admitted.append(row)
         if admitted:

@@ -202,6 +202,21 @@ class RowStats:
         d.update({name: getattr(self, name) for name in RATE_COLUMNS})
         return d
 
+    def vllm_metrics(self) -> dict[str, Any]:
+        """The same statistics under the per-request names vLLM uses for speculative decoding
+        (:data:`VLLM_NAMES`; ``docs/metrics.md``): ``num_spec_steps`` (draft steps),
+        ``num_draft_tokens``, ``num_accepted_draft_tokens``, ``draft_acceptance_rate``
+        (accepted / drafted; None without drafts), ``mean_acceptance_length`` (``1 +`` accepted
+        per draft step; None without drafts) and ``acceptance_histogram`` (entry ``j``: draft
+        steps whose accepted prefix was ``j`` tokens long, steps without a draft left out).
+        Derived here only: the counts' one owner is this record."""
+        histogram = self.accepted_length_steps
+        if histogram:
+            histogram = [histogram[0] - (self.verify_steps - self.draft_steps)] + histogram[1:]
+        return {"num_spec_steps": self.draft_steps, "num_draft_tokens": self.draft_tokens,
+                "num_accepted_draft_tokens": self.accepted_tokens, "draft_acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_accepted_length, "acceptance_histogram": histogram}
+
     def to_columns(self) -> dict[str, Any]:
         """The statistics columns of an output row (:data:`COLUMNS`, in schema order)."""
         return {c.name: getattr(self, c.name) for c in COLUMNS}
@@ -280,6 +295,11 @@ COLUMNS: tuple[StatColumn, ...] = (
 )
 #: the rates written as columns (recomputed from the counts when read)
 RATE_COLUMNS = ("acceptance_rate", "mean_accepted_length", "tokens_per_step")
+#: vLLM's per-request name -> ours (:meth:`RowStats.vllm_metrics`)
+VLLM_NAMES = {"num_spec_steps": "draft_steps", "num_draft_tokens": "draft_tokens",
+              "num_accepted_draft_tokens": "accepted_tokens", "draft_acceptance_rate": "acceptance_rate",
+              "mean_acceptance_length": "mean_accepted_length",
+              "acceptance_histogram": "accepted_length_steps (steps without a draft left out)"}
 #: the per-position lists (summed element-wise)
 PER_POSITION = tuple(f.name for f in dataclasses.fields(RowStats) if f.default_factory is list)
 #: the counts and times (summed)

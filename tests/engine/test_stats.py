@@ -155,3 +155,17 @@ def test_every_copy_of_the_statistics_is_derived_from_row_stats():
 
     pilot = PilotRun("draft_model", 2, 1, 1.0, [GenerationResult([1], None, "length", s)])
     assert pilot.stats == RowStats.from_columns(s.to_columns())
+
+
+def test_vllm_names_are_the_same_counts():
+    """vLLM's per-request names (docs/metrics.md) are derived from the counts: 10 steps, 6 of them
+    draft steps of up to 3 tokens (drafted 6, 5, 3 at positions 1-3; accepted 4, 2, 1)."""
+    s = RowStats(verify_steps=10, draft_steps=6, draft_tokens=14, accepted_tokens=7,
+                 drafted_per_position=[6, 5, 3], accepted_per_position=[4, 2, 1])
+    v = s.vllm_metrics()
+    assert (v["num_spec_steps"], v["num_draft_tokens"], v["num_accepted_draft_tokens"]) == (6, 14, 7)
+    assert v["draft_acceptance_rate"] == pytest.approx(0.5) and v["mean_acceptance_length"] == pytest.approx(1 + 7 / 6)
+    # draft steps by accepted prefix 0..3: 6 - 4 with none, 4 - 2 with one, 2 - 1 with two, 1 with three
+    assert v["acceptance_histogram"] == [2, 2, 1, 1] and sum(v["acceptance_histogram"]) == v["num_spec_steps"]
+    assert RowStats(verify_steps=4).vllm_metrics()["acceptance_histogram"] == [0]
+    assert RowStats(verify_steps=4).vllm_metrics()["mean_acceptance_length"] is None

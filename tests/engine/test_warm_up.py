@@ -154,3 +154,11 @@ def test_reset_learning_keeps_the_cost_curve_and_forgets_acceptance(pair):
     assert not engine.proposer.cached and engine.proposer.global_tree.nodes == 0
     engine.generate_batch(prompts[:1], settings[:1])
     assert budget.history and budget.history[0].way != "explore"  # the kept curve admits at once
+
+
+def test_warm_up_on_a_suffix_engine_leaves_no_synthetic_output_in_its_tree(pair):
+    target, _, _, _ = pair
+    engine = _engine(target, None, "suffix")
+    engine.warm_up(prompt_tokens=48, new_tokens=4)
+    assert not engine.proposer.cached and engine.proposer.drafts_from == {"row": 0, "job": 0}
+    assert engine.proposer.global_tree.nodes == 0 and not engine.proposer.global_tree.root.children

@@ -131,9 +131,9 @@ def test_numbers_are_numbers_and_booleans_booleans(tmp_path):
     with pytest.raises(ConfigError, match="input.split_rows"):
         load_config(None, ["input.split_rows='500'"])  # a string, even of digits, is not a count
     cfg = load_config(None, ["input.split_rows=500", "compute.cpus_per_actor=2", "generation.do_sample=true",
-                             "generation.temperature=1"])
+                             "compute.draft_length=fixed", "generation.temperature=1"])
     assert cfg.input.split_rows == 500 and cfg.compute.cpus_per_actor == 2.0
-    assert cfg.generation.do_sample is True
+    assert cfg.generation.do_sample is True and cfg.compute.draft_length == "fixed"
 
 
 def test_overrides_parse_yaml_scalars():

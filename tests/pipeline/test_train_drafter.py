@@ -74,11 +74,11 @@ def test_trains_on_the_jobs_answers_and_acceptance_rises(job_output, tmp_path, c
     rows = report["rows"]
     assert rows["committed"] == ROWS and rows["left_out"] == {} and rows["used"] == ROWS
     assert rows["trained_on"] + rows["held_back"] == ROWS and rows["held_back"] >= 3
-    # the prompt ids were rebuilt exactly (no row left out: each has its prompt_tokens), and the target's
-    # greedy choice after them is the answer token, but where the answer's text lost a special token the
-    # random target generated (output_text skips them): those rows re-tokenize shorter, and are counted
-    assert ROWS // 2 < rows["answers_retokenized_exactly"] <= ROWS
-    assert rows["held_back_answer_tokens_equal_to_the_targets_argmax"] > 0.9
+    # the prompt ids were rebuilt exactly (no row left out: each has its prompt_tokens), the answers are the
+    # target's own ids (output_token_ids: no special token lost by output_text), so after them the target's
+    # greedy choice is the answer token
+    assert rows["answers_from_token_ids"] == rows["answers_retokenized_exactly"] == ROWS
+    assert rows["held_back_answer_tokens_equal_to_the_targets_argmax"] > 0.99
     before, after = report["acceptance"]["before"]["by_k"], report["acceptance"]["after"]["by_k"]
     assert set(before) == set(after) == {"1", "2", "3", "4"}
     assert after["1"]["acceptance_rate"] > before["1"]["acceptance_rate"] + 0.2
@@ -176,3 +176,24 @@ def test_bad_inputs_are_refused_in_one_line(job_output, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err, (args, err)
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+def test_answers_are_the_stored_token_ids_else_the_text_re_tokenized():
+    """``output_token_ids`` is the target's answer exactly (a special token the text skips kept);
+    an output written before that column existed has its text re-tokenized, with the EOS."""
+    from pipeline.config import TaskConfig
+    from pipeline.prompts import PromptBuilder
+    from tiny import make_tokenizer
+    from train.drafter_from_outputs import JobOutput, rows_to_ids
+
+    tok, task = make_tokenizer(), TaskConfig(chat_template=False)
+    prompt, ids = PromptBuilder(tok, task).build(TEXTS[0])
+    answer = tok("the cat sat", add_special_tokens=False)["input_ids"]
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    base = {"prompt": prompt, "error": None, "prompt_tokens": len(ids), "finish_reason": "stop"}
+    rows = [dict(base, id="stored", output_text="the cat sat", new_tokens=5, output_token_ids=[*answer, pad, eos]),
+            dict(base, id="older", output_text="the cat sat", new_tokens=4, output_token_ids=None)]
+    job = JobOutput("out", rows, {}, {}, {}, [], {})
+    got, skipped = rows_to_ids(job, tok, task, [eos], [])
+    assert skipped == {} and [r.ids[r.prompt_len:] for r in got] == [[*answer, pad, eos], [*answer, eos]]
+    assert [(r.exact_answer, r.from_ids) for r in got] == [(True, True), (True, False)]
