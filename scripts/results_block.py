@@ -151,7 +151,7 @@ def _line(path: Path, root: Path) -> str | None:
 #: draft-length settings), and the demo models' whole-job runs measured before the CPU kernels (superseded
 #: by the node benchmark and bench_real on the real model): listed in reports/README.md's index, not in
 #: the README's block
-INDEX_ONLY = ("bench_attention", "bench_interleaved", "spec_bench_summarize", "spec_bench_translate", "xsum")
+INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "spec_bench_summarize", "spec_bench_translate", "xsum")
 
 
 def _paths(reports: Path) -> list[Path]:
