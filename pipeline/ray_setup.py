@@ -357,6 +357,10 @@ def _board_name() -> str:
     return f"{LOAD_BOARD}_{ray.get_runtime_context().get_job_id()}"
 
 
+#: how long a post to the load board or the driver's read may wait (seconds): long, since a node
+#: whose every core is busy (a job's, or a test suite's workers) can keep the board's actor waiting
+BOARD_TIMEOUT_S = 300
+
 #: the driver's handles of its load boards, by name: a named actor that is not detached lives
 #: only while a handle to it does; the driver reads the board through this handle
 _OPEN_BOARDS: dict = {}
@@ -386,7 +390,7 @@ def post_load_facts(facts, board) -> bool:
     try:
         import ray
 
-        ray.get(board.post.remote(facts), timeout=60)
+        ray.get(board.post.remote(facts), timeout=BOARD_TIMEOUT_S)
         return True
     except Exception:  # noqa: BLE001 - the facts are a record: never a reason to fail a load
         log.warning("could not post this actor's load facts to the driver", exc_info=True)
@@ -402,7 +406,7 @@ def read_load_board() -> list:
         board = _OPEN_BOARDS.get(_board_name()) if ray.is_initialized() else None
         if board is None:
             return []
-        return ray.get(board.read.remote(), timeout=60)
+        return ray.get(board.read.remote(), timeout=BOARD_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - the summary goes on without them
         log.warning("could not read the actors' load facts", exc_info=True)
         return []

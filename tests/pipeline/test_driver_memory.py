@@ -33,7 +33,7 @@ def _write_shards(d, shards, rows):
 class _EchoActor(GenerateActor):
     """An output row per input row (the prompt kept, one "generated" word), no model."""
 
-    def __init__(self, config, device=None, columns="job", text_column="text", id_column="id"):
+    def __init__(self, config, device=None, columns="job", text_column="text", id_column="id", **_):  # reuse=, load_board=: not this stub's
         from pipeline.config import JobConfig
         from pipeline.prompts import fill_template
 

@@ -353,6 +353,13 @@ class SuffixProposer:
             self._cache(row)
 
     # ------------------------------------------------------------------ the job-wide tree
+    def reset_learning(self) -> None:
+        """Empty the job-wide tree (the outputs of earlier rows) and the draft counters; the
+        rows in flight keep their own trees (:meth:`StepEngine.reset_learning`)."""
+        self.global_tree = SuffixTree(self.max_tree_depth)
+        self.cached.clear()
+        self.drafts_from = {"row": 0, "job": 0}
+
     def _cache(self, row: _Row) -> None:
         output = row.tokens[row.prompt_len :]
         if not output or self.max_cached_requests <= 0:
