@@ -101,8 +101,9 @@ class GenerateActor:
             but ``input_error``, then :data:`ADDED_COLUMNS` (a column of the same name in the
             input is replaced).
         text_column, id_column: the row's text and id fields (the id keys a sampled row's seed).
-        reuse: nightly reuse, :func:`pipeline.reuse.share_previous`'s ``{"fingerprint", "table"}``:
-            every row gets its ``reuse_key``, and a row the table holds is copied; None: no keys.
+        reuse: nightly reuse, :func:`pipeline.reuse.share_previous`'s ``{"fingerprint", "table",
+            "copy", "pool"}``: every row gets its ``reuse_key``, and a row the table holds is
+            copied; ``pool`` of its rows seed the job-wide draft pool; None: no keys.
         load_board: the driver's load board (:func:`pipeline.ray_setup.open_load_board`), where
             the actor posts what its load did for the CPU; ``None`` posts nothing.
     """
@@ -137,6 +138,8 @@ class GenerateActor:
             if self.cfg.uses_drafter else None,
         }
         self.reuse = RowReuse.of(reuse)
+        #: previous outputs this actor's job-wide draft pool was seeded with (after the warm-up's reset)
+        self.pool_seeded = self.engine.seed_pool(self.reuse.pool_documents()) if self.reuse is not None else 0
         self.rows_done = 0
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

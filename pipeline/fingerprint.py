@@ -43,7 +43,8 @@ row's seed key stand for them), and, for a greedy lossless run, less the method 
 drafter (a lossless method's greedy output is plain greedy decoding's).  A sampled run keeps
 them: the tokens a seed draws depend on how the method uses the random stream (the law does
 not), and so does a lossy static ensemble (``assistant_ensemble_weight``), greedy or not.
-:func:`reuse_fingerprint` is its hash.
+:func:`reuse_fingerprint` is its hash.  :func:`model_and_tokenizer` is the target's files split
+into its model and its tokenizer: what a persisted job-wide draft pool is keyed to.
 """
 
 from __future__ import annotations
@@ -182,6 +183,28 @@ def reuse_identity(identity: dict[str, Any], greedy: bool) -> dict[str, Any]:
 def reuse_fingerprint(identity: dict[str, Any], greedy: bool) -> str:
     """A 16-hex-digit SHA-256 of :func:`reuse_identity` (the first part of every row's reuse key)."""
     return config_fingerprint(reuse_identity(identity, greedy))
+
+
+#: files of a model directory that make its tokenizer (the rest, less the chat template, make the model)
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "spiece", "sentencepiece")
+
+
+def model_and_tokenizer(identity: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The target's identity split in two: ``{"model": ..., "tokenizer": ...}``, each a
+    ``file name -> sha256`` of :func:`model_files` (a hub id and revision count as the model;
+    a ``chat_template*`` file as neither: it shapes prompts, not what the token ids mean).
+    What a job-wide draft pool of token ids is keyed to (:mod:`pipeline.reuse`).
+
+    Args:
+        identity: a run's :func:`config_identity`, or one a committed unit recorded.
+    """
+    files = (identity.get("model_files") or {}).get("target") or {}
+    out: dict[str, dict[str, str]] = {"model": {}, "tokenizer": {}}
+    for name, ident in files.items():
+        if name.startswith("chat_template"):
+            continue
+        out["tokenizer" if name.startswith(TOKENIZER_FILES) or name.endswith(".tiktoken") else "model"][name] = ident
+    return out
 
 
 def model_files(path: str) -> dict[str, str]:

@@ -37,6 +37,18 @@ null (nothing was decoded: no steps, no times; ``prompt_tokens`` and ``new_token
 given), so tokens/s and every rate count the decoded rows only; the summary counts
 ``reused_rows`` apart (:mod:`pipeline.summary`).  The lossless audit re-decodes its fraction
 of reused rows with plain decoding and compares the token ids, as for decoded rows.
+
+The persisted draft pool.  The previous output is also the job-wide draft pool a method that
+learns from finished outputs keeps (suffix decoding's tree of earlier outputs,
+:attr:`~pipeline.engine.methods.MethodSpec.learns_from_outputs`): each actor seeds it, after
+its warm-up's reset, with the output token ids of up to ``suffix_decoding_max_cached_requests``
+previous rows (:meth:`RowReuse.pool_documents`, :meth:`pipeline.engine.loop.StepEngine.seed_pool`;
+counted in the summary's ``previous.pool_seeded_rows``).  It is keyed to the model and the
+tokenizer (:func:`pipeline.fingerprint.model_and_tokenizer`), not to the whole config: a
+previous output decoded with another generation setting still seeds the pool (its rows are
+then neither copied nor drafted from as references), one decoded with another model or
+tokenizer is refused in one log line naming the folder and which of the two differs, and the
+run goes on without it.  Drafts only: the output is the same with or without the pool.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import ConfigError, JobConfig
-from pipeline.fingerprint import describe_changes, reuse_fingerprint, reuse_identity
+from pipeline.fingerprint import describe_changes, model_and_tokenizer, reuse_fingerprint, reuse_identity
 
 log = logging.getLogger("specbatch")
 
@@ -261,6 +273,10 @@ class ReusePlan:
         previous: the previous output's URL to copy rows from (None: nothing to reuse).
         finished: whether that output is complete (its committed units are read either way).
         note: one line for the log and the summary: what was found, or why nothing is reused.
+        pool_from: the previous output whose rows seed each actor's job-wide draft pool (its
+            model and tokenizer are this run's; None: no pool to seed, or it was refused).
+        pool_size: how many previous rows may seed the pool (the method's bound on it,
+            ``suffix_decoding_max_cached_requests``; 0: the method learns nothing from outputs).
     """
 
     fingerprint: str
@@ -268,6 +284,8 @@ class ReusePlan:
     finished: bool | None = None
     note: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    pool_from: str | None = None
+    pool_size: int = 0
 
     def facts(self) -> dict[str, Any] | None:
         """The run summary's ``previous``: ``{"output", "finished", "note", "rows", "usable"}``,
@@ -293,7 +311,7 @@ def plan_reuse(cfg: JobConfig, identity: dict[str, Any], greedy: bool, own_url: 
     """
     from pipeline.output.reader import CommittedOutput, OutputReadError, previous_partition
 
-    plan = ReusePlan(reuse_fingerprint(identity, greedy))
+    plan = ReusePlan(reuse_fingerprint(identity, greedy), pool_size=pool_size(cfg))
     o = cfg.output
     if o.previous is None:
         return plan
@@ -314,6 +332,7 @@ def plan_reuse(cfg: JobConfig, identity: dict[str, Any], greedy: bool, own_url: 
         raise ConfigError(f"output.previous names this run's own output folder ({own_url}): name an earlier output "
                           "(a rerun of the same output resumes by itself)")
     plan.finished = prev.finished
+    plan.pool_from = _pool_source(plan, prev, identity)
     theirs = reuse_fingerprint(prev.config_identity, greedy)
     if theirs != plan.fingerprint:
         changes = describe_changes(reuse_identity(prev.config_identity, greedy), reuse_identity(identity, greedy))
@@ -329,22 +348,59 @@ def plan_reuse(cfg: JobConfig, identity: dict[str, Any], greedy: bool, own_url: 
     return plan
 
 
+def pool_size(cfg: JobConfig) -> int:
+    """How many previous rows seed an actor's job-wide draft pool: the method's bound on the
+    pool (``method.suffix_decoding_max_cached_requests``, vLLM's default where unset) when it
+    learns from finished outputs (:attr:`~pipeline.engine.methods.MethodSpec.learns_from_outputs`), else 0."""
+    from pipeline.engine import METHODS
+    from pipeline.engine.proposers.suffix import DEFAULT_MAX_CACHED_REQUESTS
+
+    spec = METHODS.get(cfg.method.name)
+    if spec is None or not spec.learns_from_outputs:
+        return 0
+    size = getattr(cfg.method, "suffix_decoding_max_cached_requests", None)
+    return DEFAULT_MAX_CACHED_REQUESTS if size is None else int(size)
+
+
+def _pool_source(plan: ReusePlan, prev: Any, identity: dict[str, Any]) -> str | None:
+    """The previous output ``prev`` (a :class:`~pipeline.output.reader.CommittedOutput`) when
+    its rows may seed the job-wide draft pool: the method keeps one and ``prev`` was decoded
+    with this run's model and tokenizer (:func:`pipeline.fingerprint.model_and_tokenizer`).
+    Another model or tokenizer is refused in one log line that names the folder and which of
+    the two differs (and how); the run goes on without the pool."""
+    if plan.pool_size <= 0:
+        return None
+    mine, theirs = model_and_tokenizer(identity), model_and_tokenizer(prev.config_identity)
+    differs = [k for k in ("model", "tokenizer") if mine[k] != theirs[k]]
+    if differs:
+        files = sorted(f for k in differs for f in set(mine[k]) | set(theirs[k]) if mine[k].get(f) != theirs[k].get(f))
+        log.warning("output.previous: the job-wide draft pool of %s is refused: it was decoded with another %s (files "
+                    "changed: %s); the run goes on without it", prev.url, " and ".join(differs), ", ".join(files))
+        return None
+    return prev.url
+
+
 def share_previous(plan: ReusePlan, cfg: JobConfig) -> dict[str, Any]:
-    """The actors' ``reuse`` argument (:class:`RowReuse`): ``{"fingerprint", "table"}``,
-    ``table`` an ``ObjectRef`` of the previous output's :class:`ReuseTable`, read by one Ray
-    task (no CPU reserved: I/O) and kept in the object store; None when there is nothing to
-    reuse.  Needs a running Ray; waits for the table's counts (logged in one line).
+    """The actors' ``reuse`` argument (:class:`RowReuse`): ``{"fingerprint", "table", "copy",
+    "pool"}``, ``table`` an ``ObjectRef`` of the previous output's :class:`ReuseTable`, read by
+    one Ray task (no CPU reserved: I/O) and kept in the object store, None when there is
+    nothing to reuse or seed; ``copy`` whether its rows may be copied and drafted from as
+    references (``plan.previous``); ``pool`` how many of them seed each actor's job-wide draft
+    pool (``plan.pool_from``: at most ``plan.pool_size``; also the summary's
+    ``previous.pool_seeded_rows``).  Needs a running Ray when there is a table to read; waits
+    for the table's counts (logged in one line).
 
     Raises:
         OutputReadError: a committed file of the previous output is missing.
         StorageError: the storage kept failing with transient errors.
     """
-    if plan.previous is None:
+    url = plan.previous or plan.pool_from
+    if url is None:
         return {"fingerprint": plan.fingerprint, "table": None}
     import ray
 
     task = ray.remote(num_cpus=0, num_returns=2)(_read_remote)
-    table_ref, counts_ref = task.remote(plan.previous, cfg.output.storage_options, cfg.retry.model_dump())
+    table_ref, counts_ref = task.remote(url, cfg.output.storage_options, cfg.retry.model_dump())
     try:
         plan.counts = ray.get(counts_ref)
     except ray.exceptions.RayTaskError as e:  # our own error, raised in the task: as it was
@@ -353,7 +409,13 @@ def share_previous(plan: ReusePlan, cfg: JobConfig) -> dict[str, Any]:
             raise cause from None
         raise
     c = plan.counts
-    if c["usable"]:
+    pool = min(c["usable"], plan.pool_size) if plan.pool_from else 0
+    c["pool_seeded_rows"] = pool
+    if pool:
+        log.info("output.previous: %d committed row(s) of %s seed each actor's job-wide draft pool", pool, url)
+    if plan.previous is None:
+        pass
+    elif c["usable"]:
         log.info("output.previous: %d of the %d committed rows of %s can be copied (%.1f MB shared with the actors)",
                  c["usable"], c["rows"], plan.previous, c["nbytes"] / 2**20)
     else:
@@ -361,7 +423,8 @@ def share_previous(plan: ReusePlan, cfg: JobConfig) -> dict[str, Any]:
         log.info("output.previous: no row of %s carries a reuse key%s: nothing to reuse, every row is decoded",
                  plan.previous, why)
         plan.note += "; no row carries a reuse key: nothing reused"
-    return {"fingerprint": plan.fingerprint, "table": table_ref if c["usable"] else None}
+    return {"fingerprint": plan.fingerprint, "table": table_ref if c["usable"] else None,
+            "copy": plan.previous is not None, "pool": pool}
 
 
 def _read_remote(url: str, storage_options: dict[str, Any], retry: dict[str, Any]):
@@ -377,16 +440,21 @@ class RowReuse:
     Args:
         fingerprint: the run's reuse fingerprint.
         table: a :class:`ReuseTable`, an ``ObjectRef`` of one, or None (keys only: nothing to copy).
+        copy: whether the table's rows are copied and drafted from as references (False: they
+            only seed the job-wide draft pool, the previous output having another config).
+        pool: how many of the table's rows seed the job-wide draft pool (:meth:`pool_documents`).
     """
 
-    def __init__(self, fingerprint: str, table: Any = None):
+    def __init__(self, fingerprint: str, table: Any = None, copy: bool = True, pool: int = 0):
         self.fingerprint = fingerprint
         self._table = table
+        self.copy = copy
+        self.pool = pool
 
     @classmethod
     def of(cls, arg: dict[str, Any] | None) -> "RowReuse | None":
         """From :func:`share_previous`'s plain data (None: the caller computes no keys)."""
-        return None if not arg else cls(arg["fingerprint"], arg.get("table"))
+        return None if not arg else cls(arg["fingerprint"], arg.get("table"), arg.get("copy", True), arg.get("pool", 0))
 
     @property
     def table(self) -> ReuseTable | None:
@@ -402,11 +470,20 @@ class RowReuse:
 
     def find(self, key: str | None) -> Reused | None:
         """The previous output of the row with reuse key ``key``, or None."""
-        table = self.table
+        table = self.table if self.copy else None
         row = table.find(key) if table is not None else None
         return table.output(row) if row is not None else None
 
     def reference_for(self, row_id: Any) -> list[int] | None:
         """:meth:`ReuseTable.reference_for` (None without a previous output)."""
-        table = self.table
+        table = self.table if self.copy else None
         return table.reference_for(row_id) if table is not None else None
+
+    def pool_documents(self) -> list[list[int]]:
+        """The output token ids of the previous rows that seed the job-wide draft pool: the last
+        ``pool`` rows of the table (in its key order: a deterministic sample, as good as any,
+        the previous output recording no order of completion); ``[]`` without a table."""
+        table = self.table if self.pool > 0 else None
+        if table is None:
+            return []
+        return [table.output(r).token_ids for r in range(max(0, len(table) - self.pool), len(table))]

@@ -186,6 +186,15 @@ class StepEngine:
         if self.budget is not None:
             self.budget.reset_learning()
 
+    def seed_pool(self, documents: list[list[int]]) -> int:
+        """Seed the proposer's job-wide pool with earlier outputs (token ids; a previous run's,
+        :mod:`pipeline.reuse`) after :meth:`reset_learning`, when its method learns from
+        finished outputs (suffix's ``seed_pool``); returns how many documents it took (0 for
+        any other method).  Drafts only: the output is unchanged."""
+        if self.proposer is None or not self.method.learns_from_outputs or not hasattr(self.proposer, "seed_pool"):
+            return 0
+        return self.proposer.seed_pool(documents)
+
     def bind(self, rows: int) -> ModelRunner:
         """The target's runner (and the proposer's state) for ``rows`` slots, built once."""
         if self._runner is None or self._runner.cache.max_rows < rows:

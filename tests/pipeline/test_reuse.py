@@ -26,7 +26,7 @@ from pipeline.input.units import Shard, Split, Unit
 from pipeline.output import OutputWriter
 from pipeline.output.reader import RUN_COLUMN
 from pipeline.processor import check_generation
-from pipeline.reuse import ReuseTable, plan_reuse, read_previous, row_reuse_key
+from pipeline.reuse import ReuseTable, plan_reuse, read_previous, row_reuse_key, share_previous
 from pipeline.run import run_identity
 from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
 from pipeline.summary import RunTotals
@@ -441,3 +441,65 @@ def test_an_edited_row_drafts_from_its_previous_output_losslessly(greedy_night, 
     assert summary["accepted_from_reference"] == sum(o["accepted_from_reference"] for o in outs)
     assert summary["accepted_tokens"] == sum(summary[f"accepted_from_{s}"] for s in ("prompt", "pool", "reference",
                                                                                      "drafter"))
+
+
+# ------------------------------------------------------------------ the persisted draft pool
+def test_a_previous_night_seeds_the_suffix_pool_and_the_output_stays_plain(greedy_night, tiny_models, tmp_path):
+    """Night 2 (suffix, more tokens: nothing copied) seeds each actor's job-wide pool with
+    night 1's outputs after the warm-up's reset: the pool drafts night 1's tokens, which are
+    accepted, and every row is still plain greedy decoding's (the audit re-decodes them all)."""
+    night1, table = greedy_night
+    cfg = job_config(tiny_models, "unused", str(tmp_path / "o"),
+                     overrides=["method.name=suffix", "generation.max_new_tokens=20", "audit.fraction=1.0"])
+    reuse = {"fingerprint": _fingerprint(cfg), "table": table, "copy": False, "pool": 3}
+    actor = GenerateActor(cfg.model_dump(), device="cpu", reuse=reuse)
+    assert actor.pool_seeded == 3 and len(actor.engine.proposer.cached) == 3
+    actor.engine.budget.curve = _FixedCosts()
+    outs = _decode(actor)
+    assert [o["audit"] for o in outs] == [True] * 3 and [o["reused_from"] for o in outs] == [None] * 3
+    for o, prev in zip(outs, night1):
+        if prev["finish_reason"] == "length":  # greedy: night 1's output is a prefix of night 2's
+            assert o["output_token_ids"][:12] == prev["output_token_ids"]
+    assert sum(o["accepted_from_pool"] for o in outs) >= 6  # drafted from night 1's outputs
+    assert sum(o["accepted_from_reference"] for o in outs) == 0  # copy=False: no references either
+    actor.engine.reset_learning()  # the same rows without the pool: the same tokens
+    assert [o["output_token_ids"] for o in _decode(actor)] == [o["output_token_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("changed, refused", [("tokenizer", "tokenizer"), ("weights", "model"), (None, None)])
+def test_a_pool_from_another_model_or_tokenizer_is_refused_by_name(changed, refused, tiny_models, changed_models,
+                                                                   tmp_path, caplog):
+    """The previous night was decoded with the tiny target; tonight's suffix job uses a copy
+    with another tokenizer or weight (refused, named, the run goes on without the pool), or the
+    same target with another generation setting (nothing copied, the pool still seeded)."""
+    caplog.set_level(logging.INFO, logger="specbatch")
+    root, night = tmp_path / "nightly", tmp_path / "nightly" / "date=2026-01-01"
+    sets = ["output.run_date=2026-01-02", "output.partition_by_date=true", f"output.previous={night}"]
+    _night(job_config(tiny_models, "unused", str(root), overrides=sets), root, "2026-01-01")
+    pair = dict(tiny_models, target=changed_models[changed]) if changed else tiny_models
+    cfg = job_config(pair, "unused", str(root), overrides=sets + ["method.name=suffix", "generation.max_new_tokens=6"])
+    plan = _plan(cfg)
+    assert plan.previous is None and plan.pool_size == 10_000  # another config: nothing copied either way
+    line = f"the job-wide draft pool of {night} is refused: it was decoded with another {refused} (files changed"
+    if refused:
+        assert plan.pool_from is None and line in caplog.text and "run goes on without it" in caplog.text
+        assert "tokenizer_config.json" in caplog.text if refused == "tokenizer" else "model.safetensors" in caplog.text
+        reuse = share_previous(plan, cfg)
+        assert reuse == {"fingerprint": plan.fingerprint, "table": None}  # no table to read (no Ray needed)
+        if refused == "tokenizer":  # the run goes on: an actor without the pool decodes its rows
+            actor = GenerateActor(cfg.model_dump(), device="cpu", reuse=reuse)
+            assert actor.pool_seeded == 0 and all(o["error"] is None and o["new_tokens"] for o in _decode(actor, ROWS[:1]))
+    else:
+        assert plan.pool_from == str(night) and "is refused" not in caplog.text
+    plain = job_config(tiny_models, "unused", str(root), overrides=sets + ["method.name=prompt_lookup"])
+    assert _plan(plain).pool_from is None  # a method that learns nothing from outputs seeds nothing
+
+
+def test_seed_pool_is_bounded_and_feeds_the_job_wide_tree():
+    from pipeline.engine.proposers.suffix import SuffixProposer
+
+    p = SuffixProposer(max_tree_depth=4, max_cached_requests=2)
+    assert p.seed_pool([[1, 2, 3], [], [4, 5, 6], [7, 8, 9]]) == 3  # the empty one is not a document
+    assert list(p.cached) == [[4, 5, 6], [7, 8, 9]]  # the bound holds: the oldest left
+    assert p.global_tree.speculate([4, 5], 2, 1.0, 0.1).tokens == [6] and not p.global_tree.node_of([1])
+    assert SuffixProposer(max_cached_requests=0).seed_pool([[1, 2]]) == 0

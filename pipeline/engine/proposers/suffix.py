@@ -360,16 +360,34 @@ class SuffixProposer:
         self.cached.clear()
         self.drafts_from = {"row": 0, "job": 0}
 
+    def seed_pool(self, documents: Iterable[Sequence[int]]) -> int:
+        """Add earlier outputs to the job-wide tree, as if rows with these outputs had finished
+        (a previous run's outputs: :mod:`pipeline.reuse`), after :meth:`reset_learning`.  Each
+        document is an output's token ids (optionally preceded by its prompt's tail); the
+        bound ``max_cached_requests`` holds (the oldest leave first).  Lossless whatever they
+        hold: they change which tokens are drafted, never which are emitted.
+
+        Returns:
+            How many documents were added (empty ones, or all with no job-wide tree, are not).
+        """
+        return sum(self._remember([int(t) for t in doc]) for doc in documents)
+
     def _cache(self, row: _Row) -> None:
         output = row.tokens[row.prompt_len :]
-        if not output or self.max_cached_requests <= 0:
+        if not output:
             return
         tail = row.tokens[max(0, row.prompt_len - (self.max_tree_depth - 1)) : row.prompt_len]
-        doc = tail + output
+        self._remember(tail + output)
+
+    def _remember(self, doc: list[int]) -> bool:
+        """Put ``doc`` in the job-wide tree, evicting beyond ``max_cached_requests``."""
+        if not doc or self.max_cached_requests <= 0:
+            return False
         self.global_tree.add(doc)
         self.cached.append(doc)
         while len(self.cached) > self.max_cached_requests:
             self.global_tree.remove(self.cached.popleft())
+        return True
 
     def branches(self, sequence: Sequence[int], slot: int, width: int, depth: int) -> list[tuple[list[int], float]]:
         """Up to ``width`` candidate continuations of ``sequence`` for a token tree, from the
