@@ -142,11 +142,13 @@ def reuse_line(summary: dict) -> None:
     if not previous or this.get("nothing_to_do"):
         return
     rows = this.get("reused_rows") or 0
+    pool = previous.get("pool_seeded_rows") or 0
+    seeded = f"; {pool:,} previous rows seeded the draft pool" if pool else ""
     if rows:
         print(f"reuse: {rows:,} rows reused from {previous.get('output')} (copied, not decoded: tokens/s counts "
-              "the decoded rows only)", file=sys.stderr)
+              f"the decoded rows only){seeded}", file=sys.stderr)
     else:
-        print(f"reuse: no row reused: {previous.get('note')}", file=sys.stderr)
+        print(f"reuse: no row reused: {previous.get('note')}{seeded}", file=sys.stderr)
 
 
 def speedup_line(summary: dict) -> None:

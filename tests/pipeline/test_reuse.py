@@ -360,7 +360,8 @@ def test_two_nights_the_second_copies_the_unchanged_rows(ray_local, tiny_models,
     """The nightly recipe (``--run-date D --previous auto``) on a local Ray: night 1 has no
     earlier night (said) and decodes everything; night 2, with one row edited and one new,
     copies the other three from night 1 through the shared table, audits every row (the copies
-    included: identical), counts the copies apart and names night 1's run on them."""
+    included: identical), counts the copies apart and names night 1's run on them; its method,
+    suffix, seeds its job-wide draft pool with night 1's four outputs (said)."""
     from pipeline.cli import main
     from pipeline.output.reader import CommittedOutput
 
@@ -381,9 +382,11 @@ def test_two_nights_the_second_copies_the_unchanged_rows(ray_local, tiny_models,
     s1, err1 = night("2026-01-01", "in1", "--audit-fraction", "0")
     assert s1["reused_rows"] == 0 and "no complete date= partition" in s1["previous"]["note"]
     assert "reuse: no row reused: output.previous: auto: no complete date= partition" in err1
-    s2, err2 = night("2026-01-02", "in2", "--audit-fraction", "1")
+    s2, err2 = night("2026-01-02", "in2", "--audit-fraction", "1", "--method", "suffix")  # (greedy: still copies)
     first = str(out / "date=2026-01-01")
     assert s2["previous"]["output"] == first and s2["previous"]["usable"] == 4 and s2["previous"]["finished"]
+    assert s1["previous"].get("pool_seeded_rows") is None and s2["previous"]["pool_seeded_rows"] == 4
+    assert "4 previous rows seeded the draft pool" in err2  # suffix's job-wide pool: night 1's outputs
     assert s2["reused_rows"] == s2["this_run"]["reused_rows"] == 3 and s2["rows"] == 5
     assert f"reuse: 3 rows reused from {first} (copied, not decoded" in err2
     assert s2["audit_rows"] == 5 and s2["audit_mismatches"] == 0
