@@ -1,5 +1,5 @@
 """Two nights of the default job (issue 48): night 2 with ``--previous`` (unchanged rows copied,
-edited rows drafting from their previous output) against night 2 without it, by kind of row.
+edited rows drafting from their previous output) against night 2 decoded plainly, by kind of row.
 
 Night 1 decodes ``--rows`` XSum articles (``../shared/data/xsum_helm_1000`` through
 :func:`pipeline.corpora.xsum_rows`) with the default job's config (``configs/summarize.yaml``:
@@ -10,7 +10,8 @@ Night 2 runs twice, each on a fresh engine built as the job builds it
 (:func:`bench_real.warm_engine`: warmed up outside the timed region, then what the warm-up taught
 it forgotten):
 
-- **plain night 2** (no ``--previous``): every row decoded by the job's method;
+- **plain night 2** (no ``--previous``, ``method.name=plain``): every row decoded by plain
+  decoding, the issue's baseline (``--baseline method`` decodes it with the job's method instead);
 - **night 2 with --previous**: an unchanged row is copied (its reuse key computed,
   :func:`pipeline.reuse.row_reuse_key`, and looked up among night 1's keys: that work is its
   time); an edited row is decoded with its id's night-1 output as its reference
@@ -107,9 +108,12 @@ def run(args) -> dict:
     previous = {r["id"]: res.token_ids for r, res in zip(night1, first)}
     keys = {row_reuse_key("bench", prompt[(r["id"], r["text"])], settings): r["id"] for r in night1}
 
-    plain_engine = warm_engine(cfg, models, args.batch, True, args.warm_up_prompt)
+    base_cfg = cfg if args.baseline == "method" else load_config(args.config, ["models.dtype=float32", *args.set,
+                                                                               "method.name=plain"])
+    plain_engine = warm_engine(base_cfg, models, args.batch, True, args.warm_up_prompt)
     reuse_engine = warm_engine(cfg, models, args.batch, True, args.warm_up_prompt)
-    out: dict = {"kinds": {}, "rows": args.rows, "method": cfg.method.name, "batch": args.batch,
+    out: dict = {"kinds": {}, "rows": args.rows, "method": cfg.method.name, "baseline": base_cfg.method.name,
+                 "batch": args.batch,
                  "new_tokens": args.new_tokens}
     differing = 0
     for turn, kind in enumerate(KINDS):
@@ -185,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="rows in flight (the default job's max_batch_size)")
     ap.add_argument("--warm-up-prompt", type=int, default=128, help="tokens of the warm-up's synthetic prompts")
+    ap.add_argument("--baseline", choices=("plain", "method"), default="plain",
+                    help="night 2 without --previous decoded by plain decoding (default) or by the job's method")
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if not 0 <= args.unchanged + args.edited <= 1:
