@@ -2,7 +2,9 @@
 edited rows drafting from their previous output) against night 2 decoded plainly, by kind of row.
 
 Night 1 decodes ``--rows`` XSum articles (``../shared/data/xsum_helm_1000`` through
-:func:`pipeline.corpora.xsum_rows`) with the default job's config (``configs/summarize.yaml``:
+:func:`pipeline.corpora.xsum_rows`), or with ``--corpus translation`` Spec-Bench's German-English
+translation prompts (:func:`pipeline.corpora.spec_bench_rows`, with ``configs/translate.yaml``),
+with the default job's config (``configs/summarize.yaml``:
 its model, template, method and draft length; greedy, ``--new-tokens``).  Night 2 holds the same
 rows, ``--unchanged`` of them as they were, ``--edited`` with one sentence replaced (by a
 sentence of another article), and the rest replaced by articles night 1 never saw (new rows).
@@ -78,7 +80,7 @@ def nights(rows: list[dict], spare: list[dict], unchanged: float, edited: float)
 
 def run(args) -> dict:
     from pipeline.config import load_config
-    from pipeline.corpora import xsum_rows
+    from pipeline.corpora import spec_bench_rows, xsum_rows
     from pipeline.engine import GenerationSettings
     from pipeline.loading import load_job_models
     from pipeline.prompts import PromptBuilder
@@ -91,14 +93,14 @@ def run(args) -> dict:
     models = load_job_models(cfg, "cpu")
     builder = PromptBuilder(models.tokenizer, cfg.task)
     a, b = (int(x) for x in args.rows.split(":"))
-    corpus = xsum_rows(args.data)
+    corpus = xsum_rows(args.data) if args.corpus == "xsum" else spec_bench_rows(args.data, "translation")
     spare = corpus[b:b + (b - a)] if b + (b - a) <= len(corpus) else corpus[:a]
     night1, night2 = nights(corpus[a:b], spare, args.unchanged, args.edited)
     settings = GenerationSettings(max_new_tokens=args.new_tokens, do_sample=False)
     prompt = {}
     for r in night1 + night2:
         prompt[(r["id"], r["text"])] = builder.build(r["text"])[1]
-    print(f"night 1: {len(night1)} XSum articles ({a}-{b - 1}); night 2: "
+    print(f"night 1: {len(night1)} {args.corpus} rows ({a}-{b - 1}); night 2: "
           + ", ".join(f"{sum(r['kind'] == k for r in night2)} {k}" for k in KINDS)
           + f"; method {cfg.method.name}, {args.batch} rows in flight, {args.new_tokens} new tokens, greedy, "
           "one thread, CPU clock, every engine warmed up first", flush=True)
@@ -180,7 +182,11 @@ def table(out: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"))
+    ap.add_argument("--corpus", choices=("xsum", "translation"), default="xsum",
+                    help="night 1's rows: XSum articles (the summarize job) or Spec-Bench's German-English "
+                    "translation prompts (the translate job)")
+    ap.add_argument("--config", default=None, help="the job config (default: configs/summarize.yaml for xsum, "
+                    "configs/translate.yaml for translation)")
     ap.add_argument("--set", action="append", default=[], help="a config override section.key=value (repeatable)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="../shared/data")
     ap.add_argument("--rows", default="200:300", help="XSum rows a:b of night 1 (new rows come from after b)")
@@ -193,6 +199,8 @@ def main(argv=None) -> int:
                     help="night 2 without --previous decoded by plain decoding (default) or by the job's method")
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
+    if args.config is None:
+        args.config = str(ROOT / "configs" / ("summarize.yaml" if args.corpus == "xsum" else "translate.yaml"))
     if not 0 <= args.unchanged + args.edited <= 1:
         ap.error("--unchanged + --edited must be between 0 and 1")
     out = run(args)
