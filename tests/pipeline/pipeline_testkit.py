@@ -205,3 +205,20 @@ class OutStore:
                 body = self.client.get_object(Bucket="interrupts", Key=self.prefix + rel)["Body"].read()
                 ids += pq.read_table(io.BytesIO(body)).column("id").to_pylist()
         return sorted(ids)
+
+
+def killed_inside_commit(writer, unit, rows) -> None:
+    """Write ``unit`` with ``writer`` (an ``OutputWriter``) and kill it inside the unit's commit:
+    its data file published, its ``unit`` record never appended (``KeyboardInterrupt``, checked)."""
+    import pytest
+
+    append = writer.log.append
+
+    def dies_before_the_record(record):
+        if record["kind"] == "unit":
+            raise KeyboardInterrupt("killed between the files and the unit's record")
+        return append(record)
+
+    writer.log.append = dies_before_the_record
+    with pytest.raises(KeyboardInterrupt):
+        writer.write_part(unit, rows)

@@ -26,7 +26,7 @@ from pipeline.output import OutputWriter, is_complete
 from pipeline.output.reader import RUN_COLUMN, CommittedOutput, OutputReadError, previous_partition
 from pipeline.report import ReportError, load_run, write_report
 from pipeline.schema import OUTPUT_SCHEMA
-from pipeline_testkit import REPO
+from pipeline_testkit import REPO, killed_inside_commit
 SHARD = Shard(index=0, url="/in/rows.jsonl", format="jsonl", num_rows=6, fingerprint="size=60;mtime=1")
 UNITS = [Unit(SHARD, k, Split(2 * k, 2)) for k in range(3)]
 #: a config identity whose task is the default config's (train_drafter checks --config against it)
@@ -47,16 +47,7 @@ def _killed(out, identity=IDENTITY, so=None) -> str:
     w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
     w.prepare(UNITS, identity)
     w.write_part(UNITS[0], _rows(UNITS[0]))
-    append = w.log.append
-
-    def dies_before_the_record(record):
-        if record["kind"] == "unit":
-            raise KeyboardInterrupt("killed between the files and the unit's record")
-        return append(record)
-
-    w.log.append = dies_before_the_record
-    with pytest.raises(KeyboardInterrupt):
-        w.write_part(UNITS[1], _rows(UNITS[1]))
+    killed_inside_commit(w, UNITS[1], _rows(UNITS[1]))
     return w.run_id
 
 

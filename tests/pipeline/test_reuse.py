@@ -30,7 +30,7 @@ from pipeline.reuse import ReuseTable, plan_reuse, read_previous, row_reuse_key,
 from pipeline.run import run_identity
 from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
 from pipeline.summary import RunTotals
-from pipeline_testkit import TEXTS, job_config, write_jsonl
+from pipeline_testkit import TEXTS, job_config, killed_inside_commit, write_jsonl
 
 SOURCE = "/in/articles.jsonl"
 ROWS = [{"source_file": SOURCE, "source_row": i, "id": f"r{i}", "text": t, "input_error": None}
@@ -266,16 +266,7 @@ def _night(cfg, root, day: str, *, finished: bool = True, killed: bool = False) 
     w.prepare(UNITS, _identity(cfg))
     w.write_part(UNITS[0], _committed_rows(UNITS[0]))
     if killed:
-        append = w.log.append
-
-        def dies_before_the_record(record):
-            if record["kind"] == "unit":
-                raise KeyboardInterrupt("killed between the files and the unit's record")
-            return append(record)
-
-        w.log.append = dies_before_the_record
-        with pytest.raises(KeyboardInterrupt):
-            w.write_part(UNITS[1], _committed_rows(UNITS[1]))
+        killed_inside_commit(w, UNITS[1], _committed_rows(UNITS[1]))
     elif finished:
         w.write_part(UNITS[1], _committed_rows(UNITS[1]))
         w.commit({"rows": 4})
