@@ -194,13 +194,18 @@ class Processor:
             block per work unit, so a unit's rows come back together and in order).
         reuse: the job's nightly reuse for the actors (:func:`pipeline.reuse.share_previous`);
             None: rows get no reuse key and nothing is copied.
+        load_board: where the pool's actors post what their loads chose
+            (:func:`pipeline.ray_setup.open_load_board`, read by the caller with
+            :func:`pipeline.ray_setup.read_load_board`); ``None``: the processor opens one,
+            kept as :attr:`load_board` once it has been called.
     """
 
     def __init__(self, config: JobConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None, *,
                  generation=None, text_column: str | None = None, id_column: str | None = None,
                  columns: str = "processor", embedded: bool | None = None, rebatch: bool = True,
-                 reuse: dict[str, Any] | None = None):
+                 reuse: dict[str, Any] | None = None, load_board=None):
         self.config = config
+        self.load_board = load_board
         self.preprocess = preprocess
         self.postprocess = postprocess
         self.generation = generation if generation is not None else check_generation(config)
@@ -223,7 +228,9 @@ class Processor:
         embedded = is_local_cluster() if self.embedded is None else self.embedded
         check_resource_plan(cfg, embedded=embedded)
         pool = pool_plan(cfg, embedded)
-        board = open_load_board()  # where each actor posts what its load chose (pipeline.ray_setup)
+        if self.load_board is None:  # where each actor posts what its load chose (pipeline.ray_setup)
+            self.load_board = open_load_board()
+        board = self.load_board
         ray.data.DataContext.get_current().wait_for_min_actors_s = c.actor_start_timeout_s
         if self.preprocess is not None:
             ds = ds.map_batches(_RowMap(self.preprocess, errors=True), batch_format="pyarrow", batch_size=None,

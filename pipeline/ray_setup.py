@@ -12,8 +12,8 @@ actor, so it grows only as that much becomes free (:func:`pool_plan`); a ``max``
 the cluster holds now is logged: it grows as nodes join (docs/scheduling.md).
 
 Load facts.  Each actor of the pool posts what its load did (its models' CPU plans:
-:attr:`pipeline.engine.loop.StepEngine.cpu_plans`) to a small named actor of the driver's Ray
-job, the *load board* (:func:`open_load_board`, :func:`post_load_facts`), which the driver reads
+:attr:`pipeline.engine.loop.StepEngine.cpu_plans`) to a small actor the driver opens for the
+pool, the *load board* (:func:`open_load_board`, :func:`post_load_facts`), which the driver reads
 for the run summary.
 """
 
@@ -331,10 +331,6 @@ def is_local_cluster() -> bool:
 
 
 
-#: the load board's name, followed by the Ray job's id (the driver's and its actors' alike)
-LOAD_BOARD = "specbatch_load_board"
-
-
 class _LoadBoard:
     """What the actors' loads did, posted once per actor (a Ray actor holding a list)."""
 
@@ -347,38 +343,21 @@ class _LoadBoard:
     def read(self) -> list:
         return list(self.posts)
 
-    def clear(self) -> None:
-        self.posts = []
-
-
-def _board_name() -> str:
-    import ray
-
-    return f"{LOAD_BOARD}_{ray.get_runtime_context().get_job_id()}"
-
 
 #: how long a post to the load board or the driver's read may wait (seconds): long, since a node
 #: whose every core is busy (a job's, or a test suite's workers) can keep the board's actor waiting
 BOARD_TIMEOUT_S = 300
 
-#: the driver's handles of its load boards, by name: a named actor that is not detached lives
-#: only while a handle to it does; the driver reads the board through this handle
-_OPEN_BOARDS: dict = {}
-
 
 def open_load_board():
-    """The load board of this Ray job (a named actor asking for no CPU), emptied of an earlier
-    pool's posts: opened by the processor when it builds its actor pool, which hands the
-    returned handle to each actor (:func:`post_load_facts`); read by the driver with
-    :func:`read_load_board`.  The driver keeps the handle (:data:`_OPEN_BOARDS`) for as long as
-    its Ray job runs."""
+    """A new load board (an unnamed actor asking for no CPU) for one actor pool: the caller
+    hands the returned handle to each actor (:func:`post_load_facts`) and reads it with
+    :func:`read_load_board`.  Unnamed, one per pool: two runs in one driver process (threads,
+    a test session) never see or clear each other's posts, and the board lives as long as
+    the caller holds its handle."""
     import ray
 
-    name = _board_name()
-    board = ray.remote(num_cpus=0)(_LoadBoard).options(name=name, get_if_exists=True).remote()
-    ray.get(board.clear.remote())
-    _OPEN_BOARDS[name] = board
-    return board
+    return ray.remote(num_cpus=0)(_LoadBoard).remote()
 
 
 def post_load_facts(facts, board) -> bool:
@@ -397,15 +376,14 @@ def post_load_facts(facts, board) -> bool:
         return False
 
 
-def read_load_board() -> list:
-    """Every post on the load board this driver opened last in its Ray job (``[]`` where it
-    opened none or the board cannot be read: logged)."""
+def read_load_board(board) -> list:
+    """Every post on ``board`` (:func:`open_load_board`; ``[]`` for ``None`` or a board that
+    cannot be read: logged)."""
+    if board is None:
+        return []
     try:
         import ray
 
-        board = _OPEN_BOARDS.get(_board_name()) if ray.is_initialized() else None
-        if board is None:
-            return []
         return ray.get(board.read.remote(), timeout=BOARD_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - the summary goes on without them
         log.warning("could not read the actors' load facts", exc_info=True)

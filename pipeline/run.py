@@ -59,7 +59,8 @@ from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
-from pipeline.ray_setup import PlanError, check_resource_plan, init_ray, quiet_ray_data_console, read_load_board  # noqa: F401
+from pipeline.ray_setup import (PlanError, check_resource_plan, init_ray, open_load_board,  # noqa: F401
+                                quiet_ray_data_console, read_load_board)
 from pipeline.input import Shard, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.reuse import ReusePlan, plan_reuse, share_previous
@@ -161,11 +162,12 @@ def explain_actor_args_error(cfg: JobConfig) -> None:
 
 def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation: GenerationSettings | None = None,
                   embedded: bool = False, partition_columns: list[str] | None = None,
-                  reuse: dict[str, Any] | None = None):
+                  reuse: dict[str, Any] | None = None, load_board=None):
     """The lazy Ray Data dataset of the write stage's records (one per staged fragment,
     :data:`pipeline.output.sink.FRAGMENT_SCHEMA`) for ``units``: the read stage (one
     block per unit), the :class:`Processor` (with the run's ``reuse``:
-    :func:`pipeline.reuse.share_previous`), then the write stage on the workers."""
+    :func:`pipeline.reuse.share_previous`, and ``load_board``, where its actors post their
+    loads' facts), then the write stage on the workers."""
     import ray
     from ray.data import TaskPoolStrategy
 
@@ -191,7 +193,7 @@ def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation:
     )
     # INPUT_SCHEMA's text and id columns; the job's own output columns; one actor task per unit
     ds = Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
-                   embedded=embedded, rebatch=False, reuse=reuse)(ds)
+                   embedded=embedded, rebatch=False, reuse=reuse, load_board=load_board)(ds)
     return ds.map_batches(write_fragments, fn_kwargs=writer.sink_kwargs(), batch_size=None,
                           batch_format="pyarrow", num_cpus=0)
 
@@ -289,8 +291,8 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
              len(pre.shards), len(plan.todo) + len(plan.done), len(plan.done), total_rows, writer.location.url(),
              writer.run_id)
     try:
-        generate_elapsed, first = _decode_and_commit(cfg, pre, total_rows, progress)
-        summary = _finish(cfg, pre, started, t0, generate_elapsed, first)
+        generate_elapsed, first, loads = _decode_and_commit(cfg, pre, total_rows, progress)
+        summary = _finish(cfg, pre, started, t0, generate_elapsed, first, loads)
         writer.commit(summary)
         log.info("run %s committed: %d rows (%d errors) in %s; this run: %d units, %d skipped", writer.run_id,
                  summary["rows"], summary["errors"], writer.location.url(), len(plan.todo), len(plan.done))
@@ -310,9 +312,11 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
         raise
 
 
-def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int, progress: bool) -> tuple[float, float | None]:
+def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int,
+                       progress: bool) -> tuple[float, float | None, list]:
     """Decode this run's units on the actor pool and commit each as its records come back.
-    Returns the seconds of the Ray Data stage and to the first unit's records (None: no rows).
+    Returns the seconds of the Ray Data stage and to the first unit's records (None: no rows),
+    and the actors' load facts (this run's own load board: :func:`pipeline.ray_setup.open_load_board`).
 
     Raises:
         RunError: a unit's rows did not all come back.
@@ -323,10 +327,13 @@ def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int, progress
             writer.write_part(u, _empty_rows(writer))  # an empty file: no rows to decode
     t_gen = time.perf_counter()
     first: float | None = None
+    loads: list = []
     if total_rows:
         embedded = init_ray(cfg)
+        board = open_load_board()
         ds = build_dataset(cfg, [u for u in pre.plan.todo if u.num_rows], writer, pre.generation, embedded=embedded,
-                           partition_columns=writer.extra_columns, reuse=share_previous(pre.reuse, cfg))
+                           partition_columns=writer.extra_columns, reuse=share_previous(pre.reuse, cfg),
+                           load_board=board)
         describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
         with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
             for records in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -338,17 +345,19 @@ def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int, progress
                 before = writer.totals.rows
                 writer.add_fragments(records)
                 bar.update(writer.totals.rows - before)
+        loads = read_load_board(board)
     generate_elapsed = time.perf_counter() - t_gen
     missing = writer.missing()
     if missing:
         raise RunError(f"rows missing from the output (got, expected) per unit: {dict(list(missing.items())[:10])}"
                        + (f" and {len(missing) - 10} more units" if len(missing) > 10 else ""))
-    return generate_elapsed, first
+    return generate_elapsed, first, loads
 
 
 def _finish(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, generate_elapsed: float,
-            first: float | None) -> dict[str, Any]:
-    """The run summary (:func:`pipeline.summary.run_summary`) over every committed unit.
+            first: float | None, loads: list) -> dict[str, Any]:
+    """The run summary (:func:`pipeline.summary.run_summary`) over every committed unit, with
+    the actors' load facts ``loads`` (:func:`pipeline.summary.cpu_summary`).
 
     Raises:
         RunError: the committed rows are not the input's.
@@ -370,7 +379,7 @@ def _finish(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, ge
         audit={"fraction": cfg.audit.fraction, "seed": cfg.audit.seed, "greedy": not pre.generation.do_sample},
         generation=dataclasses.asdict(pre.generation), config=cfg.resolved(),
         config_fingerprint=writer.config_fingerprint, previous=pre.reuse.facts(),
-        cpu=cpu_summary(read_load_board()) if any(u.num_rows for u in pre.plan.todo) else None)  # the actors' CPU plans (load board)
+        cpu=cpu_summary(loads))  # the actors' CPU plans (this run's load board)
     return run_summary(facts, overall, writer.totals, entries, [u.part for u in pre.plan.todo], pre.plan.done)
 
 

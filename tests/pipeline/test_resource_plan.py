@@ -105,6 +105,27 @@ def test_a_min_max_pool_never_runs_more_actors_than_the_cpus_hold_at_cpus_per_ac
     assert 1 <= most <= EMBEDDED_CPUS, (most, started)
 
 
+def test_two_pools_in_one_driver_keep_their_load_facts_apart(ray_local):
+    """Each actor pool gets its own load board: two runs in one driver process (threads, a
+    test session) never read or wipe each other's posts, and a board outlives nothing but its
+    handle (a named, job-wide board lost a run's posts to another run's opening)."""
+    import ray
+
+    from pipeline.ray_setup import open_load_board, post_load_facts, read_load_board
+
+    @ray.remote(num_cpus=0)
+    def load(board, pid):
+        return post_load_facts({"pid": pid}, board)
+
+    first, second = open_load_board(), open_load_board()
+    assert ray.get([load.remote(first, 1), load.remote(first, 2)]) == [True, True]
+    third = open_load_board()  # a later pool opening its board leaves the first's posts alone
+    assert ray.get(load.remote(second, 3)) is True
+    assert sorted(p["pid"] for p in read_load_board(first)) == [1, 2]
+    assert read_load_board(second) == [{"pid": 3}] and read_load_board(third) == []
+    assert read_load_board(None) == [] and post_load_facts({"pid": 4}, None) is False
+
+
 def test_a_plan_the_cluster_cannot_hold_is_refused_with_the_numbers(ray_local, tiny_models, tmp_path, caplog):
     cfg = lambda *o: job_config(tiny_models, "unused", str(tmp_path / "o"), overrides=list(o))
     with pytest.raises(PlanError, match=f"compute.num_actors=3 x compute.cpus_per_actor=1 = 3 CPUs, but the "

@@ -244,14 +244,20 @@ def test_tune_confirms_with_the_controller_on_warmed_engines_and_tries_the_winne
     from pipeline.tune.tuner import TREE_CANDIDATES, TuneOptions, read_raw_config, tune
 
     events: list[tuple[str, int, str | None]] = []  # (what, engine, its draft length)
+    engines: list = []  # every engine seen, kept alive: an id is unique only among living objects
     warm_up, measure = SpeculativeEngine.warm_up, confirm.measure_candidate
 
+    def seen(engine) -> int:
+        if not any(e is engine for e in engines):
+            engines.append(engine)
+        return next(i for i, e in enumerate(engines) if e is engine)
+
     def warming(self, *args, **kwargs):
-        events.append(("warm", id(self), self.budget and ("fixed" if self.budget.fixed else "auto")))
+        events.append(("warm", seen(self), self.budget and ("fixed" if self.budget.fixed else "auto")))
         return warm_up(self, *args, **kwargs)
 
     def measuring(engine, *args, **kwargs):
-        events.append(("measure", id(engine), engine.budget and ("fixed" if engine.budget.fixed else "auto")))
+        events.append(("measure", seen(engine), engine.budget and ("fixed" if engine.budget.fixed else "auto")))
         return measure(engine, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeEngine, "warm_up", warming)
