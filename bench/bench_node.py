@@ -268,6 +268,17 @@ def main(argv=None) -> int:
     return report(args, runs, sizes, (a, b), argv)
 
 
+def _summary_line(label: str, by_b: dict) -> str:
+    """One method's line: its speedup over plain (CPU clock) at each number of rows in flight,
+    then the range of Leviathan's bound, e.g. ``suffix: 1.03 / 0.98× plain at 1 / 2 rows (bound 1.58-1.99×)``."""
+    ratios = " / ".join(f"{e['speedup_cpu']:.2f}" for e in by_b.values())
+    sizes = " / ".join(str(batch) for batch in by_b)
+    bounds = sorted(e["S"] for e in by_b.values() if e.get("S") is not None)
+    bound = "" if not bounds else f" (bound {bounds[0]:.2f}×)" if bounds[0] == bounds[-1] else (
+        f" (bound {bounds[0]:.2f}-{bounds[-1]:.2f}×)")
+    return f"{label}: {ratios}× plain at {sizes} row{'s' if len(by_b) > 1 or max(map(int, by_b)) > 1 else ''}{bound}"
+
+
 def report(args, runs: dict[str, dict[int, dict]], sizes: list[int], rows: tuple[int, int], argv) -> int:
     """The table, the summary lines and, with ``--output``, report.json / report.md."""
     f = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
@@ -282,9 +293,7 @@ def report(args, runs: dict[str, dict[int, dict]], sizes: list[int], rows: tuple
                          f"{f(s['acceptance_rate'], '.3f')} | {f(e['alpha'])} | {f(e['k'])} | {f(e['c'], '.3f')} | "
                          f"{f(e['S'])} | {f(e['efficiency'])} | {e['identical']}/{e['rows']} | {e['near_ties']} |")
     table = "\n".join(lines)
-    summary = [f"{label} / plain: " + ", ".join(f"{e['speedup_cpu']:.2f}× at {batch} row{'s' if batch > 1 else ''} "
-                                                f"(bound {f(e['S'])}×)" for batch, e in by_b.items())
-               for label, by_b in runs.items()]
+    summary = [_summary_line(label, by_b) for label, by_b in runs.items()]
     bad = [(label, batch) for label, by_b in runs.items() for batch, e in by_b.items()
            if e["identical"] + e["near_ties"] < e["rows"]]
     note = (f"rows differing from plain away from a near-tie: {bad}" if bad else

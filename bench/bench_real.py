@@ -360,8 +360,8 @@ def main(argv=None) -> int:
         return max(vals) if vals else float("nan")
 
     worst = min((x for v in ratios.values() for x in v.values()), default=float("nan"))
-    tail = [f"best speculative / plain at 1 row: {best(1):.2f}×",
-            f"best speculative / plain at {max(sizes)} rows: {best(max(sizes)):.2f}×",
+    ends = sorted({min(sizes), max(sizes)})  # the fewest and the most rows in flight measured
+    tail = [f"best speculative / plain at {n} row{'s' if n > 1 else ''}: {best(n):.2f}×" for n in ends] + [
             f"worst method / plain, any batch size: {worst:.2f}×"]
     bound = f"{NEAR_TIE:g}" if cpu_clock and args.dtype in (None, "float32", "auto") else (
         f"{NEAR_TIE:g} in float32, {NEAR_TIE_ULPS} units in the last place of the top logit in half precision")

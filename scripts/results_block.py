@@ -147,11 +147,19 @@ def _line(path: Path, root: Path) -> str | None:
     return f"- [{title}]({rel}) ({_when(data)})" + (f": {text}." if text else ".")
 
 
-#: report folders of diagnostics rather than headline speedups (bench/bench_interleaved.py's A/B of
-#: draft-length settings), and the demo models' whole-job runs measured before the CPU kernels (superseded
-#: by the node benchmark and bench_real on the real model): listed in reports/README.md's index, not in
-#: the README's block
-INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "spec_bench_summarize", "spec_bench_translate", "xsum")
+#: report folders (a top folder of ``reports/``, or a path below it) of diagnostics rather than
+#: headline speedups (bench/bench_interleaved.py's A/B of draft-length settings, bench_real's fixed k
+#: against the controller), and runs measured before the CPU kernels that later reports supersede
+#: (the demo models' whole jobs, SmolLM2's whole job, the tuner's evaluations): listed in
+#: reports/README.md's index, not in the README's block
+INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "bench_real_fixed_k", "spec_bench_summarize",
+              "spec_bench_translate", "xsum", "real/smollm2-xsum", "tune")
+
+
+def _index_only(path: Path, reports: Path) -> bool:
+    """Whether the report at ``path`` sits in a folder of :data:`INDEX_ONLY`."""
+    parts = path.relative_to(reports).parts[:-1]
+    return any("/".join(parts[:i]) in INDEX_ONLY for i in range(1, len(parts) + 1))
 
 
 def _paths(reports: Path) -> list[Path]:
@@ -166,7 +174,7 @@ def _paths(reports: Path) -> list[Path]:
 def block(reports: Path = REPORTS) -> str:
     """The block, markers included (links relative to the folder above ``reports``); the
     folders of :data:`INDEX_ONLY` are left to the index."""
-    paths = [p for p in _paths(reports) if p.relative_to(reports).parts[0] not in INDEX_ONLY]
+    paths = [p for p in _paths(reports) if not _index_only(p, reports)]
     lines = [ln for ln in (_line(p, reports.parent) for p in paths) if ln]
     head = ("Speedups over plain decoding on the same rows, greedy (tokens/s end to end; decode: the target's "
             "prefill left out); the node's (every core busy) first. \"Before the CPU kernels\": PyTorch's default CPU "

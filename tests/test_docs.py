@@ -303,8 +303,13 @@ def test_the_results_block_copes_with_a_new_report_folder(tmp_path):
     (reports / "bench_interleaved" / "batch1").mkdir(parents=True)  # a diagnostic: the index only
     (reports / "bench_interleaved" / "batch1" / "report.json").write_text(json.dumps({
         "title": "bench/bench_interleaved.py: an A/B", "meta": {"commit": "def5678"}, "runs": {}, "summary": ["x"]}))
+    for sub, commit in (("real/smollm2-xsum", "0ld0001"), ("real/gemma3-new", "fe5h001")):  # a path below a folder
+        (reports / sub).mkdir(parents=True)
+        (reports / sub / "report.json").write_text(json.dumps({
+            "title": f"{sub}: a run", "meta": {"commit": commit}, "runs": {}, "summary": ["y"]}))
     block = rb.block(reports)
     assert "bench_interleaved" not in block and "def5678" in rb.index(reports)
+    assert "0ld0001" not in block and "0ld0001" in rb.index(reports) and "fe5h001" in block
     assert "best speculative / plain at 1 row: 1.31×" in block and "`abc1234`" in block
     assert "(reports/bench_real/report.md)" in block and "reports/odd/report.json" in block
     assert "broken" not in block

@@ -27,6 +27,14 @@ def test_each_actor_starts_elsewhere_and_never_sees_a_row_twice():
     assert [work[0][a][0]["id"] for a in range(3)] == [0, 4, 8]
 
 
+def test_a_methods_summary_line_gives_each_ratio_and_the_bounds_range():
+    from bench_node import _summary_line
+
+    by_b = {1: {"speedup_cpu": 1.031, "S": 1.99}, 2: {"speedup_cpu": 0.976, "S": 1.58}, 16: {"speedup_cpu": 1.0, "S": None}}
+    assert _summary_line("suffix", by_b) == "suffix: 1.03 / 0.98 / 1.00× plain at 1 / 2 / 16 rows (bound 1.58-1.99×)"
+    assert _summary_line("eagle", {"1": {"speedup_cpu": 0.97, "S": 1.1}}) == "eagle: 0.97× plain at 1 row (bound 1.10×)"
+
+
 @pytest.mark.real
 @pytest.mark.slow
 @pytest.mark.skipif(not (TARGET / "config.json").exists(),
@@ -45,9 +53,10 @@ def test_bench_node_runs_the_jobs_actor_on_ray(tmp_path):
     entry = report["runs"]["suffix"]["1"]
     assert entry["rows"] == 1 and entry["identical"] + entry["near_ties"] == 1
     assert entry["speculative"]["new_tokens"] == entry["plain"]["new_tokens"] == 2
-    assert report["summary"][0].startswith("suffix / plain: ") and report["title"].startswith("bench/bench_node.py")
+    assert report["summary"][0].startswith("suffix: ") and "× plain at 1 row" in report["summary"][0]
+    assert report["title"].startswith("bench/bench_node.py")
     sys.path.insert(0, str(ROOT / "scripts"))
     import results_block
 
     line = results_block._line(tmp_path / "report.json", tmp_path.parent)
-    assert line.startswith("- [bench/bench_node.py") and "suffix / plain: " in line
+    assert line.startswith("- [bench/bench_node.py") and "suffix: " in line
