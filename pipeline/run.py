@@ -212,18 +212,28 @@ def stall_guard(timeout_s: float, describe: Callable[[], str]) -> Iterator[Calla
         yield beat
         return
 
+    fired: list[StallError] = []
+
     def on_alarm(signum, frame) -> None:
         idle = time.monotonic() - last[0]
         if idle >= timeout_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            raise StallError(f"no output row came back for {idle:.0f} s (compute.stall_timeout_s={timeout_s:g}): "
-                             f"the run is stuck; {describe()}")
+            fired.append(StallError(f"no output row came back for {idle:.0f} s (compute.stall_timeout_s={timeout_s:g}): "
+                                    f"the run is stuck; {describe()}"))
+            raise fired[0]
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     interval = min(timeout_s, 5.0)
     signal.setitimer(signal.ITIMER_REAL, interval, interval)
     try:
         yield beat
+    except BaseException as e:
+        # the alarm may land inside code that re-raises what it interrupted as something else
+        # (a C call: SystemError "returned a result with an exception set"; Ray Data replaces
+        # that error's cause): the stall is still the reason the run stopped
+        if fired and not isinstance(e, StallError):
+            raise fired[0] from e
+        raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -173,6 +173,37 @@ def _alive_generate_actors():
     return [a for a in state.actors().values() if "GenerateActor" in a["ActorClassName"] and a["State"] == "ALIVE"]
 
 
+@pytest.mark.parametrize("wrap", ["system_error", "cause_replaced", "none"])
+def test_the_stall_error_survives_code_that_rewraps_what_it_interrupted(wrap):
+    """SIGALRM's StallError can land inside a C call (CPython then raises SystemError "returned a
+    result with an exception set") and Ray Data re-raises that error from its own exception,
+    dropping the StallError from the chain: the guard still raises the StallError, naming the
+    timeout (a CI run once printed the SystemError instead)."""
+    from pipeline.run import StallError, stall_guard
+
+    def waiting():
+        deadline = time.monotonic() + 10
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        except StallError:
+            if wrap == "system_error":
+                raise SystemError("<built-in method __new__> returned a result with an exception set")
+            if wrap == "cause_replaced":
+                raise SystemError("wrapped") from RuntimeError("SystemException")
+            raise
+
+    t0 = time.monotonic()
+    with pytest.raises(StallError, match=r"compute.stall_timeout_s=1\b") as e:
+        with stall_guard(1.0, lambda: "0 of 1 rows done"):
+            waiting()
+    assert time.monotonic() - t0 < 5 and "0 of 1 rows done" in str(e.value)
+    with stall_guard(1.0, lambda: "") as beat:  # beats in time: nothing raised
+        for _ in range(3):
+            time.sleep(0.4)
+            beat()
+
+
 def test_a_run_that_makes_no_progress_fails_after_the_stall_timeout(ray_local, tiny_models, tmp_path, monkeypatch,
                                                                    capsys):
     import actors.generate
