@@ -80,15 +80,13 @@ def main(task: str, argv: list[str] | None = None, default_config: str | None = 
 
         summary = run_job(cfg, progress=not args.no_progress)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM through _on_sigterm_raise_interrupt
-        _exit_at_next_interrupt()
-        signum = _signal_received or signal.SIGINT
-        print(f"\ninterrupted ({signal.Signals(signum).name}): shards committed before the interrupt are kept; "
-              "rerun the same command to resume", file=sys.stderr)
-        return 128 + signum
+        return _interrupted()
     except JobRefused as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - every failure is one line (plus a log file when unexpected)
+        if _signal_received is not None:  # SIGTERM's KeyboardInterrupt, re-raised as another error by
+            return _interrupted()         # the code it landed in (a C call under Ray Data)
         storage = raised_from(e, StorageError)
         if storage is not None:
             print(f"error: storage: {_one_line(storage)}; shards committed before the error are kept: "
@@ -182,10 +180,22 @@ def _after_the_run(signum, frame) -> None:
     os._exit(128 + signum)
 
 
+def _interrupted() -> int:
+    """The interrupted run's one line; its exit code (128 + the signal)."""
+    _exit_at_next_interrupt()
+    signum = _signal_received or signal.SIGINT
+    print(f"\ninterrupted ({signal.Signals(signum).name}): shards committed before the interrupt are kept; "
+          "rerun the same command to resume", file=sys.stderr)
+    return 128 + signum
+
+
 def _on_sigterm_raise_interrupt():
     """SIGTERM raises KeyboardInterrupt in the main thread (as Ctrl-C does), so the run
     stops the same way: staging dropped, committed shards kept, one line, exit 143.
     Returns the previous handler."""
+    global _signal_received
+    _signal_received = None  # this run's: none yet
+
     def handler(signum, frame):
         global _signal_received
         _signal_received = signum
@@ -270,8 +280,15 @@ def _write_log(e: BaseException) -> str:
     """Write ``e``'s full traceback to a new log file (mode 600) in :func:`log_dir`; returns its path."""
     d = log_dir()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = d / f"error-{stamp}-{os.getpid()}.log"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    for n in range(1000):  # two failures of one process in one second get two files
+        path = d / (f"error-{stamp}-{os.getpid()}" + (f"-{n}" if n else "") + ".log")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free log file name in {d}")
     with os.fdopen(fd, "w") as f:
         f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
     return str(path)

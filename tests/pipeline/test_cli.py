@@ -166,3 +166,53 @@ def test_output_is_the_output_folder_everywhere_and_out_an_alias(capsys):
     assert config_overrides("serve", serve) == ["serve.port=9", "serve.max_batch_size=5"]
     tune = _job_parsers()["tune"].parse_args(["--output", "t"])
     assert config_overrides("tune", tune) == []  # the tuner's --output is its report folder, not output.uri
+
+
+@pytest.mark.parametrize("rewrapped", [False, True])
+def test_a_sigterm_is_an_interrupt_even_when_the_code_it_landed_in_raises_another_error(tmp_path, monkeypatch,
+                                                                                      capsys, rewrapped):
+    """SIGTERM raises KeyboardInterrupt in the main thread; inside a C call under Ray Data it can come
+    back as another error (SystemError, its cause replaced): the job still says it was interrupted,
+    exit 143, and the next run in the process starts with no signal on record."""
+    import signal
+
+    import pipeline.run
+    from pipeline import cli
+
+    def run_job(cfg, progress=True):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                import time
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            if rewrapped:
+                raise SystemError("returned a result with an exception set") from RuntimeError("SystemException")
+            raise
+        raise AssertionError("no interrupt")
+
+    monkeypatch.setattr(pipeline.run, "run_job", run_job)
+    monkeypatch.setattr(cli, "_exit_at_next_interrupt", lambda: None)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        argv = ["--input", str(tmp_path), "--output", str(tmp_path / "out"), "--no-progress"]
+        assert cli.main("summarize", argv) == 128 + signal.SIGTERM
+        assert "interrupted (SIGTERM)" in capsys.readouterr().err
+
+        def failing(cfg, progress=True):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(pipeline.run, "run_job", failing)
+        assert cli.main("summarize", argv) == 1  # a later failure is a failure, not the old signal
+        assert "interrupted" not in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_two_failures_in_one_second_write_two_log_files(tmp_path, monkeypatch):
+    from pipeline import cli
+
+    monkeypatch.setattr(cli, "log_dir", lambda: tmp_path)
+    paths = [cli._write_log(RuntimeError(f"failure {i}")) for i in range(3)]
+    assert len(set(paths)) == 3 and all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
+    assert [open(p).read().strip().splitlines()[-1] for p in paths] == [f"RuntimeError: failure {i}" for i in range(3)]
