@@ -280,15 +280,8 @@ def _write_log(e: BaseException) -> str:
     """Write ``e``'s full traceback to a new log file (mode 600) in :func:`log_dir`; returns its path."""
     d = log_dir()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    for n in range(1000):  # two failures of one process in one second get two files
-        path = d / (f"error-{stamp}-{os.getpid()}" + (f"-{n}" if n else "") + ".log")
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(f"no free log file name in {d}")
+    # a fresh name (O_EXCL, mode 600) even for two failures of one process in one second
+    fd, path = tempfile.mkstemp(prefix=f"error-{stamp}-{os.getpid()}-", suffix=".log", dir=d)
     with os.fdopen(fd, "w") as f:
         f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
     return str(path)
