@@ -305,8 +305,8 @@ class StepEngine:
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
         t2 = self.clock()
-        emitted = [self._settle(r, p, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
-                   for r, p, d, v in zip(rows, proposed, drafts, verdicts)]
+        emitted = [self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
+                   for r, d, v in zip(rows, drafts, verdicts)]
         t3 = self.clock()
         if budget is not None:
             budget.observe(evidence, [v.path for v in verdicts], emitted, t1 - t0, t3 - t1)
@@ -357,12 +357,13 @@ class StepEngine:
             return ShapedVerification(self.target_pass, self.spec.assistant_ensemble_weight)
         return ArgmaxVerification(self.target_pass)
 
-    def _settle(self, row: RowState, primary: Draft, draft: Draft, verdict: Verdict, tree_off: bool) -> list[int]:
+    def _settle(self, row: RowState, draft: Draft, verdict: Verdict, tree_off: bool) -> list[int]:
         """After verification: the accepted path's cache entries moved to their slots (a tree),
-        the proposer rolled back to the accepted tokens its own state holds (its primary
-        draft's first branch; the whole path when its state came from the target's pass and
-        moved with it, :class:`TreeState`), the block committed and counted; returns the
-        tokens emitted."""
+        the proposer rolled back to the committed tokens the target's pass ran (the verified
+        draft may be another source's, or leave the proposer's first branch: which of its own
+        state still holds, the proposer checks against its drafted tokens,
+        :class:`~pipeline.engine.proposers.base.DraftedTokens`), the block committed and
+        counted; returns the tokens emitted."""
         n, path = len(draft), verdict.path
         depth = n
         if draft.parents is not None:
@@ -380,12 +381,7 @@ class StepEngine:
             row.stats.tree_off_steps += 1
         tokens = draft.tokens[path].tolist() if path else []
         if self.proposer is not None:
-            kept = len(path)
-            if not self._move:  # the proposer's state holds its primary draft's first branch
-                own = primary.tokens[primary.first_branch()].tolist() if primary.parents is not None else \
-                    primary.tokens.tolist()
-                kept = next((i for i, (a, b) in enumerate(zip(tokens, own)) if a != b), min(len(tokens), len(own)))
-            self.proposer.rollback(row.slot, row.length + kept)
+            self.proposer.rollback(row.slot, row.length + len(path))
         return self._commit(row, tokens, verdict.token, depth, draft.source)
 
     def _commit(self, row: RowState, accepted: list[int], token: int, drafted: int, source: str) -> list[int]:

@@ -14,6 +14,17 @@ state it needs (a drafter's KV cache length, hidden states of the target) and is
 It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop in
 :mod:`pipeline.engine.loop`.
 
+Foreign drafts.  The step may verify a draft that is not the proposer's own: the
+draft-length controller picks, per row, the draft with the most expected accepted tokens
+among the proposer's primary draft, its alternatives and the row's reference
+(:mod:`pipeline.engine.draft_budget`, :mod:`pipeline.engine.reference`), and cuts it.  So
+any state a proposer computed *while drafting* (a drafter's cache entries of its draft
+tokens, hidden states of the draft positions, an MTP layer's entries fed its own drafts)
+is valid only for the positions where the committed (or verified) tokens are the tokens
+it was computed on.  Each proposer checks it, by token ids and positions
+(:class:`DraftedTokens`), and recomputes or drops the rest; the loop's ``rollback`` says
+only how many tokens are committed.
+
 Token trees (optional; SpecInfer, Miao et al. 2023, arXiv 2305.09781; Medusa; EAGLE-2).  A
 proposer whose class sets ``proposes_trees = True`` may answer a request with
 ``DraftRequest.candidates > 1`` by a *tree*: :attr:`Draft.parents` gives each node's parent
@@ -22,7 +33,8 @@ before its children).  Node ``0`` and each first child after it form the draft's
 branch*: the linear draft the proposer would have made (a proposer that keeps per-row state,
 such as a drafter's cache, keeps it along the first branch only).  The loop verifies the
 tree in one target pass and accepts its longest verified path; :meth:`Proposer.rollback`
-then counts, of the accepted path, the nodes on the first branch.  Trees are greedy only:
+then counts the whole accepted path, and a proposer whose state followed the first branch
+finds by its tokens where the path left it (:class:`DraftedTokens`).  Trees are greedy only:
 a request for a sampled row, or one with logits processors, always has ``candidates == 1``.
 """
 
@@ -102,7 +114,8 @@ class Draft:
         alternatives: drafts of the same row from the proposer's other sources (linear,
             each with its own ``source``), for the controller to pick from by expected
             accepted tokens; the proposer's own state (a drafter's cache) follows this draft,
-            the *primary*, whichever is verified.
+            the *primary*, whichever is verified, and holds only where the verified tokens
+            are its own (see "Foreign drafts" in the module docstring).
     """
 
     tokens: torch.Tensor
@@ -210,9 +223,12 @@ class Proposer(Protocol):
         """Draft up to ``request.k`` tokens continuing each ``request.sequence``."""
 
     def rollback(self, slot: int, valid_length: int) -> None:
-        """Only the first ``valid_length`` tokens the proposer has seen for this slot
-        (committed sequence + its draft) are still valid.  After a tree, the draft counted
-        is its first branch (the accepted path's nodes on it)."""
+        """After a verification: the row's first ``valid_length`` tokens are committed and
+        were run by the target's pass (the row's committed tokens but the newest, the
+        target's token).  The verified draft may not be the proposer's own (see "Foreign
+        drafts" in the module docstring), nor its first branch: state the proposer computed
+        on its own draft tokens stays valid only where those tokens are the committed ones,
+        which the proposer checks itself (:class:`DraftedTokens`)."""
 
     def reserve(self, length: int) -> None:
         """Rows of up to ``length`` positions (prompt, budget and the widest draft) are coming:
@@ -293,11 +309,68 @@ class TreeState(Protocol):
     of a tree step writes node ``j``'s state at position ``L + j`` (its slot in the pass, as
     the target's cache does); when the accepted path leaves the first branch, the loop calls
     :meth:`move` with the moves it makes in the target's cache, and then rolls the proposer
-    back to the whole accepted path (not only its part on the first branch)."""
+    back to the whole accepted path (as every proposer: what it drafted along its first
+    branch, it checks itself)."""
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """The state of positions ``src`` now belongs at ``dst`` (``dst[i] < src[i]``, in
         increasing order), as :meth:`SlotCache.move` moves cache entries."""
+
+
+class DraftedTokens:
+    """Per slot, the token ids a proposer ran its own state on while drafting (from position
+    ``start``), so that it can tell which of that state holds for the tokens verified or
+    committed there: a draft verified in its place (another source's, or its own cut or
+    left by a tree's path) must not reuse it.
+
+    Args:
+        rows: slots.
+    """
+
+    def __init__(self, rows: int):
+        self.start = [0] * rows
+        self.ids: list[list[int] | None] = [None] * rows
+
+    def record(self, slot: int, start: int, ids) -> None:
+        """The proposer ran ``ids`` (ints, or an int tensor) at positions ``start ..`` of the
+        slot's row; appended to what it recorded since :meth:`forget` when contiguous,
+        otherwise in its place."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(t) for t in ids]
+        held = self.ids[slot]
+        if held is not None and self.start[slot] + len(held) == start:
+            held.extend(ids)
+        else:
+            self.start[slot], self.ids[slot] = start, ids
+
+    def forget(self, slot: int) -> None:
+        self.ids[slot] = None
+
+    def held(self, slot: int) -> tuple[int, list[int]] | None:
+        """``(start, ids)`` recorded for the slot, or ``None``."""
+        ids = self.ids[slot]
+        return None if ids is None else (self.start[slot], ids)
+
+    def agreed(self, slot: int, tokens, start: int) -> int | None:
+        """The recorded ids compared with ``tokens`` (ints or an int tensor ``(q,)``) placed at
+        positions ``start ..``: the first position from ``max(start, record's start)`` where
+        they differ (or where either ends); the recorded state holds before it.  Recorded
+        positions before ``start`` are not compared (the caller's committed tokens, which a
+        proposer fed as they were).  ``None``: nothing recorded.  A record that starts after
+        ``start + q`` agrees nowhere (its start is returned)."""
+        held = self.held(slot)
+        if held is None:
+            return None
+        begin, ids = held
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        at = max(begin, start)
+        if at > start + len(tokens):
+            return begin
+        n = 0
+        for a, b in zip(ids[at - begin:], tokens[at - start:]):
+            if a != b:
+                break
+            n += 1
+        return at + n
 
 
 def top_probability(logits: torch.Tensor) -> list[float]:

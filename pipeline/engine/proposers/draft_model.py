@@ -5,7 +5,10 @@ flight draft together: draft position ``i`` is one batched drafter pass over the
 still drafting.  The drafter keeps its own KV cache (a :class:`SlotCache`, one slot per
 row): each draft feeds only the tokens the drafter has not seen (at least the newest
 committed one), and after verification the row's valid length is cut back to the
-committed prefix (KV-cache rollback), so the accepted prefix is never recomputed.
+committed prefix (KV-cache rollback), so the accepted prefix is never recomputed.  The
+drafter's entries of its draft tokens count only where the committed tokens are those
+tokens (:class:`~.base.DraftedTokens`): the step may verify another source's draft, or cut
+its own, and a tree's path may leave its chain.
 
 Vocabularies padded to different sizes are handled: drafter logits for ids the target
 does not have are dropped, ``q`` is padded with zeros to the target's width, and target
@@ -35,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..runner import ModelRunner, model_layout, prefill, text_config
-from .base import Draft, DraftRequest, Drafting, draft_tokens, with_leaves
+from .base import Draft, DraftedTokens, DraftRequest, Drafting, draft_tokens, with_leaves
 
 
 class _Logits:
@@ -138,11 +141,13 @@ class DraftModelProposer:
         self.threshold = confidence_threshold
         self.runner: ModelRunner | None = None
         self.seen: list[int] = []  # per slot: committed tokens in the drafter's cache
+        self.drafted = DraftedTokens(0)  # per slot: the draft tokens fed to the drafter's cache
 
     # ------------------------------------------------------------------ state
     def bind(self, max_rows: int, target_runner) -> None:
         self.runner = ModelRunner(self.model, max_rows, self.layout)
         self.seen = [0] * max_rows
+        self.drafted = DraftedTokens(max_rows)
 
     def _forward(self, slots, tokens, starts, logits_to_keep=1):
         return self.runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, model=self.reduced).logits
@@ -151,6 +156,7 @@ class DraftModelProposer:
         fits = [(s, p) for s, p in zip(slots, prompts) if self.context is None or p.shape[1] - 1 <= self.context]
         for s in slots:
             self.seen[s] = 0
+            self.drafted.forget(s)
         prefill(self._forward, [s for s, _ in fits], [self._feedable(p) for _, p in fits])
         for s, p in fits:
             self.seen[s] = p.shape[1] - 1
@@ -190,6 +196,10 @@ class DraftModelProposer:
         active = []  # (request index, k)
         for i, r in enumerate(requests):
             length = r.sequence.shape[1]
+            agreed = self.drafted.agreed(r.slot, r.sequence[0], 0)  # its last draft's entries, as far as committed
+            if agreed is not None:
+                self.seen[r.slot] = min(self.seen[r.slot], agreed)
+                self.drafted.forget(r.slot)
             k = r.k if self.context is None else min(r.k, self.context - length + 1)
             if k > 0 and self.seen[r.slot] < length:
                 active.append((i, k))
@@ -218,6 +228,7 @@ class DraftModelProposer:
                 if drafting.count(i) < k and not low:
                     still.append((i, k))
                     feeds[i] = self._feedable(tok)
+                    self.drafted.record(reqs[j].slot, reqs[j].sequence.shape[1] + drafting.count(i) - 1, tok)
             active = still
         drafts = drafting.drafts()
         for i, extra in leaves.items():

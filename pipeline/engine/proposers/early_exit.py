@@ -23,6 +23,13 @@ every position: the first ``L`` layers are never recomputed for a drafted positi
 the slot cache (one slot per position) every layer stays aligned by construction, and a
 rejected position's entries are overwritten when that position is written again.
 
+Only for the tokens it drafted: the step may verify another source's draft (a reference,
+suffix's alternatives) or cut its own, so the kept hidden states (and the first ``L``
+layers' entries) of a position are reused only where the verified token there is the one
+the draft ran (token ids and positions, :class:`~.base.DraftedTokens`); from the first
+position where they differ, the shallow view runs again on the verified tokens, rewriting
+those entries.
+
 Lossless: the verification logits are those of the full model on the same tokens (the
 first ``L`` layers computed incrementally instead of in one batch, as any KV-cached
 decoding does).  When the engine is built a probe checks that shallow + deep views
@@ -38,7 +45,7 @@ import contextlib
 import torch
 
 from ..runner import ModelRunner, text_config
-from .base import DraftRequest
+from .base import DraftedTokens, DraftRequest
 from .draft_model import DraftModelProposer
 
 
@@ -161,6 +168,7 @@ class EarlyExitProposer(DraftModelProposer):
         self.views = _Views(target, layers)
         super().__init__(target, text_config(target).vocab_size, confidence_threshold, method="early_exit")
         self.pending: list[torch.Tensor | None] = []
+        self.pending_start: list[int] = []  # per slot: the position of pending[slot]'s first row
         # check now, on a throw-away runner, so a bad target fails when the engine is built
         self.views.probe(ModelRunner(target, 1, self.layout))
 
@@ -168,17 +176,22 @@ class EarlyExitProposer(DraftModelProposer):
         self.runner = target_runner
         self.seen = [0] * max_rows
         self.pending = [None] * max_rows  # per slot: layer-L hidden states of the positions drafted
+        self.pending_start = [0] * max_rows
+        self.drafted = DraftedTokens(max_rows)  # per slot: the draft tokens the shallow view ran
 
     def admit(self, slots, prompts) -> None:
         for s, p in zip(slots, prompts):
             self.seen[s] = p.shape[1] - 1  # the target's prefill filled every layer
             self.pending[s] = None
+            self.drafted.forget(s)
 
     def rollback(self, slot: int, valid_length: int) -> None:
-        # the verification pass ran every layer on every position it fed: all layers are
-        # valid up to the committed prefix; nothing pending survives
+        # the verification pass ran every layer on every position it fed, on the verified
+        # tokens (target_forward): all layers are valid up to the committed prefix; nothing
+        # pending survives
         self.seen[slot] = valid_length
         self.pending[slot] = None
+        self.drafted.forget(slot)
 
     def reserve(self, length: int) -> None:
         pass  # the target's cache, which the engine sizes
@@ -189,22 +202,44 @@ class EarlyExitProposer(DraftModelProposer):
         hidden = self.views.captured
         for i, (s, t) in enumerate(zip(slots, tokens)):
             h = hidden[i, hidden.shape[1] - t.shape[0]:]
-            self.pending[s] = h if self.pending[s] is None else torch.cat([self.pending[s], h])
+            if self.pending[s] is None:
+                self.pending[s], self.pending_start[s] = h, starts[i]
+            else:
+                self.pending[s] = torch.cat([self.pending[s], h])
         return logits
 
     def propose(self, requests: list[DraftRequest]):
         for r in requests:
             self.pending[r.slot] = None
+            self.drafted.forget(r.slot)
         return super().propose(requests)
+
+    def _reusable(self, slot: int, tokens: torch.Tensor, start: int) -> int:
+        """How many of the verified ``tokens`` (from position ``start``) have their layer-``L``
+        hidden state (and first ``L`` layers' entries) from the draft: the positions the
+        shallow view ran, up to the first whose token is not the verified one (the draft's
+        positions before its first draft token hold committed tokens)."""
+        pending = self.pending[slot]
+        if pending is None or self.pending_start[slot] > start:
+            return 0
+        end = self.pending_start[slot] + pending.shape[0]
+        agreed = self.drafted.agreed(slot, tokens, start)
+        if agreed is not None:
+            end = min(end, agreed)
+        return max(0, min(end - start, int(tokens.shape[0])))
 
     def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
         """Verification (and prefill): the shallow view on the positions the draft did not
         run, then the deep view on every position from the kept hidden states."""
         missing = []
         for i, (s, t) in enumerate(zip(slots, tokens)):
-            done = 0 if self.pending[s] is None else self.pending[s].shape[0]
-            if done >= t.shape[0] or starts[i] + done != self.seen[s]:
-                self.pending[s], done = None, 0  # not what the draft ran: recompute (prefill)
+            done = self._reusable(s, t, starts[i])
+            if done:
+                offset = starts[i] - self.pending_start[s]
+                self.pending[s], self.pending_start[s] = self.pending[s][offset:offset + done], starts[i]
+            else:
+                self.pending[s] = None  # not what the draft ran (a prefill, another source's draft): recompute
+            self.drafted.forget(s)
             if done < t.shape[0]:
                 missing.append((i, done))
         if all(d == 0 for _, d in missing) and len(missing) == len(slots):

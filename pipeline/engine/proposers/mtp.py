@@ -26,7 +26,10 @@ Incremental state per row, never recomputed for accepted tokens:
   positions ``0 .. n_i - 1``.  An entry of layer ``i`` at position ``j`` read tokens up to
   ``x[j+1+i]``; after a verification that left ``valid_length`` tokens valid it survives
   iff ``j + 1 + i < valid_length`` (so a rejected draft invalidates ``i`` entries of layer
-  ``i`` and only those are recomputed next step).
+  ``i`` and only those are recomputed next step).  Of layer ``i >= 1`` these tokens include
+  its own draft tokens: the entries survive only up to the first position where the
+  verified token is not the drafted one (another source's draft verified in its place, its
+  own cut; :class:`~.base.DraftedTokens`), whatever the verification accepted.
 
 Rows draft together: MTP layer ``i`` runs once per step over every drafting row, each
 feeding its own missing positions (a ragged, left-padded pass with per-row masks).
@@ -42,7 +45,7 @@ import re
 import torch
 
 from ..runner import ModelLayout, ModelRunner
-from .base import Draft, DraftRequest, Drafting, draft_tokens
+from .base import Draft, DraftedTokens, DraftRequest, Drafting, draft_tokens
 
 
 # --------------------------------------------------------------------------- loading
@@ -257,24 +260,34 @@ class MTPProposer:
         self.outs = [[Positions() for _ in range(self.num_layers)] for _ in range(max_rows)]  # g_i[j]
         self.lengths = [[0] * self.num_layers for _ in range(max_rows)]  # layer i: positions 0 .. n_i - 1
 
+        self.drafted = DraftedTokens(max_rows)  # per slot: its last draft's tokens (layers i >= 1 read them)
+        self.agreed: list[int | None] = [None] * max_rows  # per slot: where the verified tokens left them
+
     def admit(self, slots, prompts) -> None:
         for s in slots:
             self.hidden[s] = Positions()
             self.outs[s] = [Positions() for _ in range(self.num_layers)]
             self.lengths[s] = [0] * self.num_layers
+            self.drafted.forget(s)
+            self.agreed[s] = None
 
     def target_forward(self, runner, slots, tokens, starts, logits_to_keep: int) -> torch.Tensor:
         """The target pass, keeping its last hidden states (``hidden_states[-1]``, what
         transformers' ``MTPCandidateGenerator`` feeds the MTP layers)."""
         out = runner.forward(slots, tokens, starts, logits_to_keep=logits_to_keep, output_hidden_states=-1)
         store_hidden(self.hidden, slots, tokens, starts, out.hidden_states[-1].to(self.device))
+        for s, t, start in zip(slots, tokens, starts):  # the verified tokens against its own draft's
+            self.agreed[s] = self.drafted.agreed(s, t, start)
+            self.drafted.forget(s)
         return out.logits
 
     def rollback(self, slot: int, valid_length: int) -> None:
-        self.hidden[slot].crop(valid_length)
+        self.hidden[slot].crop(valid_length)  # the target's own: valid for every committed token it ran
         lengths, outs = self.lengths[slot], self.outs[slot]
+        own = valid_length if self.agreed[slot] is None else min(valid_length, self.agreed[slot])
+        self.agreed[slot] = None
         for i in range(self.num_layers):
-            keep = max(0, min(lengths[i], valid_length - 1 - i))
+            keep = max(0, min(lengths[i], own - 1 - i))
             if keep < lengths[i]:
                 outs[i].crop(keep)
                 lengths[i] = keep
@@ -314,8 +327,9 @@ class MTPProposer:
                 self.lengths[r.slot][layer] = r.sequence.shape[1] - 1
             logits = self.mtp._project_to_logits(hidden[:, -1:])[:, -1].to(reqs[0].sequence.device)
             chosen, qs, conf = draft_tokens(logits, reqs, [drafting.prefix(i) for i in rows])
-            for j, i in enumerate(rows):
+            for j, (i, r) in enumerate(zip(rows, reqs)):
                 drafting.append(i, chosen[j : j + 1], qs[j], conf[j])
+                self.drafted.record(r.slot, r.sequence.shape[1] + drafting.count(i) - 1, chosen[j : j + 1])
         return drafting.drafts()
 
     def _layer(self, layer: int, slots, ids, prev, starts) -> torch.Tensor:
