@@ -66,6 +66,7 @@ from pipeline.retry import StorageError
 from pipeline.reuse import ReusePlan, plan_reuse, share_previous
 from pipeline.schema import INPUT_SCHEMA
 from pipeline.summary import RunFacts, RunTotals, cpu_summary, run_summary, stored_summary
+from pipeline.switches import check_environment
 
 log = logging.getLogger("specbatch")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,8 @@ class Preflight:
 
 
 def preflight(cfg: JobConfig) -> Preflight:
-    """Every check that needs no model weights and no Ray.
+    """Every check that needs no model weights and no Ray, the environment's switches first
+    (:func:`pipeline.switches.check_environment`).
 
     The writer holds the output's lease: the caller releases it with
     ``writer.release_lease()``.  The generation settings are the job's ``generation:``
@@ -105,7 +107,7 @@ def preflight(cfg: JobConfig) -> Preflight:
 
     Raises:
         InputError, ModelError, OutputError, ConfigError (all :class:`JobRefused`): a bad
-            input, model (path, architecture, vocabulary), prompt or chat template, generation
+            ``SPECBATCH_*`` environment variable, input, model (path, architecture, vocabulary), prompt or chat template, generation
             setting (explicit or the checkpoint's), or output location (foreign files, another
             config or input committed there, units of another ``input.split_rows``).
         OutputReadError (a :class:`JobRefused`): ``output.previous`` names a folder that is not
@@ -113,6 +115,7 @@ def preflight(cfg: JobConfig) -> Preflight:
         LeaseHeld (a :class:`JobRefused`): another run holds the output's lease.
         StorageError: the storage kept failing with transient errors.
     """
+    check_environment()  # the SPECBATCH_* switches, before an actor would die of a bad one
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
     generation = check_generation(cfg)  # models, the template rendered once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards),

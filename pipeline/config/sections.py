@@ -259,8 +259,11 @@ class _GenerationSection(_Section):
     run summary's ``generation`` holds the resolved settings.
 
     With ``do_sample`` and a ``seed``, each row samples from its own generator, seeded by
-    the job's seed and the row's id (:func:`pipeline.loading.row_seed`), so a row's output
-    does not depend on which actor or batch it lands in.
+    the job's seed and the row's id (:func:`pipeline.loading.row_seed`), never shared with
+    the rows of its batch.  Under ``compute.draft_length: fixed`` a row's output is then its
+    seed's, whichever actor or batch it lands in; under ``auto`` (the default) the seed fixes
+    the law the output is drawn from, not the draw (``generation.seed``; a row copied by
+    ``output.previous`` is a valid draw of that law, not the draw tonight's run would make).
     """
 
     @model_validator(mode="after")

@@ -67,7 +67,13 @@ class GenerationSettings:
         min_new_tokens: EOS ids are banned until this many tokens were generated (needs
             an EOS id; stop strings can still stop earlier).
         suppress_tokens: token ids that are never generated.
-        seed: per-row seed of the ``torch.Generator`` used for every random draw.
+        seed: per-row seed of the ``torch.Generator`` used for every random draw (sampling
+            only).  What it fixes depends on the engine's ``draft_length`` (the job's
+            ``compute.draft_length``): under ``fixed``, the row's output (the same seed, settings,
+            method and draft length draw the same tokens, run after run); under ``auto`` (the
+            default), only the law the output is drawn from: the controller's draft lengths
+            follow measured times, the draws follow the drafts, so two runs with one seed give
+            two valid samples of the target's law, not the same one.
         eos_token_id: one id or a list; unset: the target's ``generation_config.eos_token_id``.
         stop_strings: generation stops once one of them is completed in the decoded
             output (needs a tokenizer).

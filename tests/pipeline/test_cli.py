@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,8 +14,9 @@ import yaml
 from pipeline_testkit import REPO, TEXTS, write_jsonl
 
 
-def _run(args, cwd=REPO, timeout=300):
-    env = dict(os.environ)
+def _run(args, cwd=REPO, timeout=300, extra_env=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECBATCH_")}
+    env.update(extra_env or {})
     env.pop("RAY_ADDRESS", None)
     # as a user runs it: not the PYTHONPATH that the ray_local fixture put in this process's
     # environment (it would hide a missing init_ray in the job)
@@ -76,6 +78,45 @@ def test_a_tree_setting_the_method_cannot_draft_is_refused_before_ray_starts(tmp
     assert r.returncode == 2, r.stdout + r.stderr
     assert "num_candidates=4" in r.stderr and "early_exit" in r.stderr and "drafts no token trees" in r.stderr
     assert "Traceback" not in r.stderr and "Ray" not in r.stderr and not out.exists()
+
+
+def test_a_bad_environment_switch_is_refused_before_ray_starts_and_a_misspelt_one_is_named(tmp_path):
+    """Issue 56 item 5: ``SPECBATCH_CPU_LEAN_PASS=maybe`` used to kill the actors 47 s into
+    the run (exit 1, an epoch left in the output); ``SPECBATCH_CPU_LEANPASS`` was ignored."""
+    out = tmp_path / "out"
+    r = _run([str(REPO / "jobs" / "summarize.py"), "--config", str(REPO / "configs" / "demo-summarize.yaml"),
+              "--output", str(out)], timeout=120,
+             extra_env={"SPECBATCH_CPU_LEAN_PASS": "maybe", "SPECBATCH_CPU_LEANPASS": "0"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "SPECBATCH_CPU_LEAN_PASS='maybe'" in r.stderr and "refused before work starts" in r.stderr
+    assert "unknown environment variable SPECBATCH_CPU_LEANPASS" in r.stderr
+    assert "did you mean SPECBATCH_CPU_LEAN_PASS?" in r.stderr
+    assert "Traceback" not in r.stderr and "Ray" not in r.stderr and not out.exists()
+
+
+def test_every_switch_the_code_reads_is_in_the_one_table():
+    """The table (pipeline/switches.py) lists every ``SPECBATCH_*`` name the repository reads
+    (source, scripts, deploy files), so no real switch is ever warned of as unknown; a
+    misspelt one is, with the closest known name, and a bad value of each kind is refused."""
+    import re
+
+    from pipeline.config import ConfigError
+    from pipeline.switches import SWITCHES, check_environment
+
+    names = set()
+    for pattern in ("pipeline/**/*.py", "actors/**/*.py", "jobs/*.py", "scripts/*", "deploy/**/*.yaml", "tests/**/*.py"):
+        for path in REPO.glob(pattern):
+            if path.is_file() and path.resolve() != Path(__file__).resolve():  # this file misspells some
+                names.update(re.findall(r"SPECBATCH_[A-Z_]*[A-Z]", path.read_text(errors="replace")))
+    names -= {"SPECBATCH_CPU"}  # the prefix of the CPU options' names (SPECBATCH_CPU_<FIELD>)
+    assert names and names <= set(SWITCHES), sorted(names - set(SWITCHES))
+    assert check_environment({"SPECBATCH_CPU_KERNELS": "off", "SPECBATCH_API_KEY": "x", "SPECBATCH_RUN_DATE": "",
+                              "PATH": "/bin"}) == []
+    warned = check_environment({"SPECBATCH_INDUCTR": "1", "SPECBATCH_ZZZZZZZZZZ": "1"})
+    assert warned[0].endswith("did you mean SPECBATCH_INDUCTOR?") and "SPECBATCH_ZZZZZZZZZZ" in warned[1]
+    for name, value in [("SPECBATCH_FUSED", "2"), ("SPECBATCH_RUN_DATE", "tonight"), ("SPECBATCH_SKIP_REAL_MODELS", "y")]:
+        with pytest.raises(ConfigError, match=name):
+            check_environment({name: value})
 
 
 def test_translate_entry_point_refuses_a_summarize_config():

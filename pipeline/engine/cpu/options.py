@@ -97,6 +97,22 @@ def _flag(name: str, value: str) -> bool:
     raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(_TRUE + _FALSE)}")
 
 
+def env_variables() -> dict[str, str]:
+    """Every environment variable :func:`with_environment` reads, with what it sets (the
+    switches' table, :mod:`pipeline.switches`, lists them from here)."""
+    out = {alias: ", ".join(fields) + " (older name)" for alias, fields in ENV_ALIASES.items()}
+    for f in dataclasses.fields(CpuOptions):
+        out[ENV_PREFIX + f.name.upper()] = f.name
+    return out
+
+
+def check_env_value(name: str, value: str) -> None:
+    """Raise ``ValueError`` (naming ``name``) when ``value`` is not one :func:`with_environment`
+    takes for the variable ``name`` (one of :func:`env_variables`)."""
+    if name != ENV_PREFIX + "COMPILE_CACHE":
+        _flag(name, value)
+
+
 def with_environment(options: CpuOptions | None = None) -> CpuOptions:
     """``options`` (default :class:`CpuOptions`) with what the environment sets: each field's
     ``SPECBATCH_CPU_<FIELD>``, and the aliases :data:`ENV_ALIASES` (a field's own variable wins).
