@@ -128,13 +128,11 @@ class StepEngine:
         #: what preparing each model the engine runs did, by role (pipeline.engine.cpu.CpuPlan)
         self.cpu_plans: dict[str, CpuPlan] = {}
 
-        def prepare_model(model, role: str) -> None:
-            self.cpu_plans[role] = prepare(model, cpu, role)
-
-        prepare_model(target, "target")
-        self.proposer: Proposer | None = build_proposer(
-            ProposerInputs(target, self.spec, drafter, tokenizer, drafter_tokenizer, prepare_model)
-        )
+        self.cpu_plans["target"] = prepare(target, cpu, "target")
+        self.proposer: Proposer | None = build_proposer(ProposerInputs(target, self.spec, drafter, tokenizer,
+                                                                       drafter_tokenizer))
+        for model, role in self.proposer.models() if self.proposer is not None else []:
+            self.cpu_plans[role] = prepare(model, cpu, role)  # every model it names (Proposer.models)
         self._hook = self.method.hooks_target
         self._move = self.method.moves_tree_state  # TreeState: state from the target's passes, moved with a tree's path
         if self._hook and self.layout.longrope_switch is not None:
@@ -191,7 +189,7 @@ class StepEngine:
         :mod:`pipeline.reuse`) after :meth:`reset_learning`, when its method learns from
         finished outputs (suffix's ``seed_pool``); returns how many documents it took (0 for
         any other method).  Drafts only: the output is unchanged."""
-        if self.proposer is None or not self.method.learns_from_outputs or not hasattr(self.proposer, "seed_pool"):
+        if self.proposer is None or not self.method.learns_from_outputs:
             return 0
         return self.proposer.seed_pool(documents)
 

@@ -15,7 +15,7 @@ plus one ``MethodSpec`` line in the registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 #: target-only decoding: the method without a proposer, and the baseline speedups are measured against
@@ -36,8 +36,7 @@ class MethodSpec:
         build: ``(ProposerInputs) -> Proposer``, the factory of its proposer (``None``:
             target-only decoding, no proposer).  Raises ``ValueError`` when the inputs do
             not fit the method (a missing drafter, a drafter of another architecture).
-        proposer: the proposer class ``build`` makes; its ``adaptive`` and ``max_rows``
-            are the method's (:attr:`adaptive`, :attr:`max_rows`).
+        proposer: the proposer class ``build`` makes.
         needs_drafter: ``models.drafter`` is required, loaded and passed to ``build``
             (the other methods never load it, even when one is configured).
         draft_length: the SpeculationSettings field of its draft length ``k`` (the same
@@ -71,19 +70,21 @@ class MethodSpec:
             draft length; 8 suits a model drafter); ``None``: the config's (a draft
             length the checkpoint bounds).
 
-    The proposer's capabilities, read once from its class (the protocols of
-    :mod:`pipeline.engine.proposers.base`) when the spec is made, so that the settings'
-    checks and the loop read them here and never probe a proposer:
+    The proposer's capabilities, declared here (the loop, the settings' checks and the tuner
+    read them here and never probe a proposer; ``tests/engine/test_settings.py`` checks each
+    against the class's hooks, the protocols of :mod:`pipeline.engine.proposers.base`):
 
     Attributes:
-        proposes_trees: it may answer with a token tree (``num_candidates > 1``; the class's
-            ``proposes_trees``).
+        proposes_trees: it may answer with a token tree (``num_candidates > 1``).
         hooks_target: it runs the target's passes itself (``target_forward``: MTP layers,
             early exit, draft heads).
         moves_tree_state: it keeps per-position state from the target's passes along a
             tree's accepted path (``move``, :class:`~pipeline.engine.proposers.base.TreeState`).
-        learns_from_outputs: it learns from finished rows (``finish`` and ``reset_learning``,
-            :class:`~pipeline.engine.proposers.base.Finish`: suffix's job-wide pool).
+        learns_from_outputs: it learns from finished rows (``finish``, ``reset_learning`` and
+            ``seed_pool``, :class:`~pipeline.engine.proposers.base.Finish`: suffix's job-wide
+            pool, which the nightly reuse seeds).
+        adaptive: its draft length adapts per row (transformers' heuristic schedule applies).
+        max_rows: rows it can draft for at once (``None``: any number).
     """
 
     name: str
@@ -99,19 +100,12 @@ class MethodSpec:
     load_drafter: Callable[[str, Any], Any] | None = None
     tune_candidate: Callable[[Any, Any], dict[str, Any] | None] | None = None
     tune_k_max: int | None = 8
-    proposes_trees: bool = field(init=False, default=False)
-    hooks_target: bool = field(init=False, default=False)
-    moves_tree_state: bool = field(init=False, default=False)
-    learns_from_outputs: bool = field(init=False, default=False)
-
-    def __post_init__(self):
-        cls = self.proposer
-        facts = {"proposes_trees": bool(getattr(cls, "proposes_trees", False)),
-                 "hooks_target": callable(getattr(cls, "target_forward", None)),
-                 "moves_tree_state": callable(getattr(cls, "move", None)),
-                 "learns_from_outputs": callable(getattr(cls, "finish", None))}
-        for name, value in facts.items():
-            object.__setattr__(self, name, value)
+    proposes_trees: bool = False
+    hooks_target: bool = False
+    moves_tree_state: bool = False
+    learns_from_outputs: bool = False
+    adaptive: bool = False
+    max_rows: int | None = None
 
     def tree_refusal(self) -> str | None:
         """Why this method cannot verify token trees (``num_candidates > 1``), or ``None``
@@ -121,16 +115,6 @@ class MethodSpec:
         if self.hooks_target and not self.moves_tree_state:
             return "it runs the target's passes itself, without keeping its state along a tree's path (move)"
         return None
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether its draft length adapts per row (transformers' heuristic schedule applies)."""
-        return bool(getattr(self.proposer, "adaptive", False))
-
-    @property
-    def max_rows(self) -> int | None:
-        """Rows it can draft for at once (``None``: any number)."""
-        return getattr(self.proposer, "max_rows", None)
 
     @property
     def drafts(self) -> bool:

@@ -135,6 +135,28 @@ def test_every_method_has_a_proposer():
 
     assert [name for name, m in METHODS.items() if m.build is None] == [PLAIN]
     for name, m in METHODS.items():
-        if m.build is not None:  # its proposer class carries its adaptive flag and row limit
+        if m.build is not None:
             assert isinstance(m.proposer, type) and m.draft_length is not None, name
-            assert isinstance(m.proposer.adaptive, bool) and hasattr(m.proposer, "max_rows"), name
+
+
+def test_every_methods_declared_capabilities_are_its_proposers_hooks():
+    """Capabilities are declared on the MethodSpec (the engine never probes a proposer); each
+    declaration matches the class: the hooks of ``pipeline.engine.proposers.base``'s protocols."""
+    from pipeline.engine import METHODS
+    from pipeline.engine.proposers.base import NoState
+
+    def has(cls, *names):
+        return all(callable(getattr(cls, n, None)) for n in names)
+
+    for name, m in METHODS.items():
+        cls = m.proposer
+        if cls is None:
+            assert not (m.proposes_trees or m.hooks_target or m.learns_from_outputs or m.adaptive), name
+            continue
+        assert has(cls, "models", "bind", "admit", "propose", "rollback", "reserve"), name
+        assert m.hooks_target == has(cls, "target_forward"), name
+        assert m.moves_tree_state == has(cls, "move"), name
+        assert m.learns_from_outputs == has(cls, "finish", "reset_learning", "seed_pool"), name
+        assert isinstance(m.adaptive, bool) and (m.max_rows is None or m.max_rows >= 1), name
+        assert not any(hasattr(cls, a) for a in ("adaptive", "max_rows", "proposes_trees")), name  # one owner
+    assert not hasattr(NoState, "max_rows") and NoState().models() == []

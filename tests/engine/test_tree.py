@@ -66,9 +66,6 @@ class ScriptedTrees(NoState):
     length: the right continuation on the first branch, on the second (the first wrong at
     depth 1), diverging at depth 2 (the first branch wrong there), or a linear draft."""
 
-    adaptive = False
-    proposes_trees = True
-
     def __init__(self, cases: list[tuple[list[int], list[int]]], depth: int = 3):
         self.cases, self.depth, self.shapes = cases, depth, []
 

@@ -14,8 +14,6 @@ from pipeline.engine.proposers.base import Draft, NoState
 
 
 class RepeatLastProposer(NoState):
-    adaptive = False
-
     def propose(self, requests):
         return [Draft(r.sequence[0, -1:].repeat(r.k)) for r in requests]
 
@@ -37,8 +35,6 @@ def register() -> None:
 # ---------------------------------------------------------------------------- a drafter of its own format
 class FixedTokenProposer(NoState):
     """Drafts ``k`` copies of the token its "head" names (a drafter that is no causal LM)."""
-
-    adaptive = False
 
     def __init__(self, token: int):
         self.token = token

@@ -3,7 +3,8 @@ table :data:`METHODS`: one :class:`~pipeline.engine.methods.MethodSpec` line per
 (``SpeculationSettings.method``), which everything that depends on a method reads.
 
 Adding a method is one file here (its proposer and a ``build(inputs)`` factory, plus its
-pair check and tuner candidacy where it needs them) and one line in :data:`METHODS`.
+pair check and tuner candidacy where it needs them) and one line in :data:`METHODS`, which
+declares its capabilities (trees, target hook, learning from outputs, adaptive length).
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(PLAIN, draft_length=None, tune_candidate=always_tried),
     MethodSpec("draft_model", draft_model.build, draft_model.DraftModelProposer, needs_drafter=True,
                params=(CONFIDENCE_FIELD, "draft_vocab", "draft_vocab_size"), draft_logits=True, check_pair=draft_model.check_pair,
-               tune_candidate=draft_model.tune_candidate),
+               tune_candidate=draft_model.tune_candidate, proposes_trees=True, adaptive=True),
     MethodSpec("prompt_lookup", prompt_lookup.build, prompt_lookup.PromptLookupProposer,
                draft_length="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
-               tune_candidate=always_tried, tune_k_max=10),
+               tune_candidate=always_tried, tune_k_max=10, proposes_trees=True),
     MethodSpec("suffix", suffix.build, suffix.SuffixProposer, params=suffix.PARAMS, tune_candidate=always_tried,
-               tune_k_max=10),
+               tune_k_max=10, proposes_trees=True, learns_from_outputs=True),
     MethodSpec("early_exit", early_exit.build, early_exit.EarlyExitProposer,
                params=("assistant_early_exit", CONFIDENCE_FIELD), required=("assistant_early_exit",),
-               draft_logits=True, tune_candidate=early_exit.tune_candidate),
-    MethodSpec("mtp", mtp.build, mtp.MTPProposer, params=("num_mtp_layers",), draft_logits=True, tune_k_max=None),
+               draft_logits=True, tune_candidate=early_exit.tune_candidate, hooks_target=True, adaptive=True),
+    MethodSpec("mtp", mtp.build, mtp.MTPProposer, params=("num_mtp_layers",), draft_logits=True, tune_k_max=None,
+               hooks_target=True),
     MethodSpec("universal", universal.build, universal.UniversalProposer, needs_drafter=True,
-               tune_candidate=universal.tune_candidate),
+               tune_candidate=universal.tune_candidate, adaptive=True),
     MethodSpec("mtp_assistant", mtp_assistant.build, mtp_assistant.MTPAssistantProposer, needs_drafter=True,
-               draft_logits=True, check_pair=mtp_assistant.check_pair, tune_k_max=None),
+               draft_logits=True, check_pair=mtp_assistant.check_pair, tune_k_max=None, hooks_target=True, adaptive=True),
     MethodSpec("eagle", eagle.build, eagle.EagleProposer, needs_drafter=True, params=("draft_vocab_size",),
                draft_logits=True, check_drafter=eagle.check_drafter, load_drafter=eagle.load_drafter,
-               tune_candidate=eagle.tune_candidate),
+               tune_candidate=eagle.tune_candidate, proposes_trees=True, hooks_target=True, moves_tree_state=True,
+               adaptive=True),
 )}
 
 

@@ -26,7 +26,8 @@ it was computed on.  Each proposer checks it, by token ids and positions
 only how many tokens are committed.
 
 Token trees (optional; SpecInfer, Miao et al. 2023, arXiv 2305.09781; Medusa; EAGLE-2).  A
-proposer whose class sets ``proposes_trees = True`` may answer a request with
+proposer whose method declares ``proposes_trees`` (its
+:class:`~pipeline.engine.methods.MethodSpec`) may answer a request with
 ``DraftRequest.candidates > 1`` by a *tree*: :attr:`Draft.parents` gives each node's parent
 (``-1``: the row's last committed token, the root), nodes in topological order (a parent
 before its children).  Node ``0`` and each first child after it form the draft's *first
@@ -66,15 +67,6 @@ class ProposerInputs:
     drafter: Any = None
     tokenizer: Any = None
     drafter_tokenizer: Any = None
-    #: ``prepare_model(model, role)``: the engine's CPU preparation (:func:`pipeline.engine.cpu.prepare`
-    #: with the engine's options, recorded under ``role``), called by ``build`` on each model the
-    #: proposer runs through a runner of its own; ``None``: nothing is prepared
-    prepare_model: Callable[[Any, str], None] | None = None
-
-    def prepare(self, model, role: str) -> None:
-        """Prepare ``model`` for the CPU as the engine prepares its target (see :attr:`prepare_model`)."""
-        if self.prepare_model is not None:
-            self.prepare_model(model, role)
 
 
 #: where a draft's tokens come from (:attr:`Draft.source`): the row's own text (prompt and
@@ -190,7 +182,7 @@ class DraftRequest:
         generator: the row's seeded ``torch.Generator`` (used only when sampling).
         want_probs: whether the verifier needs ``Draft.probs`` (sampling or ensemble).
         candidates: the most branches a token tree may have (1: a linear draft; see the
-            module docstring); only a proposer with ``proposes_trees`` is asked for more.
+            module docstring); only a method that declares ``proposes_trees`` is asked for more.
     """
 
     slot: int
@@ -204,12 +196,15 @@ class DraftRequest:
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Protocol of a drafting method (one implementation per file in this package)."""
+    """Protocol of a drafting method (one implementation per file in this package).  Its
+    capabilities (token trees, a target hook, learning from outputs, an adaptive draft length,
+    a row limit) are declared on its method's :class:`~pipeline.engine.methods.MethodSpec`."""
 
-    #: True when the draft length adapts per row (transformers' "heuristic" schedule applies).
-    adaptive: bool
-    #: rows it can draft for at once (``None``: any number; ``1``: one row at a time).
-    max_rows: int | None
+    def models(self) -> list[tuple[Any, str]]:
+        """Every model it runs through a runner of its own, each with its role (``"drafter"``,
+        ``"draft head"`` ...), in the order they are to be prepared: the engine prepares each
+        once for the CPU (:func:`pipeline.engine.cpu.prepare`), as it prepares the target.
+        Empty for a proposer that runs no model, or only the target's own layers."""
 
     def bind(self, max_rows: int, target_runner) -> None:
         """Allocate per-slot state for ``max_rows`` slots; ``target_runner`` is the target's
@@ -275,10 +270,11 @@ def with_leaves(chain: Draft, leaves: list[tuple[int, int, int]]) -> Draft:
 
 
 class Finish(Protocol):
-    """Optional hook of a proposer that learns from finished rows (``suffix``'s job-wide
-    tree).  When a proposer has ``finish``, the engine calls it once per row that leaves its
-    slot (any finish reason), before the slot takes another row, and
-    :meth:`~pipeline.engine.loop.StepEngine.reset_learning` calls its ``reset_learning``."""
+    """Hooks of a proposer that learns from finished rows (``suffix``'s job-wide tree), whose
+    method declares ``learns_from_outputs``: the engine calls :meth:`finish` once per row that
+    leaves its slot (any finish reason), before the slot takes another row,
+    :meth:`~pipeline.engine.loop.StepEngine.reset_learning` calls its ``reset_learning``, and
+    :meth:`~pipeline.engine.loop.StepEngine.seed_pool` its ``seed_pool``."""
 
     def finish(self, slot: int, generated: list[int]) -> None:
         """The row in ``slot`` finished; ``generated`` are its output token ids."""
@@ -286,6 +282,10 @@ class Finish(Protocol):
     def reset_learning(self) -> None:
         """Forget what :meth:`finish` taught it (the job-wide pool): rows decoded so far,
         e.g. an engine's warm-up, must not draft for the rows that follow."""
+
+    def seed_pool(self, documents) -> int:
+        """Learn from earlier outputs (token-id lists) as if rows with them had finished;
+        returns how many it took."""
 
 
 class TargetForward(Protocol):
@@ -465,9 +465,10 @@ def empty_draft(device: torch.device | str) -> Draft:
 
 
 class NoState:
-    """Mixin for proposers without per-slot state to bind, admit or roll back."""
+    """Mixin for proposers without per-slot state to bind, admit or roll back, and no model."""
 
-    max_rows = None
+    def models(self) -> list[tuple[Any, str]]:
+        return []
 
     def bind(self, max_rows: int, target_runner) -> None:
         pass

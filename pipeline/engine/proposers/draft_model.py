@@ -121,9 +121,6 @@ class DraftModelProposer:
             ``draft_vocab`` it cannot use.
     """
 
-    adaptive = True
-    max_rows = None
-    proposes_trees = True
 
     def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0, method: str = "draft_model",
                  draft_vocab: torch.Tensor | None = None):
@@ -144,6 +141,10 @@ class DraftModelProposer:
         self.drafted = DraftedTokens(0)  # per slot: the draft tokens fed to the drafter's cache
 
     # ------------------------------------------------------------------ state
+    def models(self) -> list[tuple[object, str]]:
+        """The drafter, then its reduced head (which shares the drafter's decoder)."""
+        return [(self.model, "drafter")] + ([(self.reduced, "drafter's reduced head")] if self.reduced is not None else [])
+
     def bind(self, max_rows: int, target_runner) -> None:
         self.runner = ModelRunner(self.model, max_rows, self.layout)
         self.seen = [0] * max_rows
@@ -253,12 +254,8 @@ def build(inputs) -> DraftModelProposer:
     if spec.draft_vocab_size is not None and spec.draft_vocab is None:
         raise ValueError("draft_vocab_size needs draft_vocab (the ids, most frequent first) for method 'draft_model'")
     ids = read_draft_vocab(spec.draft_vocab, spec.draft_vocab_size) if spec.draft_vocab is not None else None
-    inputs.prepare(inputs.drafter, "drafter")
-    proposer = DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
-                                  spec.assistant_confidence_threshold, draft_vocab=ids)
-    if proposer.reduced is not None:
-        inputs.prepare(proposer.reduced, "drafter's reduced head")
-    return proposer
+    return DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
+                              spec.assistant_confidence_threshold, draft_vocab=ids)
 
 
 def check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:

@@ -59,9 +59,6 @@ class EagleProposer:
         ValueError: a head that does not fit the target.
     """
 
-    adaptive = True
-    max_rows = None
-    proposes_trees = True
 
     def __init__(self, target, head: DraftHead, draft_vocab_size: int | None = None):
         if draft_vocab_size is not None:
@@ -73,6 +70,9 @@ class EagleProposer:
         self.device = head.device
         self.vocab_ids = self.head.draft_vocab.to(self.device)  # (N,) target ids of the head's outputs
         self.runner: ModelRunner | None = None
+
+    def models(self) -> list[tuple[object, str]]:
+        return [(self.head, "draft head")]
 
     # ---- per-row state
     def bind(self, max_rows: int, target_runner) -> None:
@@ -217,9 +217,7 @@ def build(inputs) -> EagleProposer:
     if not isinstance(head, DraftHead):
         raise ValueError(f"method 'eagle' drafts with a draft head (DraftHead, load_draft_head); got "
                          f"{type(head).__name__} (a causal LM drafts with method 'draft_model')")
-    proposer = EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
-    inputs.prepare(proposer.head, "draft head")
-    return proposer
+    return EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
 
 
 def check_drafter(path: str, target_config) -> DraftHeadConfig:

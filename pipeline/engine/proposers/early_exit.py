@@ -161,8 +161,6 @@ class EarlyExitProposer(DraftModelProposer):
             whose layers cannot be split (checked by a probe when the engine binds).
     """
 
-    #: no token trees: its target_forward runs the target's passes without a tree attention mask (the loop refuses them)
-    proposes_trees = False
 
     def __init__(self, target, layers: int, confidence_threshold: float = 0.0):
         self.views = _Views(target, layers)
@@ -171,6 +169,9 @@ class EarlyExitProposer(DraftModelProposer):
         self.pending_start: list[int] = []  # per slot: the position of pending[slot]'s first row
         # check now, on a throw-away runner, so a bad target fails when the engine is built
         self.views.probe(ModelRunner(target, 1, self.layout))
+
+    def models(self) -> list[tuple[object, str]]:
+        return []  # the target's own layers, which the engine prepares as the target
 
     def bind(self, max_rows: int, target_runner) -> None:
         self.runner = target_runner

@@ -232,8 +232,6 @@ class MTPProposer:
             ``None``: all in the checkpoint).  A step drafts ``min(k, num_layers)`` tokens.
     """
 
-    adaptive = False
-    max_rows = None
 
     def __init__(self, target, mtp, num_layers: int | None = None):
         total = len(mtp.layers)
@@ -250,6 +248,9 @@ class MTPProposer:
         self.device = _execution_device(mtp.layers[0])
         self.embed_device = _execution_device(target.get_input_embeddings())
         self.runner: ModelRunner | None = None
+
+    def models(self) -> list[tuple[object, str]]:
+        return [(self.mtp, "MTP layers")]
 
     # ---- per-row state
     def bind(self, max_rows: int, target_runner) -> None:
@@ -370,6 +371,4 @@ def build(inputs) -> MTPProposer:
             f"(or their MtpModel), got {type(inputs.drafter).__name__}"
         )
     mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
-    proposer = MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
-    inputs.prepare(mtp, "MTP layers")
-    return proposer
+    return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)

@@ -64,8 +64,6 @@ class MTPAssistantProposer:
             built for another target (``backbone_hidden_size`` / vocabulary differ).
     """
 
-    adaptive = True
-    max_rows = None
 
     def __init__(self, target, assistant):
         if assistant is None:
@@ -98,6 +96,9 @@ class MTPAssistantProposer:
         self.layers = _storing_layers(t_cfg)
         self.runner = None
         self.hidden: list[Positions] = []
+
+    def models(self) -> list[tuple[object, str]]:
+        return []  # the assistant runs its own forward on the target's shared keys and values, unprepared
 
     def bind(self, max_rows: int, target_runner) -> None:
         self.runner = target_runner

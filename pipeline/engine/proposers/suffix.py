@@ -270,9 +270,6 @@ class SuffixProposer:
             reached (the product along the draft) falls below this.
     """
 
-    adaptive = False
-    max_rows = None
-    proposes_trees = True
 
     def __init__(self, max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
                  max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
@@ -288,6 +285,9 @@ class SuffixProposer:
         self.drafts_from = {"row": 0, "job": 0}
 
     # ------------------------------------------------------------------ protocol
+    def models(self) -> list:
+        return []
+
     def bind(self, max_rows: int, target_runner) -> None:
         pass
 

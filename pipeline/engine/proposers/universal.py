@@ -67,8 +67,6 @@ class UniversalProposer:
         ValueError: a missing drafter or tokenizer.
     """
 
-    adaptive = True
-    max_rows = None
 
     def __init__(self, target, drafter, tokenizer, drafter_tokenizer):
         if drafter is None:
@@ -93,6 +91,9 @@ class UniversalProposer:
         self.runner: ModelRunner | None = None
         self.ids: list[list[int]] = []  # per slot: the drafter ids in the drafter's cache, in order
         self.base: list[int] = []  # per slot: the index, in the text's drafter ids, of cache position 0
+
+    def models(self) -> list[tuple[object, str]]:
+        return [(self.model, "drafter")]
 
     def bind(self, max_rows: int, target_runner) -> None:
         self.runner = ModelRunner(self.model, max_rows, self.layout)
@@ -201,9 +202,7 @@ class UniversalProposer:
 
 def build(inputs) -> UniversalProposer:
     """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
-    proposer = UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
-    inputs.prepare(inputs.drafter, "drafter")
-    return proposer
+    return UniversalProposer(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
 
 
 def tune_candidate(settings, models) -> dict | None:
