@@ -42,7 +42,7 @@ from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, c
 from ..cpu import attention_implementation
 from ..runner import ModelLayout, ModelRunner, text_config
 from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, top_probability, with_leaves
-from .mtp import Positions, store_hidden
+from .mtp import Positions, rows_with_state, store_hidden
 
 
 # --------------------------------------------------------------------------- drafting
@@ -117,11 +117,7 @@ class EagleProposer:
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)
-        rows = []
-        for i, r in enumerate(requests):
-            L = r.sequence.shape[1]
-            if r.k > 0 and L >= 2 and self.feats[r.slot].end >= L - 1:
-                rows.append(i)  # else: no target feature yet (a one-token prompt's first step)
+        rows = rows_with_state(requests, self.feats)
         if not rows:
             return drafting.drafts()
         # draft position 1: catch up main positions n .. L-2 (real features, committed tokens)

@@ -222,6 +222,20 @@ def store_hidden(stores: list[Positions], slots, tokens, starts, hidden: torch.T
         stores[s].put(start + q - got, hidden[i, m - got:])
 
 
+def rows_with_state(requests: list[DraftRequest], stores: list[Positions]) -> list[int]:
+    """The requests (their indices) that can draft: the row's store of per-position state from
+    the target's passes (``stores[slot]``: hidden states, a draft head's features) holds its
+    position ``L - 2``, the newest a draft reads (``L``: the row's committed tokens), up to
+    ``L - 1``.  A row with none yet (a one-token prompt's first step: no target pass has run
+    on it) drafts nothing this step."""
+    out = []
+    for i, r in enumerate(requests):
+        L, store = r.sequence.shape[1], stores[r.slot]
+        if r.k > 0 and L >= 2 and store.end >= L - 1 and store.start <= L - 2:
+            out.append(i)
+    return out
+
+
 class MTPProposer:
     """Drafts with the first ``num_layers`` MTP layers of ``mtp`` (one token per layer).
 
@@ -304,11 +318,7 @@ class MTPProposer:
     # ---- drafting
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)
-        active = []
-        for i, r in enumerate(requests):
-            L = r.sequence.shape[1]
-            if L >= 2 and self.hidden[r.slot].end >= L - 1 and min(r.k, self.num_layers) > 0:
-                active.append(i)  # else: no target hidden state yet (one-token prompt)
+        active = rows_with_state(requests, self.hidden)
         for layer in range(self.num_layers):
             rows = [i for i in active if min(requests[i].k, self.num_layers) > layer]
             if not rows:

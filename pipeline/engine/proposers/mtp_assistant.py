@@ -34,7 +34,7 @@ import torch
 
 from ..runner import text_config
 from .base import Draft, DraftRequest, Drafting, draft_tokens
-from .mtp import Positions, store_hidden
+from .mtp import Positions, rows_with_state, store_hidden
 
 
 def _is_gemma4_assistant(model) -> bool:
@@ -141,9 +141,7 @@ class MTPAssistantProposer:
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafting = Drafting(requests)
-        rows = [i for i, r in enumerate(requests)
-                if r.sequence.shape[1] >= 2 and self.hidden[r.slot].end >= r.sequence.shape[1] - 1
-                and self.hidden[r.slot].start <= r.sequence.shape[1] - 2]  # else: no target pass yet
+        rows = rows_with_state(requests, self.hidden)
         if not rows:
             return drafting.drafts()
         reqs = [requests[i] for i in rows]
