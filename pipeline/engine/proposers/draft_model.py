@@ -121,7 +121,6 @@ class DraftModelProposer:
             ``draft_vocab`` it cannot use.
     """
 
-
     def __init__(self, drafter, target_vocab_size: int, confidence_threshold: float = 0.0, method: str = "draft_model",
                  draft_vocab: torch.Tensor | None = None):
         self.model = drafter

@@ -59,7 +59,6 @@ class EagleProposer:
         ValueError: a head that does not fit the target.
     """
 
-
     def __init__(self, target, head: DraftHead, draft_vocab_size: int | None = None):
         if draft_vocab_size is not None:
             head.truncate_vocab(draft_vocab_size)

@@ -161,7 +161,6 @@ class EarlyExitProposer(DraftModelProposer):
             whose layers cannot be split (checked by a probe when the engine binds).
     """
 
-
     def __init__(self, target, layers: int, confidence_threshold: float = 0.0):
         self.views = _Views(target, layers)
         super().__init__(target, text_config(target).vocab_size, confidence_threshold, method="early_exit")

@@ -246,7 +246,6 @@ class MTPProposer:
             ``None``: all in the checkpoint).  A step drafts ``min(k, num_layers)`` tokens.
     """
 
-
     def __init__(self, target, mtp, num_layers: int | None = None):
         total = len(mtp.layers)
         if num_layers is None:

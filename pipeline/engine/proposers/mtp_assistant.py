@@ -64,7 +64,6 @@ class MTPAssistantProposer:
             built for another target (``backbone_hidden_size`` / vocabulary differ).
     """
 
-
     def __init__(self, target, assistant):
         if assistant is None:
             raise ValueError("method 'mtp_assistant' needs the Gemma 4 assistant checkpoint as drafter=")

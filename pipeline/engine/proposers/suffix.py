@@ -270,7 +270,6 @@ class SuffixProposer:
             reached (the product along the draft) falls below this.
     """
 
-
     def __init__(self, max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
                  max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
                  max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR, min_token_prob: float = DEFAULT_MIN_TOKEN_PROB):

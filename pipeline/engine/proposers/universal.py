@@ -67,7 +67,6 @@ class UniversalProposer:
         ValueError: a missing drafter or tokenizer.
     """
 
-
     def __init__(self, target, drafter, tokenizer, drafter_tokenizer):
         if drafter is None:
             raise ValueError("method 'universal' needs a drafter (drafter=...)")
