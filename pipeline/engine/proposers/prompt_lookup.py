@@ -89,7 +89,6 @@ def lookup_candidates(seq: torch.Tensor, k: int, max_ngram: int, candidates: int
 
 
 class PromptLookupProposer(NoState):
-
     def __init__(self, max_matching_ngram_size: int = 2):
         self.max_ngram = max_matching_ngram_size
 
