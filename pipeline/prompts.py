@@ -345,6 +345,50 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
                             add_special_tokens=add_special_tokens, special_ids=special_ids)
 
 
+#: the roles a chat message may have (OpenAI's chat format; ``developer`` is OpenAI's newer ``system``)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    """A row's chat messages in OpenAI's format, checked: a list (or a JSON string of one) of
+    ``{"role": ..., "content": ...}`` objects, ``content`` a string or a list of text parts
+    (``[{"type": "text", "text": ...}]``, joined).  Other keys of a message (``name``...) are kept.
+
+    Raises:
+        PromptError: naming the problem and the message (``messages[2].role: ...``).
+    """
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"messages: not JSON ({e})") from None
+    if raw is None:
+        raise PromptError("messages: null")
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise PromptError(f"messages: must be a non-empty list of {{role, content}} objects, got {_kind(raw)}")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise PromptError(f"messages[{i}]: must be a {{role, content}} object, got {_kind(m)}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise PromptError(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if isinstance(content, (list, tuple)):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise PromptError(f"messages[{i}].content: a list of parts must hold only "
+                                  "{type: text, text: ...} parts")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise PromptError(f"messages[{i}].content: must be a string, got {_kind(content)}")
+        out.append({**{k: v for k, v in m.items() if v is not None}, "role": role, "content": content})
+    return out
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
 #: the text :func:`check_prompt` renders the template with
 SAMPLE_TEXT = "A sample sentence to check the prompt template."
 #: the longest :func:`check_prompt` lets one sample prompt render (seconds): a chat template
