@@ -341,11 +341,10 @@ def carried_columns(shards: list[Shard], need: list[str], every: bool, id_column
     if not every and list(need) == [text_column]:
         return None
     names: dict[str, None] = {}
-    for c in need:
-        names[c] = None
-    if every:
+    if every:  # the input's order
         for s in shards:
             names.update(dict.fromkeys(s.columns or ()))
+    names.update(dict.fromkeys(need))
     names.pop(id_column, None)
     keys = set(partition_keys(shards))
     for c in names:
