@@ -22,7 +22,7 @@ from .stats import RowStats
 from .stopping import StopChecker
 
 #: GenerationSettings fields that may differ between the rows of one batch
-PER_ROW_FIELDS = ("max_new_tokens", "eos_token_id", "stop_strings", "seed")
+PER_ROW_FIELDS = ("max_new_tokens", "eos_token_id", "stop_strings", "seed", "response_format", "logprobs")
 
 
 def per_row_settings(settings, n: int, generation_config=None, vocab_size: int | None = None) -> list[GenerationSettings]:
