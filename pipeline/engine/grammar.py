@@ -57,8 +57,10 @@ def normalize_response_format(rf: Any) -> dict | None:
     ``{"type": "regex", "regex": str}`` and ``{"type": "choice", "choice": [str, ...]}``.
 
     Returns:
-        ``None`` for ``None`` and ``text`` (no constraint), else a new dict with keys sorted at
-        every level, so that equal formats compare (and serialise) equal.
+        ``None`` for ``None`` and ``text`` (no constraint), else a new dict whose own keys (and
+        ``json_schema``'s) are sorted, so that equal formats compare and serialise equal; the
+        schema itself keeps its order (the order of ``properties`` is the order the JSON is
+        generated in).
 
     Raises:
         GrammarError: naming the bad field (``response_format.type``,
@@ -105,9 +107,12 @@ def normalize_response_format(rf: Any) -> dict | None:
         if not isinstance(c, list) or not c or not all(isinstance(s, str) and s for s in c):
             raise GrammarError(f"response_format.choice must be a non-empty list of non-empty strings, got {c!r}")
     try:
-        return json.loads(json.dumps(rf, sort_keys=True))
+        out = json.loads(json.dumps(rf))
     except (TypeError, ValueError) as e:
         raise GrammarError(f"response_format is not JSON-serialisable: {e}") from None
+    if kind == "json_schema":
+        out["json_schema"] = dict(sorted(out["json_schema"].items()))
+    return dict(sorted(out.items()))
 
 
 def _named(name: str | None) -> str:
@@ -209,7 +214,7 @@ def compile_grammar(response_format, tokenizer, vocab_size: int, timeout_s: floa
     fmt = normalize_response_format(response_format)
     if fmt is None:
         raise GrammarError("response_format of type 'text' has no grammar to compile")
-    key = (json.dumps(fmt, sort_keys=True), id(tokenizer), vocab_size)
+    key = (json.dumps(fmt), id(tokenizer), vocab_size)  # the schema's order matters (the order it generates in)
     with _lock:
         hit = _compiled.get(key)
         if hit is not None:
