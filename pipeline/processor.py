@@ -133,7 +133,30 @@ def check_generation(cfg: JobConfig):
 
     checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
     check_prompt(checked["tokenizer"], cfg.task)
-    return resolve_job_generation(cfg, checked["target_config"])
+    generation = resolve_job_generation(cfg, checked["target_config"])
+    check_response_format(generation, checked["tokenizer"], checked["target_config"])
+    return generation
+
+
+def check_response_format(generation, tokenizer, target_config) -> None:
+    """Compile the job-wide ``generation.response_format`` with the target's tokenizer, in
+    the driver, bounded in time (:func:`pipeline.engine.grammar.compile_grammar`), so that a
+    schema or regex the grammar library refuses, or cannot compile in time, refuses the job.
+
+    Raises:
+        ConfigError: naming ``generation.response_format`` and the library's reason.
+    """
+    rf = getattr(generation, "response_format", None)
+    if rf is None:
+        return
+    from pipeline.engine.grammar import GrammarError, compile_grammar
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    vocab = getattr(text, "vocab_size", None) or len(tokenizer)
+    try:
+        compile_grammar(rf, tokenizer, vocab)
+    except GrammarError as e:
+        raise ConfigError(f"generation.response_format: {e}") from None
 
 
 def resolve_job_generation(cfg: JobConfig, target_config):

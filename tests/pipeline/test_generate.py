@@ -245,3 +245,67 @@ def test_the_generate_job_end_to_end_and_its_reuse(ray_local, tiny_models, tmp_p
     assert got2["p1"]["reused_from"] and got2["p3"]["reused_from"]
     assert got2["p1"]["output_token_ids"] == got["p1"]["output_token_ids"] and got2["p1"]["max_tokens_used"] == 4
     assert got2["p2"]["new_tokens"] == 2
+
+
+# ----------------------------------------------------------------------------- structured rows
+CHOICE = {"type": "choice", "choice": ["the cat sat", "a storm hit"]}
+
+
+@pytest.fixture(scope="module")
+def byte_models(tmp_path_factory):
+    """A tiny pair with a byte-level tokenizer (which the grammar library reads)."""
+    from tiny import make_byte_tokenizer, make_model_pair
+
+    target, drafter = make_model_pair(tmp_path_factory.mktemp("bytes"), tokenizer=make_byte_tokenizer())
+    return {"target": target, "drafter": drafter}
+
+
+@pytest.fixture(scope="module")
+def byte_actor(byte_models, tmp_path_factory):
+    cfg = job_config(byte_models, "unused", str(tmp_path_factory.mktemp("o")),
+                     overrides=["task.name=generate", f"task.prompt_template={json.dumps(TEMPLATE)}",
+                                "task.chat_template=false", "input.params_column=params",
+                                "generation.max_new_tokens=16"])
+    return GenerateActor(cfg.model_dump(), device="cpu", carry=["name", "brand", "price", "text", "params"])
+
+
+def test_structured_rows_per_row_and_bad_formats_are_row_errors(byte_actor):
+    actor = byte_actor
+    base = {"name": "A", "brand": "b", "price": 1, "text": TEXTS[0]}
+    rows = [dict(base, params={"response_format": CHOICE}),
+            dict(base, params={"response_format": CHOICE, "max_tokens": 1}),
+            dict(base, params={"response_format": {"type": "regex"}}),
+            dict(base, params={"response_format": {"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}),
+            dict(base)]
+    out = actor(_batch(rows)).to_pylist()
+    assert out[0]["error"] is None and out[0]["finish_reason"] == "stop"
+    assert out[0]["output_valid"] is True and json.loads(out[0]["output_json"]) in CHOICE["choice"]
+    assert out[0]["output_text"] in CHOICE["choice"]
+    # cut by its budget before the choice closes: marked, never silently invalid
+    assert out[1]["finish_reason"] == "length" and out[1]["output_valid"] is False and out[1]["output_json"] is None
+    assert "params.response_format" in out[2]["error"] and "regex" in out[2]["error"]
+    assert "bad" in out[3]["error"] and out[3]["new_tokens"] is None
+    assert out[4]["error"] is None and out[4]["output_valid"] is None and out[4]["output_json"] is None
+
+
+def test_a_job_wide_format_the_library_refuses_is_refused_naming_it(byte_models, tmp_path):
+    from pipeline.processor import check_generation
+
+    good = job_config(byte_models, "unused", str(tmp_path), overrides=[f"generation.response_format={json.dumps(CHOICE)}"])
+    assert check_generation(good).response_format == CHOICE
+    bad = '{type: regex, regex: "a(b"}'
+    cfg = job_config(byte_models, "unused", str(tmp_path), overrides=[f"generation.response_format={bad}"])
+    with pytest.raises(ConfigError, match="generation.response_format.*regex") as e:
+        check_generation(cfg)
+    assert "tokenizer" not in str(e.value)
+    with pytest.raises(ConfigError, match="response_format"):
+        job_config(byte_models, "unused", str(tmp_path), overrides=["generation.response_format={type: xml}"])
+
+
+def test_logprobs_come_back_per_token(make_actor):
+    actor = make_actor("generation.logprobs=2")
+    out = actor(_batch([{"name": "A", "brand": "b", "price": 1, "text": TEXTS[3]}])).to_pylist()[0]
+    lp = out["output_logprobs"]
+    assert len(lp) == out["new_tokens"] and [t["token_id"] for t in lp] == out["output_token_ids"]
+    assert all(len(t["top"]) == 2 and t["top"][0]["logprob"] >= t["logprob"] - 1e-9 and t["logprob"] <= 0 for t in lp)
