@@ -48,6 +48,10 @@ class GrammarError(ValueError):
     name where it has one, and the grammar library's reason."""
 
 
+class _Timeout(GrammarError):
+    """A compilation over its time (not remembered: a later call may allow more)."""
+
+
 def normalize_response_format(rf: Any) -> dict | None:
     """The canonical form of a ``response_format`` (shape only; nothing is compiled).
 
@@ -221,6 +225,8 @@ def compile_grammar(response_format, tokenizer, vocab_size: int, timeout_s: floa
             _compiled.move_to_end(key)
     if hit is None:
         hit = _compile(fmt, tokenizer, vocab_size, timeout_s)
+        if isinstance(hit, _Timeout):
+            raise GrammarError(str(hit))
         with _lock:
             _compiled[key] = hit
             while len(_compiled) > CACHE_SIZE:
@@ -230,9 +236,14 @@ def compile_grammar(response_format, tokenizer, vocab_size: int, timeout_s: floa
     return hit
 
 
-def _compile(fmt: dict, tokenizer, vocab_size: int, timeout_s: float) -> CompiledGrammar | GrammarError:
+def _new_matcher(lltok, source: str):
+    """llguidance's matcher of ``source`` (its construction compiles the grammar)."""
     from llguidance import LLMatcher
 
+    return LLMatcher(lltok, source, log_level=0)
+
+
+def _compile(fmt: dict, tokenizer, vocab_size: int, timeout_s: float) -> CompiledGrammar | GrammarError:
     try:
         lltok = _lltokenizer(tokenizer, vocab_size)
         source = _grammar_source(fmt)
@@ -244,7 +255,7 @@ def _compile(fmt: dict, tokenizer, vocab_size: int, timeout_s: float) -> Compile
 
     def build():  # the matcher's construction compiles the grammar (llguidance drops the GIL)
         try:
-            m = LLMatcher(lltok, source, log_level=0)
+            m = _new_matcher(lltok, source)
             out["error"] = m.get_error() if m.is_error() else ""
         except Exception as e:  # noqa: BLE001 - the library's reason, named
             out["error"] = f"{type(e).__name__}: {e}"
@@ -253,7 +264,7 @@ def _compile(fmt: dict, tokenizer, vocab_size: int, timeout_s: float) -> Compile
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        return GrammarError(f"{_describe(fmt)} did not compile within {timeout_s:g} s (too complex for the grammar "
+        return _Timeout(f"{_describe(fmt)} did not compile within {timeout_s:g} s (too complex for the grammar "
                             "library); simplify it")
     if out["error"]:
         return GrammarError(f"{_describe(fmt)} is refused by the grammar library: {out['error'].strip()}")
@@ -290,9 +301,7 @@ class GrammarState:
     forced_at: dict[int, bool] = field(default_factory=dict)
 
     def __post_init__(self):
-        from llguidance import LLMatcher
-
-        self.matcher = LLMatcher(self.compiled.tokenizer, self.compiled.grammar, log_level=0)
+        self.matcher = _new_matcher(self.compiled.tokenizer, self.compiled.grammar)
         self.eos_token_ids = sorted(set(int(e) for e in self.eos_token_ids))
         self._words = torch.empty(1, (self.compiled.vocab_size + 31) // 32, dtype=torch.int32)
 

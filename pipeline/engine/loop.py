@@ -464,8 +464,8 @@ def grammar_draft(grammar: GrammarState, output: list[int], draft: Draft, cap: i
     """A grammar row's draft for the controller: the method's draft and its alternatives, each
     cut before the first token its grammar forbids after ``output`` (a forbidden token would
     be rejected anyway: the cut saves its pass), and the run the grammar forces, up to ``cap``
-    tokens with confidence 1.0, offered beside them as source ``"grammar"`` (a lossless draft:
-    verified like any other).  A token tree is left whole (grammar rows verify linear drafts)."""
+    tokens with confidence 1.0, offered as source ``"grammar"`` (a lossless draft: verified like
+    any other): first when it is at least as long as the method's draft, else beside it.  A token tree is left whole (grammar rows verify linear drafts)."""
     if draft.parents is not None and draft.is_tree:
         return draft
     alternatives = tuple(a for a in (_prefix(a, grammar.valid_prefix(output, a.tokens.tolist()))
@@ -480,4 +480,9 @@ def grammar_draft(grammar: GrammarState, output: list[int], draft: Draft, cap: i
         return primary
     forced = Draft(torch.tensor(run, dtype=torch.long, device=device),
                    confidence=torch.ones(len(run), dtype=torch.float64), source="grammar")
-    return offer_reference(primary, forced)
+    if len(run) < len(primary):
+        return offer_reference(primary, forced)
+    # at least as long as the method's draft: the run first (what a fixed draft length verifies),
+    # the method's draft and its other sources beside it
+    own = (Draft(primary.tokens, primary.probs, None, primary.confidence, primary.source),) if len(primary) else ()
+    return Draft(forced.tokens, None, None, forced.confidence, "grammar", own + primary.alternatives)

@@ -125,17 +125,18 @@ JSON_PIECES = ('{"', '": ', '": "', '", "', '"}', '"]', '["', '", ', '"name', '"
                'blue', 'alpha', 'beta', '], "')
 
 
-def json_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+def json_tokenizer(vocab: int = VOCAB, pieces: tuple[str, ...] = JSON_PIECES) -> PreTrainedTokenizerFast:
     """A BPE tokenizer for JSON with real token strings (the grammar library reads them):
     ``<eos>`` (id 0, the EOS token), the characters of JSON (braces, quotes, digits, letters,
-    space), and merged pieces (:data:`JSON_PIECES` and their prefixes), so that a text has
-    several tokenizations, as a real vocabulary does; ids up to ``vocab`` (unused ids are
+    space), and merged ``pieces`` (:data:`JSON_PIECES` and their prefixes), so that a text has
+    several tokenizations, as a real vocabulary does (``pieces=()``: characters only, one
+    tokenization per text); ids up to ``vocab`` (unused ids are
     ``<uN>`` specials).  Byte-level, as GPT-2's and SmolLM2's are (a space is ``Ġ``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     chars = list('{}[]":, -.') + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    pieces, merges = ["<eos>"] + chars, []
-    for p in JSON_PIECES:
+    merged, (pieces, merges) = pieces, (["<eos>"] + chars, [])
+    for p in merged:
         for j in range(2, len(p) + 1):
             if p[:j] not in pieces:
                 pieces.append(p[:j])
