@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import resource
@@ -67,9 +68,11 @@ from pipeline.config import JobConfig
 from pipeline.loading import build_engine, limit_cpu_threads, load_engine, process_cpus, row_key, row_settings
 from pipeline.models import model_ref
 from pipeline.ray_setup import post_load_facts
-from pipeline.prompts import PromptBuilder
+from pipeline.params import response_format_of
+from pipeline.prompts import PromptBuilder, as_text
+from pipeline.structured import structured_columns
 from pipeline.reuse import RowReuse
-from pipeline.schema import INPUT_SCHEMA, OUTPUT_SCHEMA
+from pipeline.schema import CARRIED_COLUMN, INPUT_SCHEMA, OUTPUT_SCHEMA
 
 
 #: output columns the actor adds to a row of the processor (OUTPUT_SCHEMA less the row's own id
@@ -110,10 +113,12 @@ class GenerateActor:
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
                  text_column: str = "text", id_column: str = "id", reuse: dict[str, Any] | None = None,
-                 load_board=None):
+                 load_board=None, carry: list[str] | None = None):
         if columns not in ("job", "processor"):
             raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
         self.columns, self.text_column, self.id_column = columns, text_column, id_column
+        #: the input columns the read stage carried (job: written after the partition keys)
+        self.carry = list(carry) if carry is not None else None
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
         compute = self.cfg.compute
         limit_cpu_threads(process_cpus(self.cfg))
@@ -124,7 +129,7 @@ class GenerateActor:
         self.cpu_plans = {role: plan.describe() for role, plan in self.engine.cpu_plans.items()}
         post_load_facts({"host": socket.gethostname(), "pid": os.getpid(), "plans": self.cpu_plans,
                          "lines": {role: plan.summary() for role, plan in self.engine.cpu_plans.items()}}, load_board)
-        self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task)
+        self.prompts = PromptBuilder(self.models.tokenizer, self.cfg.task, self.cfg.input.text_column)
         self.audit_fraction = self.cfg.audit.fraction
         self.audit_seed = self.cfg.audit.seed
         self.plain_engine = build_engine(self.models, None, compute.max_batch_size) if self.audit_fraction > 0 else None
@@ -161,8 +166,9 @@ class GenerateActor:
             try:
                 if row.get("input_error"):
                     raise ValueError(row["input_error"])
-                out["prompt"], ids = self._prompt(row)
-                one = self._row_settings(row, ids)
+                values = self._values(row)
+                out["prompt"], ids = self._prompt(row, values)
+                one = self._row_settings(row, ids, values, out)
             except Exception as e:  # noqa: BLE001 - a bad row must not fail its batch
                 out["error"] = f"{type(e).__name__}: {e}"
                 continue
@@ -190,6 +196,9 @@ class GenerateActor:
             out["error"] = None
             out["audit"] = audited.get(j)
             out["audit_plain_time_s"] = plain_time.get(j)
+            out.update(structured_columns(out["output_text"], res.finish_reason, response_format_of(settings[j]),
+                                          getattr(res, "grammar_complete", None)))
+            out["output_logprobs"] = _logprobs(getattr(res, "logprobs", None))
         self._fill_reused(rows, outs, reused)
         if outs and self._warm_up_unreported:
             outs[0]["warm_up_time_s"] = self.warm_up_time_s
@@ -209,6 +218,7 @@ class GenerateActor:
         out.update(prompt_tokens=len(ids), new_tokens=len(hit.token_ids), finish_reason=hit.finish_reason,
                    output_text=self.models.tokenizer.decode(hit.token_ids, skip_special_tokens=True),
                    output_token_ids=hit.token_ids, reused_from=hit.reused_from, error=None)
+        out.update(structured_columns(out["output_text"], hit.finish_reason, response_format_of(settings)))
         return True
 
     def _fill_reused(self, rows: list[dict[str, Any]], outs: list[dict[str, Any]],
@@ -286,15 +296,25 @@ class GenerateActor:
         """One input row -> one output row (a batch of one)."""
         return self.generate_rows([row])[0]
 
-    def _prompt(self, row: dict[str, Any]) -> tuple[str, list[int]]:
+    def _values(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row's input columns: the read stage's carried ones (:data:`CARRIED_COLUMN`, job)
+        or the row itself (processor)."""
+        carried = row.get(CARRIED_COLUMN)
+        if carried is not None:
+            return json.loads(carried)
+        return row
+
+    def _prompt(self, row: dict[str, Any], values: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """``(prompt string, token ids)`` of a row (see the class docstring for the forms).
 
         Raises:
             ValueError / PromptError: the row's prompt field is of the wrong type or empty,
-                or the chat template refuses its messages.
+                a named column is null, its ``input.messages_column`` is malformed (naming the
+                row and the message), or the chat template refuses its messages.
         """
-        from pipeline.prompts import encode_chat
+        from pipeline.prompts import PromptError, encode_chat, parse_messages
 
+        values = row if values is None else values
         tok = self.models.tokenizer
         ids = row.get("prompt_token_ids")
         if ids is not None:
@@ -312,14 +332,34 @@ class GenerateActor:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"prompt must be a non-empty string, got {_short(prompt)}")
             return prompt, list(tok(prompt)["input_ids"])
-        return self.prompts.build(row.get(self.text_column))
+        column = self.cfg.input.messages_column
+        if column:
+            try:
+                messages = parse_messages(values.get(column))
+                return encode_chat(tok, messages, special_ids=self.prompts.special_ids)
+            except (PromptError, ValueError) as e:
+                raise PromptError(f"row {self._name(row)}: column {column!r} (input.messages_column): {e}") from None
+        text_key = self.cfg.input.text_column if CARRIED_COLUMN in row else self.text_column
+        return self.prompts.build_values({c: values.get(text_key if c == "text" else c)
+                                          for c in self.cfg.task.columns})
 
-    def _row_settings(self, row: dict[str, Any], ids: list[int]):
+    def _name(self, row: dict[str, Any]) -> str:
+        """How an error names a row: its id, else its shard and row."""
+        rid = row.get(self.id_column)
+        if rid is not None:
+            return repr(rid)
+        return f"{row.get('source_row')} of {row.get('source_file')}"
+
+    def _row_settings(self, row: dict[str, Any], ids: list[int], values: dict[str, Any] | None = None,
+                      out: dict[str, Any] | None = None):
         """The generation settings of one row: ``generation:`` with the row's own
         ``max_new_tokens``, ``seed`` and ``stop`` where it has them (validated: ValueError
-        naming the field), and when sampling without a row seed, the row's seed of
-        :func:`pipeline.loading.row_settings` keyed by its id (else its shard and position,
-        else its token ids)."""
+        naming the field), then its ``input.params_column`` (:mod:`pipeline.params`: ParamsError
+        naming the field; the ``max_tokens`` used goes to ``out["max_tokens_used"]``), and when
+        sampling without a row seed, the row's seed of :func:`pipeline.loading.row_settings`
+        keyed by its id (else its shard and position, else its token ids)."""
+        from pipeline.params import apply_params, parse_params
+
         own = {field: row.get(key) for key, field in ROW_SETTINGS.items() if row.get(key) is not None}
         settings = self.settings
         if own:
@@ -329,6 +369,14 @@ class GenerateActor:
                 settings = dataclasses.replace(settings, **own).validate()
             except ValueError as e:
                 raise ValueError(f"row setting: {e}".replace("stop_strings", "stop")) from None
+        column = self.cfg.input.params_column
+        if column:
+            params = parse_params((row if values is None else values).get(column))
+            settings, used = apply_params(params, settings, self.settings.max_new_tokens)
+            if out is not None:
+                out["max_tokens_used"] = used
+            if params.seed is not None:
+                return settings
         if "seed" in own:
             return settings
         key = row.get(self.id_column)
@@ -363,10 +411,17 @@ class GenerateActor:
         outs = self.generate_rows(batch.to_pylist())
         if self.columns == "job":
             table = pa.Table.from_pylist(outs, schema=OUTPUT_SCHEMA)
-            skip = set(OUTPUT_SCHEMA.names) | set(INPUT_SCHEMA.names)
+            skip = set(OUTPUT_SCHEMA.names) | set(INPUT_SCHEMA.names) | {CARRIED_COLUMN}
             for name in batch.column_names:
                 if name not in skip:
                     table = table.append_column(batch.schema.field(name), batch.column(name))
+            if self.carry is not None:  # the input's columns, after the partition keys (strings; others as JSON)
+                carried = [json.loads(c) if c is not None else {} for c in
+                           (batch.column(CARRIED_COLUMN).to_pylist() if CARRIED_COLUMN in batch.column_names
+                            else [None] * batch.num_rows)]
+                for name in self.carry:
+                    vals = [None if r.get(name) is None else as_text(r[name]) for r in carried]
+                    table = table.append_column(pa.field(name, pa.string()), pa.array(vals, pa.string()))
             return table
         added = pa.Table.from_pylist([{k: o.get(k) for k in ADDED_COLUMNS} for o in outs], schema=_ADDED_SCHEMA)
         table = batch.drop_columns([n for n in batch.column_names if n in ADDED_COLUMNS or n == "input_error"])
@@ -390,6 +445,15 @@ class GenerateActor:
             "warm_up_time_s": self.warm_up_time_s,
             "device": self.models.device,
         }
+
+
+def _logprobs(logprobs: list[dict] | None) -> list[dict] | None:
+    """The engine's per-token log-probabilities (``{"token_id", "logprob", "top": [[id, lp], ...]}``)
+    as the ``output_logprobs`` column's structs."""
+    if logprobs is None:
+        return None
+    return [{"token_id": int(t["token_id"]), "logprob": float(t["logprob"]),
+             "top": [{"token_id": int(i), "logprob": float(lp)} for i, lp in t.get("top") or []]} for t in logprobs]
 
 
 def _refs(references: list | None) -> dict[str, Any]:

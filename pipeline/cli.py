@@ -1,4 +1,4 @@
-"""Command line of the job entry points (``jobs/summarize.py``, ``jobs/translate.py``).
+"""Command line of the job entry points (``jobs/summarize.py``, ``jobs/translate.py``, ``jobs/generate.py``).
 
     python jobs/summarize.py [--config configs/summarize.yaml] [--set section.key=value ...]
                              [--input URI] [--output URI] [--method NAME] [--overwrite]
@@ -58,7 +58,7 @@ def build_parser(task: str, default_config: str) -> argparse.ArgumentParser:
 def main(task: str, argv: list[str] | None = None, default_config: str | None = None) -> int:
     """Parse arguments, load and check the config, run the job, print the summary's headline.
 
-    ``task`` (``summarize``/``translate``) must match the config's ``task.name``.
+    ``task`` (``summarize``/``translate``/``generate``) must match the config's ``task.name``.
     """
     default_config = default_config or str(REPO_ROOT / "configs" / f"{task}.yaml")
     args = build_parser(task, default_config).parse_args(argv)

@@ -5,7 +5,7 @@ the config overrides of the flags that set a config key come from here too
 (:func:`config_overrides`); ``tests/pipeline/test_cli.py`` fails when a job adds or
 changes a flag by hand.
 
-Jobs: ``summarize`` and ``translate`` (:mod:`pipeline.cli`), ``serve``
+Jobs: ``summarize``, ``translate`` and ``generate`` (:mod:`pipeline.cli`), ``serve``
 (:mod:`pipeline.serve.app`), ``tune``, ``report``, ``prepare_inputs`` and ``train_drafter``
 (``jobs/*.py``).
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 #: deprecated alias -> the flag it stands for (accepted for one more release)
 DEPRECATED_ALIASES = {"--out": "--output"}
 #: jobs whose flags set config keys (the others take ``--config`` / ``--set`` and their own flags)
-CONFIG_JOBS = ("summarize", "translate", "serve")
+CONFIG_JOBS = ("summarize", "translate", "generate", "serve")
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ _BATCH_JOB = ("config", "overrides", "input", "output", "method", "target", "dra
 JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "summarize": _BATCH_JOB,
     "translate": _BATCH_JOB,
+    "generate": _BATCH_JOB,
     "serve": ("config", "overrides", "host", "port", "method", "target", "drafter", "num_replicas",
               "gpus_per_replica", "max_batch_size", "model_name", "api_key", "print_config"),
     "tune": ("config", "overrides", "rows", "output", "batch_sizes", "methods", "max_draft", "pilot_batch_size",

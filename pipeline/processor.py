@@ -133,7 +133,30 @@ def check_generation(cfg: JobConfig):
 
     checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
     check_prompt(checked["tokenizer"], cfg.task)
-    return resolve_job_generation(cfg, checked["target_config"])
+    generation = resolve_job_generation(cfg, checked["target_config"])
+    check_response_format(generation, checked["tokenizer"], checked["target_config"])
+    return generation
+
+
+def check_response_format(generation, tokenizer, target_config) -> None:
+    """Compile the job-wide ``generation.response_format`` with the target's tokenizer, in
+    the driver, bounded in time (:func:`pipeline.engine.grammar.compile_grammar`), so that a
+    schema or regex the grammar library refuses, or cannot compile in time, refuses the job.
+
+    Raises:
+        ConfigError: naming ``generation.response_format`` and the library's reason.
+    """
+    rf = getattr(generation, "response_format", None)
+    if rf is None:
+        return
+    from pipeline.engine.grammar import GrammarError, compile_grammar
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    vocab = getattr(text, "vocab_size", None) or len(tokenizer)
+    try:
+        compile_grammar(rf, tokenizer, vocab)
+    except GrammarError as e:
+        raise ConfigError(f"generation.response_format: {e}") from None
 
 
 def resolve_job_generation(cfg: JobConfig, target_config):
@@ -194,6 +217,9 @@ class Processor:
             block per work unit, so a unit's rows come back together and in order).
         reuse: the job's nightly reuse for the actors (:func:`pipeline.reuse.share_previous`);
             None: rows get no reuse key and nothing is copied.
+        carry: the job's carried input columns (:func:`pipeline.input.carried_columns`): each
+            row's :data:`pipeline.schema.CARRIED_COLUMN` feeds its prompt and parameters and the
+            columns are written after the partition keys; None: none.
         load_board: where the pool's actors post what their loads chose
             (:func:`pipeline.ray_setup.open_load_board`, read by the caller with
             :func:`pipeline.ray_setup.read_load_board`); ``None``: the processor opens one,
@@ -203,8 +229,9 @@ class Processor:
     def __init__(self, config: JobConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None, *,
                  generation=None, text_column: str | None = None, id_column: str | None = None,
                  columns: str = "processor", embedded: bool | None = None, rebatch: bool = True,
-                 reuse: dict[str, Any] | None = None, load_board=None):
+                 reuse: dict[str, Any] | None = None, load_board=None, carry: list[str] | None = None):
         self.config = config
+        self.carry = carry
         self.load_board = load_board
         self.preprocess = preprocess
         self.postprocess = postprocess
@@ -246,7 +273,7 @@ class Processor:
                 GenerateActor,
                 fn_constructor_kwargs={"config": cfg.model_dump(), "columns": self.columns,
                                        "text_column": self.text_column, "id_column": self.id_column,
-                                       "load_board": board,
+                                       "load_board": board, "carry": self.carry,
                                        **({"reuse": self.reuse} if self.reuse is not None else {})},
                 batch_size=c.rows_per_batch,
                 batch_format="pyarrow",

@@ -23,6 +23,7 @@ input, special tokens included, as in OpenAI's and vLLM's completions API.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Callable, Sequence
 
@@ -33,19 +34,64 @@ class PromptError(ValueError):
     """A row's text cannot make a prompt (null, empty, or not a string)."""
 
 
+def fill(template: str, values: dict[str, str]) -> str:
+    """``template`` with each ``{name}`` replaced by ``values[name]``, by concatenation: a
+    value is never formatted or evaluated, so a value holding ``{other}`` stays literal
+    (``{{``/``}}`` in the template are literal braces, as in ``str.format``).
+
+    Raises:
+        KeyError: a placeholder with no value.
+    """
+    import string
+
+    return "".join(literal + (values[name] if name is not None else "")
+                   for literal, name, _, _ in string.Formatter().parse(template))
+
+
+def as_text(value: Any) -> str:
+    """A column value as the text a template holds: a string as it is, anything else
+    (number, boolean, list, struct) as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def template_values(values: dict[str, Any], task: TaskConfig, text_column: str = "text") -> dict[str, str]:
+    """The checked text of every column placeholder of the task's template, from ``values``
+    (placeholder name -> the row's value; ``text`` is ``input.text_column``'s); the task's
+    own placeholders (translate's languages) are :meth:`TaskConfig.task_values`.
+
+    Raises:
+        PromptError: a named column is null or missing from the row (naming it), or the
+            ``{text}`` value is not a string or blank (as before columns: "prompt is ...").
+    """
+    out: dict[str, str] = {}
+    for name in task.columns:
+        v = values.get(name)
+        if name == "text":
+            where = "" if text_column == "text" else f" (column {text_column!r})"
+            if v is None:
+                raise PromptError(f"prompt is null{where}")
+            if not isinstance(v, str):
+                raise PromptError(f"prompt is a {type(v).__name__}, not a string{where}")
+            if not v.strip() and len(task.columns) == 1:
+                raise PromptError(f"prompt is empty{where}")
+            out[name] = v
+        elif v is None:
+            raise PromptError(f"column {name!r} is null (task.prompt_template names it)")
+        else:
+            out[name] = as_text(v)
+    return out
+
+
 def fill_template(text: Any, task: TaskConfig) -> str:
-    """The task template with ``{text}`` (and ``{source_lang}``, ``{target_lang}``) filled.
+    """The task template with ``{text}`` (and ``{source_lang}``, ``{target_lang}``) filled
+    (a template naming other columns: use :func:`template_values` and :func:`fill`).
 
     Raises:
         PromptError: ``text`` is None, not a string, or blank.
     """
-    if text is None:
-        raise PromptError("prompt is null")
-    if not isinstance(text, str):
-        raise PromptError(f"prompt is a {type(text).__name__}, not a string")
-    if not text.strip():
-        raise PromptError("prompt is empty")
-    return task.template.format(text=text, source_lang=task.source_lang or "", target_lang=task.target_lang or "")
+    return fill(task.template, {**task.task_values(), **template_values({"text": text}, task)})
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None) -> str:
@@ -227,9 +273,10 @@ class PromptBuilder:
         ConfigError: ``task.chat_template`` is ``true`` but the tokenizer has none.
     """
 
-    def __init__(self, tokenizer, task: TaskConfig):
+    def __init__(self, tokenizer, task: TaskConfig, text_column: str = "text"):
         self.tokenizer = tokenizer
         self.task = task
+        self.text_column = text_column
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         if task.chat_template is True and not has_chat:
             raise ConfigError("task.chat_template is true but the target's tokenizer has no chat template")
@@ -237,32 +284,46 @@ class PromptBuilder:
         self.special_ids = special_token_ids(tokenizer)
 
     def render(self, text: Any) -> str:
-        """The prompt string the model sees (chat template applied when on)."""
-        fill_template(text, self.task)  # the checks of a row's text
-        return self._render([text])
+        """The prompt string the model sees (chat template applied when on), of a template
+        naming only ``{text}``; :meth:`render_values` for any columns."""
+        return self.render_values({"text": text})
 
-    def _render(self, pieces: Sequence[str]) -> str:
-        task = self.task
-        content = task.template.format(text=pieces[0], source_lang=task.source_lang or "",
-                                       target_lang=task.target_lang or "")
+    def render_values(self, values: dict[str, Any]) -> str:
+        """The prompt string of a row whose placeholders' values are ``values``."""
+        filled = template_values(values, self.task, self.text_column)
+        names = list(filled)
+        return self._render(names, [filled[n] for n in names])
+
+    def _render(self, names: Sequence[str], pieces: Sequence[str]) -> str:
+        content = fill(self.task.template, {**self.task.task_values(), **dict(zip(names, pieces))})
         if not self.use_chat:
             return content
         messages = []
-        if task.system_prompt:
-            messages.append({"role": "system", "content": task.system_prompt})
+        if self.task.system_prompt:
+            messages.append({"role": "system", "content": self.task.system_prompt})
         messages.append({"role": "user", "content": content})
         return render_chat(self.tokenizer, messages)
 
     def build(self, text: Any) -> tuple[str, list[int]]:
+        """``(prompt, ids)`` of a template naming only ``{text}`` (:meth:`build_values`)."""
+        return self.build_values({"text": text})
+
+    def build_values(self, values: dict[str, Any]) -> tuple[str, list[int]]:
         """``(prompt, ids)``: ids is a list of int token ids of the target tokenizer; a
-        special-token string in ``text`` stays text (:func:`encode_protected`).
+        special-token string in a value stays text (:func:`encode_protected`).
+
+        Args:
+            values: placeholder name -> the row's value (``text``: ``input.text_column``'s).
 
         Raises:
-            PromptError: bad text (see :func:`fill_template`), or text holding a
-                special-token string under a chat template that rewrites the message.
+            PromptError: a null named column, a bad ``{text}`` (see :func:`template_values`),
+                or a value holding a special-token string under a chat template that
+                rewrites the message.
         """
-        fill_template(text, self.task)
-        return encode_protected(self.tokenizer, self._render, [text], add_special_tokens=not self.use_chat,
+        filled = template_values(values, self.task, self.text_column)
+        names = list(filled)
+        return encode_protected(self.tokenizer, lambda pieces: self._render(names, pieces),
+                                [filled[n] for n in names], add_special_tokens=not self.use_chat,
                                 special_ids=self.special_ids)
 
 
@@ -282,6 +343,50 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
 
     return encode_protected(tokenizer, render, [m.get("content") or "" for m in messages],
                             add_special_tokens=add_special_tokens, special_ids=special_ids)
+
+
+#: the roles a chat message may have (OpenAI's chat format; ``developer`` is OpenAI's newer ``system``)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    """A row's chat messages in OpenAI's format, checked: a list (or a JSON string of one) of
+    ``{"role": ..., "content": ...}`` objects, ``content`` a string or a list of text parts
+    (``[{"type": "text", "text": ...}]``, joined).  Other keys of a message (``name``...) are kept.
+
+    Raises:
+        PromptError: naming the problem and the message (``messages[2].role: ...``).
+    """
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"messages: not JSON ({e})") from None
+    if raw is None:
+        raise PromptError("messages: null")
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise PromptError(f"messages: must be a non-empty list of {{role, content}} objects, got {_kind(raw)}")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise PromptError(f"messages[{i}]: must be a {{role, content}} object, got {_kind(m)}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise PromptError(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if isinstance(content, (list, tuple)):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise PromptError(f"messages[{i}].content: a list of parts must hold only "
+                                  "{type: text, text: ...} parts")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise PromptError(f"messages[{i}].content: must be a string, got {_kind(content)}")
+        out.append({**{k: v for k, v in m.items() if v is not None}, "role": role, "content": content})
+    return out
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
 
 
 #: the text :func:`check_prompt` renders the template with
@@ -340,11 +445,12 @@ def check_prompt(tokenizer, task: TaskConfig) -> str:
         if task.system_prompt:
             keys.append("task.system_prompt")
     try:
-        rendered = _bounded(lambda: builder.render(SAMPLE_TEXT), RENDER_TIMEOUT_S)
+        sample = {c: SAMPLE_TEXT for c in task.columns}
+        rendered = _bounded(lambda: builder.render_values(sample), RENDER_TIMEOUT_S)
         if len(rendered) > MAX_SAMPLE_PROMPT_CHARS:
             raise ConfigError(f"{' and '.join(keys)} render one sample prompt as {len(rendered)} characters (more "
                               f"than {MAX_SAMPLE_PROMPT_CHARS}): a template that repeats without bound?")
-        prompt, ids = builder.build(SAMPLE_TEXT)
+        prompt, ids = builder.build_values(sample)
     except ConfigError:
         raise
     except _RenderTimeout:

@@ -61,7 +61,7 @@ from pipeline.output import OutputWriter, ResumePlan, RunError
 from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
 from pipeline.ray_setup import (PlanError, check_resource_plan, init_ray, open_load_board,  # noqa: F401
                                 quiet_ray_data_console, read_load_board)
-from pipeline.input import Shard, partition_keys, read_units_batch, resolve_shards, units_of
+from pipeline.input import Shard, carried_columns, partition_keys, read_units_batch, resolve_shards, units_of
 from pipeline.retry import StorageError
 from pipeline.reuse import ReusePlan, plan_reuse, share_previous
 from pipeline.schema import INPUT_SCHEMA
@@ -95,6 +95,9 @@ class Preflight:
     writer: OutputWriter
     generation: GenerationSettings
     reuse: ReusePlan
+    #: the input columns the read stage carries to the actors and the output keeps (after the
+    #: partition keys), or None: the prompt is the text column alone (:func:`pipeline.input.carried_columns`)
+    carry: list[str] | None = None
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -116,9 +119,12 @@ def preflight(cfg: JobConfig) -> Preflight:
         StorageError: the storage kept failing with transient errors.
     """
     check_environment()  # the SPECBATCH_* switches, before an actor would die of a bad one
-    shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
+    every = cfg.task.name == "generate"  # the generate job keeps every input column on output
+    need = cfg.prompt_columns()
+    shards = resolve_shards(cfg.input, cfg.retry, cfg.output, columns=need, list_columns=every)
+    carry = carried_columns(shards, need, every, cfg.input.id_column, cfg.input.text_column)
     generation = check_generation(cfg)  # models, the template rendered once, generation settings
-    writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards),
+    writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards) + list(carry or []),
                           split_rows=cfg.input.split_rows)
     identity = run_identity(cfg, generation, shards)
     reuse = plan_reuse(cfg, identity, greedy=not generation.do_sample, own_url=writer.location.url())
@@ -128,7 +134,7 @@ def preflight(cfg: JobConfig) -> Preflight:
     except BaseException as e:
         writer.abandon_lease() if isinstance(e, StorageError) else writer.release_lease()
         raise
-    return Preflight(shards, plan, writer, generation, reuse)
+    return Preflight(shards, plan, writer, generation, reuse, carry)
 
 
 def run_identity(cfg: JobConfig, generation: GenerationSettings, shards: list[Shard]) -> dict[str, Any]:
@@ -165,7 +171,7 @@ def explain_actor_args_error(cfg: JobConfig) -> None:
 
 def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation: GenerationSettings | None = None,
                   embedded: bool = False, partition_columns: list[str] | None = None,
-                  reuse: dict[str, Any] | None = None, load_board=None):
+                  reuse: dict[str, Any] | None = None, load_board=None, carry: list[str] | None = None):
     """The lazy Ray Data dataset of the write stage's records (one per staged fragment,
     :data:`pipeline.output.sink.FRAGMENT_SCHEMA`) for ``units``: the read stage (one
     block per unit), the :class:`Processor` (with the run's ``reuse``:
@@ -188,7 +194,7 @@ def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation:
     ds = ds.map_batches(
         read_units_batch,
         fn_kwargs={"cfg": cfg.input.model_dump(), "retry": cfg.retry.model_dump(),
-                   "partition_keys": list(partition_columns or [])},
+                   "partition_keys": list(partition_columns or []), "carry": carry},
         batch_size=1,
         batch_format="pyarrow",
         num_cpus=0,  # I/O: never waits behind actors that hold every CPU (pipeline.ray_setup)
@@ -196,7 +202,7 @@ def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation:
     )
     # INPUT_SCHEMA's text and id columns; the job's own output columns; one actor task per unit
     ds = Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
-                   embedded=embedded, rebatch=False, reuse=reuse, load_board=load_board)(ds)
+                   embedded=embedded, rebatch=False, reuse=reuse, load_board=load_board, carry=carry)(ds)
     return ds.map_batches(write_fragments, fn_kwargs=writer.sink_kwargs(), batch_size=None,
                           batch_format="pyarrow", num_cpus=0)
 
@@ -345,8 +351,8 @@ def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int,
         embedded = init_ray(cfg)
         board = open_load_board()
         ds = build_dataset(cfg, [u for u in pre.plan.todo if u.num_rows], writer, pre.generation, embedded=embedded,
-                           partition_columns=writer.extra_columns, reuse=share_previous(pre.reuse, cfg),
-                           load_board=board)
+                           partition_columns=[c for c in writer.extra_columns if c not in (pre.carry or [])],
+                           reuse=share_previous(pre.reuse, cfg), load_board=board, carry=pre.carry)
         describe = _stall_report(cfg, lambda: writer.totals.rows, total_rows)
         with _progress(total_rows, progress) as bar, stall_guard(cfg.compute.stall_timeout_s, describe) as beat:
             for records in ds.iter_batches(batch_size=None, batch_format="pyarrow"):

@@ -22,6 +22,14 @@ INPUT_SCHEMA = pa.schema(
     ]
 )
 
+#: the read stage's column carrying a row's input columns (:func:`pipeline.input.discovery.carried_columns`)
+#: to the actors: a JSON object of their values (Parquet values as Python gives them, JSON-encoded)
+CARRIED_COLUMN = "_input_columns"
+
+#: ``output_logprobs``: per generated token, its id, log-probability and the top N alternatives
+LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64()),
+                                   ("top", pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())])))]))
+
 _ARROW = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64())}
 
 
@@ -61,13 +69,22 @@ OUTPUT_SCHEMA = pa.schema(
         # "<output folder>#<run id>": the previous output this row was copied from (not decoded in this
         # run; its decode statistics are null); null for a row this run decoded
         ("reused_from", pa.string()),
+        # the row's own max_tokens (input.params_column) as used: held to generation.max_new_tokens; null when unset
+        ("max_tokens_used", pa.int64()),
+        # structured output (a response_format): the parsed value as compact JSON, null when not valid or no format
+        ("output_json", pa.string()),
+        # the grammar completed and the text parses (and validates against a json_schema); null: no format
+        ("output_valid", pa.bool_()),
+        # generation.logprobs: N: per generated token {token_id, logprob, top: [{token_id, logprob}] * N}; else null
+        ("output_logprobs", LOGPROBS_TYPE),
     ]
 )
 
 
 def output_schema(extra_columns: list[str] | tuple[str, ...] = ()) -> pa.Schema:
     """:data:`OUTPUT_SCHEMA` followed by one string column per name in ``extra_columns``
-    (the input's Hive partition keys, kept on output)."""
+    (the input's Hive partition keys, then the carried input columns, kept on output: a string
+    value as it is, any other as JSON)."""
     return pa.schema(list(OUTPUT_SCHEMA) + [pa.field(k, pa.string()) for k in extra_columns])
 
 

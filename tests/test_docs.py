@@ -233,7 +233,7 @@ def _resolve(job: str, args: list[str], monkeypatch) -> tuple[int, str]:
                 kv = dict(a.split("=", 1) for a in args)
                 load_config(kv.pop("config", None), [f"{k}={v}" for k, v in kv.items()])
                 return 0, ""
-            if job in ("summarize", "translate") and not produced:
+            if job in ("summarize", "translate", "generate") and not produced:
                 from pipeline.cli import main
 
                 return main(job, [*args, "--print-config"]), out.getvalue()
@@ -241,7 +241,7 @@ def _resolve(job: str, args: list[str], monkeypatch) -> tuple[int, str]:
                 from pipeline.serve.app import main
 
                 return main([*args, "--print-config"]), out.getvalue()
-            if job in ("summarize", "translate"):
+            if job in ("summarize", "translate", "generate"):
                 from pipeline.cli import REPO_ROOT, build_parser
 
                 build_parser(job, str(REPO_ROOT / "configs" / f"{job}.yaml")).parse_args(args)
@@ -257,7 +257,7 @@ def _resolve(job: str, args: list[str], monkeypatch) -> tuple[int, str]:
 
 def test_job_commands_in_the_docs_resolve(monkeypatch):
     """Every ``python jobs/<job>.py ...`` line of every command block (marked run or not): its
-    flags parse with the job's own parser and, for summarize, translate and serve, the config
+    flags parse with the job's own parser and, for summarize, translate, generate and serve, the config
     it names resolves (``--print-config``); ``serve run`` lines load their config."""
     seen, failed = 0, []
     for page, lang, body, _, line in _command_blocks():

@@ -42,9 +42,9 @@ from pipeline.config.job import JobConfig, ServeConfig, apply_overrides, load_co
 from pipeline.config.sections import (DEFAULT_TEMPLATES, MAX_LEASE_TIMEOUT_S, RAY_RESOURCE_UNIT, AuditConfig,
                                       ComputeConfig, ConfigError, CpuConfig, GenerationConfig, InputConfig,
                                       JobRefused, MethodConfig, ModelsConfig, OutputConfig, RayConfig, RetryConfig,
-                                      TaskConfig, foreign_method_params, ray_resource)
+                                      TaskConfig, foreign_method_params, ray_resource, template_fields)
 
 __all__ = ["DEFAULT_TEMPLATES", "MAX_LEASE_TIMEOUT_S", "RAY_RESOURCE_UNIT", "AuditConfig", "ComputeConfig",
            "ConfigError", "CpuConfig", "GenerationConfig", "InputConfig", "JobConfig", "JobRefused", "MethodConfig",
            "ModelsConfig", "OutputConfig", "RayConfig", "RetryConfig", "ServeConfig", "TaskConfig", "apply_overrides",
-           "foreign_method_params", "load_config", "parse_override", "ray_resource", "read_yaml"]
+           "foreign_method_params", "load_config", "parse_override", "ray_resource", "read_yaml", "template_fields"]

@@ -127,6 +127,23 @@ class JobConfig(_Section):
             raise ValueError(f"models.drafter is required by method {self.method.name!r}")
         return self
 
+    @model_validator(mode="after")
+    def _messages(self) -> "JobConfig":
+        if self.input.messages_column and self.task.name != "generate":
+            raise ValueError("input.messages_column is read by the generate job (task.name: generate) only")
+        return self
+
+    def prompt_columns(self) -> list[str]:
+        """The input columns a row's prompt and parameters come from, which every shard must
+        hold: ``input.messages_column`` (else the template's ``{column}`` placeholders,
+        ``{text}`` being ``input.text_column``), then ``input.params_column``."""
+        i = self.input
+        cols = [i.messages_column] if i.messages_column else [i.text_column if c == "text" else c
+                                                               for c in self.task.columns]
+        if i.params_column:
+            cols.append(i.params_column)
+        return list(dict.fromkeys(cols))
+
     @property
     def uses_drafter(self) -> bool:
         """Whether the actors load ``models.drafter``: it is set and the method drafts with it

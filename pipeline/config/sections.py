@@ -20,7 +20,40 @@ DEFAULT_TEMPLATES = {
     "summarize": "Summarize the following article in a few sentences.\n\nArticle:\n{text}\n\nSummary:",
     "translate": "Translate the following text from {source_lang} to {target_lang}.\n\n"
     "{source_lang}: {text}\n{target_lang}:",
+    "generate": "{text}",
 }
+#: the placeholders of a translate template that are task settings, not input columns
+TASK_PLACEHOLDERS = {"translate": ("source_lang", "target_lang")}
+
+
+def template_fields(template: str) -> list[str]:
+    """The placeholders of a prompt template (``{column}``), unique, in order of first use.
+    Only plain names: a template is filled by concatenation (:func:`pipeline.prompts.fill`),
+    never by ``str.format``, so nothing in it or in a value is evaluated.
+
+    Raises:
+        ValueError: a malformed template (an unmatched brace), an empty ``{}``, or a
+            placeholder with an attribute, an index, a conversion or a format spec
+            (``{a.b}``, ``{a[0]}``, ``{a!r}``, ``{a:>9}``), naming it.
+    """
+    import string
+
+    fields: dict[str, None] = {}
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"malformed template ({e}); double the braces of literal ones: {{{{ }}}}") from None
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.strip():
+            raise ValueError("an empty placeholder {}: name a column, e.g. {text}")
+        if spec or conversion or any(c in name for c in ".["):
+            shown = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(f"placeholder {{{shown}}} is not a plain column name: templates fill column values "
+                             "as text (no attributes, indices, conversions or format specs)")
+        fields[name] = None
+    return list(fields)
 
 
 #: Ray counts CPUs and GPUs in steps of this: a smaller amount but 0 fails when Ray schedules it
@@ -76,7 +109,18 @@ class InputConfig(_Section):
     #: becomes its decimal string); a row without one gets ``<shard name>:<row>``
     id_column: str = "id"
     #: the field or column holding each row's text, filled into the task's prompt template
+    #: where it says ``{text}`` (any other ``{column}`` reads the column of that name)
     text_column: str = "text"
+    #: ``generate``: the field or column holding each row's chat messages in OpenAI's format
+    #: (a list of ``{role, content}``, or a JSON string of one), rendered with the target's
+    #: chat template instead of ``task.prompt_template``; a malformed row gets a per-row error
+    messages_column: str | None = None
+    #: the field or column holding each row's own parameters (a struct / object, or a JSON
+    #: string of one) with OpenAI / vLLM names: ``max_tokens``, ``temperature``, ``top_p``,
+    #: ``top_k``, ``seed``, ``stop``, ``response_format``; they override ``generation:`` for that
+    #: row (``max_tokens`` is held to ``generation.max_new_tokens``); an unknown name or a bad
+    #: value gets a per-row error naming the field (:mod:`pipeline.params`)
+    params_column: str | None = None
     #: a Parquet file of at most this many bytes is read in full (its id and text columns)
     #: before any work, so a damaged data page refuses the job (exit 2) naming the file; a
     #: larger file is only opened there, and a damaged page fails the run when its shard is read
@@ -96,14 +140,19 @@ class TaskConfig(_Section):
     """What to ask the model: the prompt each row's text is filled into.  Special-token
     strings in a row's text stay text (:func:`pipeline.prompts.encode_protected`)."""
 
-    #: ``summarize`` or ``translate``: picks the default template (and the job that runs it)
-    name: Literal["summarize", "translate"] = "summarize"
+    #: ``summarize``, ``translate`` or ``generate``: picks the default template (and the job
+    #: that runs it); ``generate`` keeps every input column on output and may take its prompt
+    #: from ``input.messages_column`` instead of the template
+    name: Literal["summarize", "translate", "generate"] = "summarize"
     #: the language of the input text (required for ``translate``)
     source_lang: str | None = None
     #: the language to translate into (required for ``translate``)
     target_lang: str | None = None
-    #: a ``str.format`` template with ``{text}`` (and for translate ``{source_lang}``,
-    #: ``{target_lang}``; double braces for literal ones); ``None``: the task's default
+    #: the prompt: ``{column}`` placeholders name input columns (``{text}``: ``input.text_column``;
+    #: for translate ``{source_lang}`` and ``{target_lang}`` are the settings below), double
+    #: braces for literal ones.  Values are filled as text, nothing in them evaluated (a value
+    #: holding ``{other}`` stays literal); a column the input lacks refuses the job before work
+    #: starts, a null value is a per-row error.  ``None``: the task's default
     prompt_template: str | None = None
     #: a system message before the prompt when the chat template is on (``None``: none, or
     #: the chat template's own default)
@@ -118,21 +167,28 @@ class TaskConfig(_Section):
             for key in ("source_lang", "target_lang"):
                 if not getattr(self, key):
                     raise ValueError(f"task.{key} is required when task.name is 'translate'")
-        template = self.template
-        if "{text}" not in template:
-            raise ValueError("task.prompt_template must contain '{text}'")
         try:
-            template.format(text="", source_lang=self.source_lang or "", target_lang=self.target_lang or "")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                f"task.prompt_template has an unknown or malformed placeholder ({e}); "
-                "use {text}, {source_lang}, {target_lang}, and double braces for literal ones"
-            ) from None
+            template_fields(self.template)
+        except ValueError as e:
+            raise ValueError(f"task.prompt_template: {e}") from None
+        if not self.columns:
+            raise ValueError("task.prompt_template names no input column: put one in as {column} (e.g. {text})")
         return self
 
     @property
     def template(self) -> str:
         return self.prompt_template if self.prompt_template is not None else DEFAULT_TEMPLATES[self.name]
+
+    @property
+    def columns(self) -> list[str]:
+        """The template's placeholders that are input columns (``text`` standing for
+        ``input.text_column``), in order of first use."""
+        own = TASK_PLACEHOLDERS.get(self.name, ())
+        return [f for f in template_fields(self.template) if f not in own]
+
+    def task_values(self) -> dict[str, str]:
+        """The placeholders the task itself fills (translate's languages)."""
+        return {k: getattr(self, k) or "" for k in TASK_PLACEHOLDERS.get(self.name, ())}
 
 
 class ModelsConfig(_Section):

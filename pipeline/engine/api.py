@@ -54,8 +54,8 @@ class SpeculativeEngine(StepEngine):
         Args:
             prompts: a list of prompts, each ``list[int]`` or an int64 tensor.
             settings: one :class:`GenerationSettings` for every row, or a list with one per
-                prompt; rows may differ only in ``max_new_tokens``, ``eos_token_id``,
-                ``stop_strings`` and ``seed``.
+                prompt; rows may differ in any setting (those beyond
+                :data:`~pipeline.engine.batch.PER_ROW_FIELDS` step in separate groups).
             max_batch_size: rows in flight (default: the engine's).
             references: ``None``, or one per prompt: ``None`` or the token ids the row's output
                 is likely to repeat (a lightly edited row's previous output), from which the

@@ -15,14 +15,17 @@ from typing import Callable
 import torch
 
 from .draft_budget import RowEvidence
+from .grammar import GrammarState
 from .reference import ReferenceIndex
 from .sampling import LogitsShaper
 from .settings import GenerationSettings, resolve_generation_settings
 from .stats import RowStats
 from .stopping import StopChecker
 
-#: GenerationSettings fields that may differ between the rows of one batch
-PER_ROW_FIELDS = ("max_new_tokens", "eos_token_id", "stop_strings", "seed")
+#: GenerationSettings fields that may differ between the rows of one step (one target pass);
+#: rows differing in another field (temperature, top_p, top_k, do_sample, logits processors)
+#: share the batch's slots but step in separate groups (:mod:`pipeline.engine.scheduler`)
+PER_ROW_FIELDS = ("max_new_tokens", "eos_token_id", "stop_strings", "seed", "response_format", "logprobs")
 
 
 def per_row_settings(settings, n: int, generation_config=None, vocab_size: int | None = None) -> list[GenerationSettings]:
@@ -30,9 +33,11 @@ def per_row_settings(settings, n: int, generation_config=None, vocab_size: int |
     list of ``n`` resolved against the target's ``generation_config``
     (:func:`~pipeline.engine.settings.resolve_generation_settings`).
 
+    Rows may differ in any field: the scheduler steps rows that differ beyond
+    :data:`PER_ROW_FIELDS` in separate groups, so each row gets what it gets alone.
+
     Raises:
-        ValueError: a list of the wrong length, a bad setting, or rows whose settings
-            differ in a field other than :data:`PER_ROW_FIELDS`.
+        ValueError: a list of the wrong length, or a bad setting (naming it).
     """
     resolved: dict[int, GenerationSettings] = {}
 
@@ -46,16 +51,7 @@ def per_row_settings(settings, n: int, generation_config=None, vocab_size: int |
     settings = list(settings)
     if len(settings) != n:
         raise ValueError(f"settings has {len(settings)} entries for {n} prompts")
-    rows = [resolve(s) for s in settings]
-    shared = [f.name for f in dataclasses.fields(GenerationSettings) if f.name not in PER_ROW_FIELDS]
-    for s in rows[1:]:
-        differ = [name for name in shared if getattr(s, name) != getattr(rows[0], name)]
-        if differ:
-            raise ValueError(
-                f"the rows of one batch may differ only in {', '.join(PER_ROW_FIELDS)}; "
-                f"they differ in {', '.join(differ)}"
-            )
-    return rows
+    return [resolve(s) for s in settings]
 
 
 @dataclass
@@ -77,6 +73,9 @@ class RowState:
             counts verified drafts only).
         reference: the n-gram index of its reference text (:mod:`pipeline.engine.reference`),
             whose drafts the loop offers beside the method's; ``None``: none.
+        grammar: its ``response_format``'s matcher (:class:`~pipeline.engine.grammar.GrammarState`;
+            the same object its ``shaper`` masks with), or ``None``.
+        logprobs: the emitted tokens' log-probabilities when ``settings.logprobs`` is set.
     """
 
     index: int
@@ -97,6 +96,8 @@ class RowState:
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: each committed block
     evidence: RowEvidence = dataclasses.field(default_factory=RowEvidence)
     reference: ReferenceIndex | None = None
+    grammar: GrammarState | None = None
+    logprobs: list[dict] | None = None
 
     @property
     def length(self) -> int:

@@ -7,6 +7,8 @@ Each step, for every row in flight::
     k'  <- the draft-length controller's lengths for all rows at once  (0 .. k; pipeline.engine.draft_budget)
     d   <- the proposer drafts up to k' tokens for every row at once  (may be fewer, or none; per source)
            and a row with a reference drafts from it too              (pipeline.engine.reference)
+           and a row with a grammar offers the run it forces (up to k), every draft cut
+           before the first token its grammar forbids                 (pipeline.engine.grammar)
     d   <- the controller's cut: a draft per row, and how much of it  (the step's width)
     one target pass over every row's [last, d_1 .. d_n]               -> n + 1 distributions each
     (a, t) <- verify(d, p, q)  per row                                accepted prefix + one target token
@@ -34,6 +36,7 @@ import torch
 from .batch import RowState
 from .cpu import CpuOptions, CpuPlan, prepare
 from .draft_budget import DraftBudget
+from .grammar import GrammarError, GrammarState, compile_grammar
 from .reference import offer_reference
 from .proposers import METHODS, ProposerInputs, build_proposer
 from .proposers.base import Draft, DraftRequest, Proposer, empty_draft
@@ -235,6 +238,16 @@ class StepEngine:
                 budget, bound = self.context - n, True
         eos = settings.eos_token_id  # resolved: the checkpoint's unless set
         eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        grammar = None
+        if settings.response_format is not None:
+            if self.tokenizer is None:
+                return "response_format needs the target's tokenizer: pass tokenizer= to the engine"
+            if not eos_ids:
+                return "response_format needs an EOS token id (eos_token_id) to end the row where its grammar completes"
+            try:
+                grammar = compile_grammar(settings.response_format, self.tokenizer, self.target_vocab).state(eos_ids)
+            except GrammarError as e:
+                return str(e)
         generator = None
         if settings.do_sample:
             generator = torch.Generator(device=device)
@@ -244,9 +257,11 @@ class StepEngine:
                 generator.manual_seed(settings.seed)
         return RowState(
             index=index, slot=slot, sequence=ids, prompt_len=n, budget=budget, context_bound=bound,
-            settings=settings, shaper=LogitsShaper(settings, prompt_length=n, eos_token_ids=eos_ids), stopper=StopChecker(eos_ids, settings.stop_strings, self.tokenizer),
+            settings=settings, shaper=LogitsShaper(settings, prompt_length=n, eos_token_ids=eos_ids, grammar=grammar),
+            stopper=StopChecker(eos_ids, settings.stop_strings, self.tokenizer),
             generator=generator, stats=RowStats(prompt_tokens=n), k=self.spec.draft_length,
-            rope_regime=self.layout.regime(n - 1),
+            rope_regime=self.layout.regime(n - 1), grammar=grammar,
+            logprobs=[] if settings.logprobs is not None else None,
         )
 
     def admit(self, rows: list[RowState]) -> None:
@@ -290,20 +305,23 @@ class StepEngine:
         t0 = self.clock()
         caps = [self._draft_length(r) for r in rows]
         # the rows of a step share their settings (the scheduler groups them): one way to verify
-        argmax = self.spec.assistant_ensemble_weight is None and not any(r.shaper.active or r.shaper.do_sample
-                                                                        for r in rows)
+        argmax = self.spec.assistant_ensemble_weight is None and not any(
+            r.shaper.active or r.shaper.do_sample or r.logprobs is not None for r in rows)
         candidates = self.spec.num_candidates if argmax else 1
         budget, evidence = self.budget, [r.evidence for r in rows]
         ks = budget.lengths(evidence, caps, rows[0].settings.do_sample) if budget is not None else caps
         proposed = self._propose(rows, ks, candidates)
         offered = [offer_reference(d, r.reference.draft(r.generated, k, r.sequence.device)) if r.reference is not None
                    else d for r, d, k in zip(rows, proposed, ks)]
+        if self.proposer is not None and any(r.grammar is not None for r in rows):
+            offered = [grammar_draft(r.grammar, r.generated, d, cap, r.sequence.device) if r.grammar is not None
+                       else d for r, d, cap in zip(rows, offered, caps)]
         drafts = budget.cut(offered, evidence) if budget is not None else offered
         t1 = self.clock()
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
         t2 = self.clock()
-        emitted = [self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax)
+        emitted = [self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax and r.grammar is None)
                    for r, d, v in zip(rows, drafts, verdicts)]
         t3 = self.clock()
         if budget is not None:
@@ -380,21 +398,26 @@ class StepEngine:
         tokens = draft.tokens[path].tolist() if path else []
         if self.proposer is not None:
             self.proposer.rollback(row.slot, row.length + len(path))
-        return self._commit(row, tokens, verdict.token, depth, draft.source)
+        return self._commit(row, tokens, verdict.token, depth, draft.source, verdict.logprobs)
 
-    def _commit(self, row: RowState, accepted: list[int], token: int, drafted: int, source: str) -> list[int]:
+    def _commit(self, row: RowState, accepted: list[int], token: int, drafted: int, source: str,
+                logprobs: list[dict] | None = None) -> list[int]:
         """Emit the ``accepted`` draft tokens and the target's token one by one, stopping at
         EOS / a stop string; update the row's sequence, schedule and statistics (a draft of
-        ``drafted`` positions from ``source``: a tree counts its depth); returns the tokens
-        emitted."""
+        ``drafted`` positions from ``source``: a tree counts its depth; the tokens its grammar
+        forced; the log-probabilities); returns the tokens emitted."""
         block = accepted + [token]
         emitted = 0
         for tok in block:
             row.generated.append(tok)
             emitted += 1
+            if row.grammar is not None and row.grammar.forced_at.get(len(row.generated) - 1):
+                row.stats.forced_tokens += 1
             if row.stopper.hit(row.generated):
                 row.finish = "stop"
                 break
+        if row.logprobs is not None and logprobs is not None:
+            row.logprobs.extend(logprobs[:emitted])
         if row.on_tokens is not None:
             row.on_tokens(row.generated[-emitted:])
         if drafted:
@@ -416,4 +439,44 @@ class StepEngine:
         stats.new_tokens = len(row.generated)
         stats.finish_reason = row.finish
         text = self.tokenizer.decode(row.generated, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(token_ids=row.generated, text=text, finish_reason=row.finish, stats=stats)
+        complete = None
+        if row.grammar is not None:
+            complete = row.finish == "stop" and row.grammar.complete(row.generated)
+        return GenerationResult(token_ids=row.generated, text=text, finish_reason=row.finish, stats=stats,
+                                grammar_complete=complete, logprobs=row.logprobs)
+
+
+def _prefix(draft: Draft, n: int) -> Draft:
+    """A linear draft's first ``n`` tokens (its alternatives as they are)."""
+    if n >= len(draft):
+        return draft
+    return Draft(draft.tokens[:n], draft.probs[:n] if draft.probs is not None else None, None,
+                 draft.confidence[:n] if draft.confidence is not None else None, draft.source, draft.alternatives)
+
+
+def grammar_draft(grammar: GrammarState, output: list[int], draft: Draft, cap: int, device) -> Draft:
+    """A grammar row's draft for the controller: the method's draft and its alternatives, each
+    cut before the first token its grammar forbids after ``output`` (a forbidden token would
+    be rejected anyway: the cut saves its pass), and the run the grammar forces, up to ``cap``
+    tokens with confidence 1.0, offered as source ``"grammar"`` (a lossless draft: verified like
+    any other): first when it is at least as long as the method's draft, else beside it.  A token tree is left whole (grammar rows verify linear drafts)."""
+    if draft.parents is not None and draft.is_tree:
+        return draft
+    alternatives = tuple(a for a in (_prefix(a, grammar.valid_prefix(output, a.tokens.tolist()))
+                                     for a in draft.alternatives) if len(a))
+    primary = _prefix(Draft(draft.tokens, draft.probs, None, draft.confidence, draft.source, alternatives),
+                      grammar.valid_prefix(output, draft.tokens.tolist()))
+    if len(primary) == 0 and alternatives:  # the first alternative first, the others beside (offer_reference's rule)
+        first = alternatives[0]
+        primary = Draft(first.tokens, first.probs, None, first.confidence, first.source, alternatives[1:])
+    run = grammar.forced(output, cap)
+    if not run:
+        return primary
+    forced = Draft(torch.tensor(run, dtype=torch.long, device=device),
+                   confidence=torch.ones(len(run), dtype=torch.float64), source="grammar")
+    if len(run) < len(primary):
+        return offer_reference(primary, forced)
+    # at least as long as the method's draft: the run first (what a fixed draft length verifies),
+    # the method's draft and its other sources beside it
+    own = (Draft(primary.tokens, primary.probs, None, primary.confidence, primary.source),) if len(primary) else ()
+    return Draft(forced.tokens, None, None, forced.confidence, "grammar", own + primary.alternatives)

@@ -8,11 +8,13 @@ transformers shapes them:
 2. ``NoRepeatNGramLogitsProcessor`` (``no_repeat_ngram_size``)
 3. ``NoBadWordsLogitsProcessor`` (``bad_words_ids``)
 4. ``MinNewTokensLengthLogitsProcessor`` (``min_new_tokens``; only with an EOS id)
-5. ``SuppressTokensLogitsProcessor`` (``suppress_tokens``)
-6. sampling only: ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
+5. the row's grammar (``response_format``, :mod:`pipeline.engine.grammar`): tokens it forbids
+   after the position's prefix get ``-inf``
+6. ``SuppressTokensLogitsProcessor`` (``suppress_tokens``)
+7. sampling only: ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
    ``MinPLogitsWarper``
 
-Processors 1-4 depend on the tokens before the position they shape, so under
+Processors 1-5 depend on the tokens before the position they shape, so under
 speculation each verified (or drafted) position is shaped with its *own* prefix: the
 committed tokens plus the draft tokens before it.  That keeps speculation lossless.
 
@@ -71,6 +73,10 @@ class LogitsShaper:
             required when ``min_new_tokens`` applies).
         eos_token_ids: the row's EOS ids (``min_new_tokens`` bans them; a one-token bad
             word equal to one of them is ignored, as in ``generate()``).
+        grammar: the row's :class:`~pipeline.engine.grammar.GrammarState` (its
+            ``response_format``), or ``None``; needs ``prompt_length`` (the grammar reads the
+            output after the prompt).  Masked before the warpers, so top-k / top-p / min-p
+            act on the grammar's allowed tokens (the masked, renormalised distribution).
 
     Raises:
         ValueError: ``min_new_tokens`` without ``prompt_length``.
@@ -87,8 +93,12 @@ class LogitsShaper:
         settings: GenerationSettings,
         prompt_length: int | None = None,
         eos_token_ids: list[int] | set[int] | tuple[int, ...] | None = None,
+        grammar=None,
     ):
         s = settings
+        if grammar is not None and prompt_length is None:
+            raise ValueError("a grammar needs the prompt length: LogitsShaper(..., prompt_length=...)")
+        self.grammar = grammar
         self.do_sample = bool(s.do_sample)
         self.prompt_length = prompt_length
         eos = sorted(set(eos_token_ids or ()))
@@ -122,8 +132,8 @@ class LogitsShaper:
                 batched.append((MinPLogitsWarper, dict(min_p=float(s.min_p))))
         self._recipes = (per_position, batched)
         self._built: dict[str, tuple[LogitsProcessorList, LogitsProcessorList]] = {}
-        self.prefix_dependent = bool(per_position)
-        self.active = bool(per_position or batched)
+        self.prefix_dependent = bool(per_position) or grammar is not None
+        self.active = bool(per_position or batched) or grammar is not None
 
     def processors(self, device: torch.device | str = "cpu") -> tuple[LogitsProcessorList, LogitsProcessorList]:
         """The row's transformers processors for ``device``, in the order they run:
@@ -160,6 +170,8 @@ class LogitsShaper:
         if not self.active:
             return logits
         per_position, batched = self.processors(logits.device)
+        if per_position or self.grammar is not None:
+            prefix = prefix.to(logits.device)
         if per_position:
             prefix = prefix.to(logits.device)
             out = torch.empty_like(logits)
@@ -167,6 +179,11 @@ class LogitsShaper:
                 ids = prefix if i == 0 else torch.cat([prefix, extra[:i].to(prefix.device).view(1, -1)], dim=1)
                 out[i : i + 1] = per_position(ids, logits[i : i + 1])
             logits = out
+        if self.grammar is not None:
+            output = prefix[0, self.prompt_length:].tolist()
+            ahead = extra[: logits.shape[0] - 1].tolist() if extra is not None else []
+            allowed = self.grammar.masks(output, ahead, logits.shape[0]).to(logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if batched:
             # Suppression and the warpers act row by row and ignore input_ids: one call.
             logits = batched(prefix, logits)

@@ -77,6 +77,14 @@ class GenerationSettings:
         eos_token_id: one id or a list; unset: the target's ``generation_config.eos_token_id``.
         stop_strings: generation stops once one of them is completed in the decoded
             output (needs a tokenizer).
+        response_format: structured output, OpenAI's / vLLM's shape
+            (:func:`pipeline.engine.grammar.normalize_response_format`: ``json_schema``,
+            ``json_object``, ``regex``, ``choice``; ``text`` or ``None``: free text); the
+            target's distribution is masked by its grammar at every position (needs a
+            tokenizer and an EOS id).  Kept in canonical form.
+        logprobs: vLLM's name: ``None`` (off) or ``N >= 0``: each generated token's
+            log-probability and the top ``N`` of its position, from the target's distribution
+            after the row's processors and grammar mask (``GenerationResult.logprobs``).
     """
 
     max_new_tokens: int | None = None
@@ -93,6 +101,8 @@ class GenerationSettings:
     seed: int | None = None
     eos_token_id: int | list[int] | None = None
     stop_strings: list[str] | None = None
+    response_format: dict | None = None
+    logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> "GenerationSettings":
         """Check every set value; with ``vocab_size``, also that token ids are below it.
@@ -144,6 +154,13 @@ class GenerationSettings:
                 self.stop_strings = [self.stop_strings]
             if not all(isinstance(s, str) and s for s in self.stop_strings):
                 raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.response_format is not None:
+            from .grammar import normalize_response_format  # raises GrammarError (a ValueError) naming the field
+
+            self.response_format = normalize_response_format(self.response_format)
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or lp < 0):
+            raise ValueError(f"logprobs must be None or a non-negative integer (the top N per position), got {lp!r}")
         if vocab_size is not None:
             for name, ids in (("bad_words_ids", [i for seq in self.bad_words_ids or [] for i in seq]),
                               ("suppress_tokens", self.suppress_tokens or [])):

@@ -92,6 +92,8 @@ class RowStats:
     accepted_from_pool: int = 0
     accepted_from_reference: int = 0
     accepted_from_drafter: int = 0
+    accepted_from_grammar: int = 0
+    forced_tokens: int = 0
     finish_reason: str | None = None
 
     # ------------------------------------------------------------------ rates
@@ -291,7 +293,10 @@ COLUMNS: tuple[StatColumn, ...] = (
                  "before the column existed)", appended=True, older=lambda row: 0)
       for source, what in (("prompt", "the row's own text (prompt and output so far)"),
                            ("pool", "the outputs of earlier rows (a job-wide pool)"),
-                           ("reference", "a per-row reference text"), ("drafter", "a model"))),
+                           ("reference", "a per-row reference text"), ("drafter", "a model"),
+                           ("grammar", "the grammar's forced runs (response_format)"))),
+    StatColumn("forced_tokens", "int", "generated tokens that the row's grammar allowed alone (0 without a "
+               "response_format)", appended=True, older=lambda row: 0),
 )
 #: the rates written as columns (recomputed from the counts when read)
 RATE_COLUMNS = ("acceptance_rate", "mean_accepted_length", "tokens_per_step")
@@ -335,6 +340,13 @@ class GenerationResult:
         stats: the row's :class:`RowStats`.
         error: why the row could not run, as ``"ExceptionType: message"`` (``generate_batch``
             only; ``generate`` raises the ``ValueError``).
+        grammar_complete: ``None``: the row had no ``response_format``; ``True``: its grammar
+            reached an accepting state and the row stopped there (finish reason ``"stop"``);
+            ``False``: cut before (``"length"``, ``"context"``, a stop string).
+        logprobs: with ``settings.logprobs = N``: one dict per generated token,
+            ``{"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]}`` (natural
+            log; the top ``N`` of the target's distribution after the row's processors and
+            grammar mask); ``None`` when off.
     """
 
     token_ids: list[int]
@@ -342,6 +354,8 @@ class GenerationResult:
     finish_reason: str | None
     stats: RowStats
     error: str | None = None
+    grammar_complete: bool | None = None
+    logprobs: list[dict] | None = None
 
     @classmethod
     def failed(cls, error: str, wall_time_s: float = 0.0) -> "GenerationResult":

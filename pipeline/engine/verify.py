@@ -161,10 +161,14 @@ class Verdict:
         path: the accepted draft nodes in order (a linear draft's ``0 .. a - 1``; a tree's
             accepted path); their tokens are accepted.
         token: the target's token after them (correction or bonus).
+        logprobs: with the row's ``settings.logprobs = N``: one entry per emitted token (the
+            accepted ones, then ``token``), ``{"token_id", "logprob", "top"}`` from the
+            distribution verification used (:func:`token_logprobs`); ``None`` when off.
     """
 
     path: list[int]
     token: int
+    logprobs: list[dict] | None = None
 
     @property
     def accepted(self) -> int:
@@ -246,17 +250,41 @@ class ShapedVerification:
         out = []
         for b, (row, draft) in enumerate(zip(rows, drafts)):
             n = len(draft)
-            accepted, token = self._one(row, draft, logits[b, step.keep - n - 1:])
-            out.append(Verdict(list(range(accepted)), token))
+            out.append(self._one(row, draft, logits[b, step.keep - n - 1:]))
         return out
 
-    def _one(self, row, draft, logits: torch.Tensor) -> tuple[int, int]:
+    def _one(self, row, draft, logits: torch.Tensor) -> Verdict:
         d_tokens = draft.tokens.to(logits.device)
         d_probs = draft.probs.to(logits.device) if draft.probs is not None else None
         if row.settings.do_sample:
             p = row.shaper.probs(row.sequence, logits, d_tokens)
             if d_probs is not None:
                 d_probs = d_probs.to(p.dtype)
-            return verify_sampling(d_tokens, p, d_probs, row.generator, self.ensemble)
-        scores = row.shaper.shape(row.sequence, logits, d_tokens)
-        return verify_greedy(d_tokens, scores, d_probs, self.ensemble)
+            accepted, token = verify_sampling(d_tokens, p, d_probs, row.generator, self.ensemble)
+            scores = None
+        else:
+            scores = row.shaper.shape(row.sequence, logits, d_tokens)
+            accepted, token = verify_greedy(d_tokens, scores, d_probs, self.ensemble)
+        top = row.settings.logprobs
+        if top is None:
+            return Verdict(list(range(accepted)), token)
+        chosen = d_tokens[:accepted].tolist() + [token]
+        lp = torch.log_softmax(scores[: accepted + 1], -1) if scores is not None else p[: accepted + 1].log()
+        return Verdict(list(range(accepted)), token, token_logprobs(lp, chosen, top))
+
+
+def token_logprobs(logprobs: torch.Tensor, chosen: Sequence[int], top: int) -> list[dict]:
+    """vLLM's per-token log-probabilities: ``logprobs`` ``(m, V)`` natural-log distributions of
+    ``m`` positions, ``chosen`` the token emitted at each; per position
+    ``{"token_id", "logprob", "top": [[token_id, logprob], ...]}`` with the ``top`` most likely
+    tokens that have a chance (ties by lower id; tokens that a grammar or a warper masked out
+    are left out, so ``top`` may be shorter)."""
+    out = []
+    top = min(top, logprobs.shape[-1])
+    values, ids = (logprobs.topk(top, -1) if top else (None, None))
+    for i, tok in enumerate(chosen):
+        entry = {"token_id": int(tok), "logprob": float(logprobs[i, tok])}
+        entry["top"] = [[int(t), float(v)] for t, v in zip(ids[i].tolist(), values[i].tolist())
+                        if v != float("-inf")] if top else []
+        out.append(entry)
+    return out

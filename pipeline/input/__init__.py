@@ -13,7 +13,7 @@ files never opened, refusal or passing fault) are :mod:`pipeline.storage`'s.
 
 from __future__ import annotations
 
-from pipeline.input.discovery import check_partition_keys, hive_partitions, partition_keys, resolve_shards  # noqa: F401
+from pipeline.input.discovery import carried_columns, check_partition_keys, hive_partitions, partition_keys, resolve_shards  # noqa: F401
 from pipeline.input.formats import InputError, file_kind, open_stream  # noqa: F401
 from pipeline.input.rows import read_shard, read_unit, read_units_batch  # noqa: F401
 from pipeline.input.units import UNIT_COLUMN, Shard, Split, Unit, part_name, units_of  # noqa: F401

@@ -146,8 +146,10 @@ def _output_location(output: Any, retry: Any) -> Any:
         return None
 
 
-def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> list[Shard]:
-    """Expand ``cfg.uri`` into shards, checking each one opens and has the text column.
+def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None, columns: list[str] | None = None,
+                   list_columns: bool = False) -> list[Shard]:
+    """Expand ``cfg.uri`` into shards, checking each one opens and has the columns the
+    prompt is made of (default: the text column).
 
     A file named by ``input.uri`` is read (or refused).  Of the files found under a folder
     or by a glob, each is read, or named in one WARNING line with the reason (see the module
@@ -159,6 +161,12 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
         retry: the ``retry:`` section (or None: defaults).
         output: the ``output:`` section (or an :class:`~pipeline.output.location.OutputLocation`),
             or None (nothing excluded).
+        columns: the columns every shard must hold (:meth:`pipeline.config.JobConfig.prompt_columns`);
+            None: ``[cfg.text_column]``.  A Parquet schema without one, or a JSONL file with
+            it on none of its lines, refuses the job naming the column.
+        list_columns: record every shard's columns (:attr:`Shard.columns`: a Parquet file's
+            schema; a JSONL file's fields over all its lines, in first-seen order), which the
+            ``generate`` job keeps on output.
 
     Returns:
         Shards in sorted path order, ``index`` 0..n-1, each named by its resolved location.
@@ -190,7 +198,9 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None) -> l
     if not picked:
         why = not_read.line() or "; ".join(f"{n} file(s) under {w[0]} ({w[1]})" for w, n in left_out.items())
         raise InputError(f"input {cfg.uri!r}: none of its {len(paths)} file(s) is read: {why}")
-    shards = [_shard(fs, i, p, real, fmt, comp, base, cfg, io) for i, (p, real, fmt, comp) in enumerate(picked)]
+    need = list(dict.fromkeys(columns if columns is not None else [cfg.text_column]))
+    shards = [_shard(fs, i, p, real, fmt, comp, base, cfg, io, need, list_columns)
+              for i, (p, real, fmt, comp) in enumerate(picked)]
     check_partition_keys(shards)
     return shards
 
@@ -238,7 +248,8 @@ def _list(fs, path: str, glob: bool, cfg: InputConfig, io) -> tuple[str, list[st
     return kind, paths
 
 
-def _shard(fs, i: int, p: str, real: str, fmt: str, comp: str | None, base: str, cfg: InputConfig, io) -> Shard:
+def _shard(fs, i: int, p: str, real: str, fmt: str, comp: str | None, base: str, cfg: InputConfig, io,
+           need: list[str], list_columns: bool) -> Shard:
     """Shard ``i``, the file ``p`` (resolved: ``real``), checked, counted and split."""
     url = unstrip(fs, real)
     if is_local(fs):
@@ -247,13 +258,14 @@ def _shard(fs, i: int, p: str, real: str, fmt: str, comp: str | None, base: str,
                        "replace it with a file, or move it out of the input (input.uri)")
     how = f"{fmt} ({comp})" if comp else fmt
     try:
-        (n, splits), fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp), file_version(fs.info(real))),
-                             f"read input shard {url!r}")
+        (n, splits, cols), fp = io(lambda: (_check_shard(fs, real, fmt, cfg, comp, need, list_columns),
+                                            file_version(fs.info(real))), f"read input shard {url!r}")
     except StorageError as e:
         raise_refusal(e, InputError, f"input shard {url!r} is unreadable as {how}")
     name = _rel(p, base)
     return Shard(index=i, url=url, format=fmt, num_rows=n, fingerprint=fp, name=name, compression=comp,
-                 partitions=hive_partitions(name) or None, splits=tuple(splits))
+                 partitions=hive_partitions(name) or None, splits=tuple(splits),
+                 columns=tuple(cols) if list_columns else None)
 
 
 def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out: _Output | None):
@@ -313,6 +325,36 @@ def check_partition_keys(shards: list[Shard]) -> list[str]:
     return keys
 
 
+def carried_columns(shards: list[Shard], need: list[str], every: bool, id_column: str,
+                    text_column: str) -> list[str] | None:
+    """The input columns the read stage carries to the actors (in the row's
+    :data:`pipeline.schema.CARRIED_COLUMN`) and the output keeps: every column of every shard
+    (``every``, the generate job: :attr:`Shard.columns`, first-seen order) or the prompt's own
+    ``need``, less the id column; None when the prompt is the text column alone (the read stage's
+    ``text``, as before columns).
+
+    Raises:
+        InputError: a carried column has the name of an output column or a partition key.
+    """
+    from pipeline.schema import OUTPUT_SCHEMA
+
+    if not every and list(need) == [text_column]:
+        return None
+    names: dict[str, None] = {}
+    if every:  # the input's order
+        for s in shards:
+            names.update(dict.fromkeys(s.columns or ()))
+    names.update(dict.fromkeys(need))
+    names.pop(id_column, None)
+    keys = set(partition_keys(shards))
+    for c in names:
+        if c in OUTPUT_SCHEMA.names or c in keys:
+            what = "an output column" if c in OUTPUT_SCHEMA.names else "a partition key"
+            raise InputError(f"input column {c!r} has the name of {what}; rename it in the input (the job keeps "
+                             "every input column on output)")
+    return list(names)
+
+
 def partition_keys(shards: list[Shard | dict]) -> list[str]:
     """The Hive partition keys over all shards, in first-seen order."""
     keys: dict[str, None] = {}
@@ -352,15 +394,20 @@ def _read_every_page(fs, path: str, columns: list[str], max_bytes: int) -> None:
 _ID_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null)
 
 
-def _check_shard(fs, path: str, fmt: str, cfg: InputConfig,
-                 compression: str | None = None) -> tuple[int, list[dict[str, Any]]]:
-    """Open one shard, check it is usable; return its row count and its splits
-    (:class:`~pipeline.input.units.Split` records of at most ``input.split_rows`` rows:
-    Parquet row groups merged up to that, or JSONL line ranges with their first line's hash)."""
+def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | None = None,
+                 need: list[str] | None = None,
+                 list_columns: bool = False) -> tuple[int, list[dict[str, Any]], list[str]]:
+    """Open one shard, check it is usable (it holds the columns ``need``, default the text
+    column); return its row count, its splits (:class:`~pipeline.input.units.Split` records
+    of at most ``input.split_rows`` rows: Parquet row groups merged up to that, or JSONL line
+    ranges with their first line's hash) and its columns (a JSONL file's: those seen before
+    every needed one was, all of them with ``list_columns``)."""
+    need = list(need if need is not None else [cfg.text_column])
     if fmt == "parquet":
-        return _check_parquet(fs, path, cfg)
+        return _check_parquet(fs, path, cfg, need)
     n = 0
-    usable = False  # a line that is a JSON object with the text field
+    usable = False  # every needed field seen on some line (the text field on one line, by default)
+    seen: dict[str, None] = {}
     objects = 0
     first_problem = None
     splits: list[dict[str, Any]] = []
@@ -371,24 +418,32 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig,
                                "first_line": line_hash(raw)})
             splits[-1]["rows"] += 1
             n += 1
-            if usable:
+            if usable and not list_columns:
                 continue
             obj, problem = parse_line(raw)
             if problem is not None:
                 first_problem = first_problem or f"line {lineno} is {problem}"
                 continue
             objects += 1
-            usable = cfg.text_column in obj
+            seen.update(dict.fromkeys(obj))
+            usable = all(c in seen for c in need)
     if n and not usable:
         if not objects:
             raise InputError(f"input shard {path!r} is not JSONL: none of its {n} lines is a JSON object "
                              f"({first_problem})")
-        raise InputError(f"input shard {path!r} has no field {cfg.text_column!r} (input.text_column) "
+        missing = next(c for c in need if c not in seen)
+        raise InputError(f"input shard {path!r} has no field {missing!r} ({_why(missing, cfg)}) "
                          f"on any of its {n} lines")
-    return n, splits or [{"start": 0, "rows": 0, "offset": 0, "line": 0}]
+    return n, splits or [{"start": 0, "rows": 0, "offset": 0, "line": 0}], list(seen)
 
 
-def _check_parquet(fs, path: str, cfg: InputConfig) -> tuple[int, list[dict[str, Any]]]:
+def _why(column: str, cfg: InputConfig) -> str:
+    """Which key names ``column``."""
+    keys = [k for k in ("text_column", "messages_column", "params_column") if getattr(cfg, k) == column]
+    return ", ".join(f"input.{k}" for k in keys) if keys else "task.prompt_template names it"
+
+
+def _check_parquet(fs, path: str, cfg: InputConfig, need: list[str]) -> tuple[int, list[dict[str, Any]], list[str]]:
     """The Parquet half of :func:`_check_shard`: the schema has the text column, the id
     column (if any) holds strings or integers, every page of both decodes."""
     with fs.open(path, "rb") as f:
@@ -396,9 +451,10 @@ def _check_parquet(fs, path: str, cfg: InputConfig) -> tuple[int, list[dict[str,
         schema = pf.schema_arrow
         n = pf.metadata.num_rows
         group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
-    if cfg.text_column not in schema.names:
-        raise InputError(f"input shard {path!r} has no column {cfg.text_column!r} (input.text_column); "
-                         f"its columns are {schema.names}")
+    for c in need:
+        if c not in schema.names:
+            raise InputError(f"input shard {path!r} has no column {c!r} ({_why(c, cfg)}); "
+                             f"its columns are {schema.names}")
     if cfg.id_column in schema.names:
         t = schema.field(cfg.id_column).type
         if pa.types.is_dictionary(t):
@@ -409,6 +465,6 @@ def _check_parquet(fs, path: str, cfg: InputConfig) -> tuple[int, list[dict[str,
     else:
         log.warning("input shard %s has no column %r (input.id_column): its rows get derived ids "
                     "<shard name>:<row>", path, cfg.id_column)
-    _read_every_page(fs, path, [c for c in (cfg.id_column, cfg.text_column) if c in schema.names],
+    _read_every_page(fs, path, [c for c in dict.fromkeys([cfg.id_column, *need]) if c in schema.names],
                      cfg.preflight_read_max_bytes)
-    return n, parquet_splits(group_rows, cfg.split_rows)
+    return n, parquet_splits(group_rows, cfg.split_rows), list(schema.names)

@@ -36,7 +36,7 @@ from pipeline.config import InputConfig
 from pipeline.input.formats import InputError, jsonl_scan, line_hash, open_stream, parquet_file, parse_line, skip_bytes
 from pipeline.input.units import UNIT_COLUMN, Shard, Unit
 from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
-from pipeline.schema import INPUT_SCHEMA
+from pipeline.schema import CARRIED_COLUMN, INPUT_SCHEMA
 from pipeline.storage import file_version
 
 
@@ -88,19 +88,22 @@ def _row(shard: Shard, i: int, where: str, id_: Any, text: Any, error: str | Non
 
 
 def read_shard(shard: Shard | dict, cfg: InputConfig, retry: Any = None,
-               partition_keys: list[str] | None = None) -> pa.Table:
+               partition_keys: list[str] | None = None, carry: list[str] | None = None) -> pa.Table:
     """One shard's rows, all its units in row order (see :func:`read_unit`)."""
     s = Shard(**shard) if isinstance(shard, dict) else shard
-    tables = [read_unit(u, cfg, retry, partition_keys) for u in s.units()]
+    tables = [read_unit(u, cfg, retry, partition_keys, carry) for u in s.units()]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
 def read_unit(unit: Unit | dict, cfg: InputConfig, retry: Any = None,
-              partition_keys: list[str] | None = None) -> pa.Table:
+              partition_keys: list[str] | None = None, carry: list[str] | None = None) -> pa.Table:
     """One unit's rows: :data:`INPUT_SCHEMA` (``source_row`` the row's place in its file,
     so ids derived from it are the same whatever the split), then one string column per
     Hive partition key (``partition_keys``, default the shard's own; null where the shard
-    has no such folder).  Transient storage errors are retried (see pipeline.retry).
+    has no such folder), then with ``carry`` (:func:`pipeline.input.discovery.carried_columns`)
+    :data:`~pipeline.schema.CARRIED_COLUMN`: a JSON object of the row's values of those columns
+    (absent ones left out; the row's ``text`` is then null: the prompt comes from them).
+    Transient storage errors are retried (see pipeline.retry).
 
     Raises:
         InputError: the file changed since the job started (its version differs, or a JSONL
@@ -111,7 +114,8 @@ def read_unit(unit: Unit | dict, cfg: InputConfig, retry: Any = None,
     s = u.shard
     fs, path = open_fs(s.url, cfg.storage_options, retry)
     try:
-        table = retrying(retry, endpoint_of(fs))(lambda: _read_unit(u, cfg, fs, path), f"read input shard {s.url!r}")
+        table = retrying(retry, endpoint_of(fs))(lambda: _read_unit(u, cfg, fs, path, carry),
+                                                 f"read input shard {s.url!r}")
     except StorageError as e:
         if isinstance(e.__cause__, InputError):  # the file changed: named as itself, not as a storage failure
             raise e.__cause__ from None
@@ -119,10 +123,13 @@ def read_unit(unit: Unit | dict, cfg: InputConfig, retry: Any = None,
     parts = s.partitions or {}
     for key in (list(parts) if partition_keys is None else partition_keys):
         table = table.append_column(pa.field(key, pa.string()), pa.array([parts.get(key)] * table.num_rows, pa.string()))
+    if carry is not None:
+        carried = table.column(CARRIED_COLUMN)
+        table = table.drop_columns([CARRIED_COLUMN]).append_column(pa.field(CARRIED_COLUMN, pa.string()), carried)
     return table
 
 
-def _read_unit(unit: Unit, cfg: InputConfig, fs, path: str) -> pa.Table:
+def _read_unit(unit: Unit, cfg: InputConfig, fs, path: str, carry: list[str] | None = None) -> pa.Table:
     """Read one unit into :data:`INPUT_SCHEMA` (one row per input row, in file order).
 
     Raises:
@@ -137,37 +144,50 @@ def _read_unit(unit: Unit, cfg: InputConfig, fs, path: str) -> pa.Table:
             raise InputError(f"input shard {shard.url!r} changed while the job ran ({shard.fingerprint} -> {now}): "
                              "rerun the job (the units committed from the old file are refused then)")
     if shard.format == "parquet":
-        rows = _parquet_rows(unit, cfg, fs, path)
+        rows = _parquet_rows(unit, cfg, fs, path, carry)
     else:
-        rows = _jsonl_rows(unit, cfg, fs, path) if sp.rows else []
+        rows = _jsonl_rows(unit, cfg, fs, path, carry) if sp.rows else []
     if len(rows) != sp.rows:
         raise InputError(f"input shard {shard.url!r} gave {len(rows)} rows for unit {unit.part}, but held {sp.rows} "
                          "there when the job started: it changed or was cut while the job ran; rerun (committed "
                          "units are kept)")
-    return pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)
+    schema = INPUT_SCHEMA if carry is None else INPUT_SCHEMA.append(pa.field(CARRIED_COLUMN, pa.string()))
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
-def _parquet_rows(unit: Unit, cfg: InputConfig, fs, path: str) -> list[dict[str, Any]]:
+def _carried(values: dict[str, Any], carry: list[str] | None) -> str | None:
+    """The :data:`~pipeline.schema.CARRIED_COLUMN` value of a row (None without ``carry``)."""
+    if carry is None:
+        return None
+    return json.dumps({c: values[c] for c in carry if c in values}, ensure_ascii=False, default=str)
+
+
+def _parquet_rows(unit: Unit, cfg: InputConfig, fs, path: str, carry: list[str] | None = None) -> list[dict[str, Any]]:
     shard, sp = unit.shard, unit.split
     with fs.open(path, "rb") as f:
         pf = parquet_file(f)
         names = pf.schema_arrow.names
-        cols = [c for c in dict.fromkeys([cfg.id_column, cfg.text_column]) if c in names]
+        cols = [c for c in dict.fromkeys([cfg.id_column, *([cfg.text_column] if carry is None else carry)])
+                if c in names]
         if sp.row_groups is None:
             table = pf.read(columns=cols)
         else:
             table = pf.read_row_groups(list(sp.row_groups), columns=cols)
     ids, id_errors = _values(table, cfg.id_column)
-    texts, text_errors = _values(table, cfg.text_column)
+    texts, text_errors = _values(table, cfg.text_column) if carry is None else ([None] * table.num_rows, {})
+    carried = {c: _values(table, c) for c in carry or () if c in table.column_names}
     rows = []
     for k in range(table.num_rows):
         i = sp.start + k
-        err = id_errors.get(k) or text_errors.get(k)
-        rows.append(_row(shard, i, f"row {i}", ids[k] if not err else None, texts[k], err))
+        err = id_errors.get(k) or text_errors.get(k) or next((e[k] for _, e in carried.values() if k in e), None)
+        row = _row(shard, i, f"row {i}", ids[k] if not err else None, texts[k], err)
+        if carry is not None:
+            row[CARRIED_COLUMN] = _carried({c: v[k] for c, (v, _) in carried.items()}, carry)
+        rows.append(row)
     return rows
 
 
-def _jsonl_rows(unit: Unit, cfg: InputConfig, fs, path: str) -> list[dict[str, Any]]:
+def _jsonl_rows(unit: Unit, cfg: InputConfig, fs, path: str, carry: list[str] | None = None) -> list[dict[str, Any]]:
     """A JSONL unit's rows, read from its byte offset; its first line is checked first (see
     the module docstring)."""
     shard, sp = unit.shard, unit.split
@@ -185,7 +205,10 @@ def _jsonl_rows(unit: Unit, cfg: InputConfig, fs, path: str) -> list[dict[str, A
             if problem is not None:
                 rows.append(_row(shard, i, f"line {lineno}", None, None, problem))
             else:
-                rows.append(_row(shard, i, f"line {lineno}", obj.get(cfg.id_column), obj.get(cfg.text_column)))
+                rows.append(_row(shard, i, f"line {lineno}", obj.get(cfg.id_column),
+                                 obj.get(cfg.text_column) if carry is None else None))
+            if carry is not None:
+                rows[-1][CARRIED_COLUMN] = _carried(obj if problem is None else {}, carry)
             i += 1
             if i == sp.start + sp.rows:
                 break
@@ -221,7 +244,7 @@ def _values(table: pa.Table, column: str) -> tuple[list[Any], dict[int, str]]:
 
 
 def read_units_batch(batch: pa.Table, cfg: dict, retry: dict | None = None,
-                     partition_keys: list[str] | None = None) -> pa.Table:
+                     partition_keys: list[str] | None = None, carry: list[str] | None = None) -> pa.Table:
     """``map_batches`` function: a batch of unit records (``{"unit": json of Unit.to_dict()}``)
     -> their rows (INPUT_SCHEMA plus the ``partition_keys`` columns, see :func:`read_unit`,
     then :data:`UNIT_COLUMN`: each row's part name, which the write stage groups by)."""
@@ -230,9 +253,10 @@ def read_units_batch(batch: pa.Table, cfg: dict, retry: dict | None = None,
     tables = []
     for rec in batch.to_pylist():
         unit = Unit.from_dict(json.loads(rec["unit"]))
-        t = read_unit(unit, icfg, retry, keys)
+        t = read_unit(unit, icfg, retry, keys, carry)
         tables.append(t.append_column(pa.field(UNIT_COLUMN, pa.string()), pa.array([unit.part] * t.num_rows, pa.string())))
     if tables:
         return pa.concat_tables(tables)
     return pa.schema(list(INPUT_SCHEMA) + [pa.field(k, pa.string()) for k in keys]
+                     + ([pa.field(CARRIED_COLUMN, pa.string())] if carry is not None else [])
                      + [pa.field(UNIT_COLUMN, pa.string())]).empty_table()

@@ -65,6 +65,9 @@ class Shard:
     partitions: dict[str, str | None] | None = None
     #: the file's splits, in row order (:class:`Split` records as dicts; see :meth:`units`)
     splits: tuple[dict[str, Any], ...] | None = None
+    #: the file's columns (Parquet schema; JSONL fields over its lines), when the job keeps
+    #: every input column (:func:`pipeline.input.discovery.resolve_shards`'s ``list_columns``)
+    columns: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

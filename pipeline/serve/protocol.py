@@ -9,7 +9,7 @@ Requests are pydantic models that refuse unknown fields; every refusal becomes a
 Fields (OpenAI's names): ``model``, ``prompt`` (a string, a list of token ids, or a list of
 either for several prompts: sent as is, no task template) or ``messages`` (rendered with
 the chat template), ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``seed``,
-``stop``, ``n``, ``stream``, ``stream_options.include_usage``, ``user`` (and for chat
+``stop``, ``response_format`` (structured output, OpenAI's and vLLM's shapes), ``n``, ``stream``, ``stream_options.include_usage``, ``user`` (and for chat
 ``max_completion_tokens``); OpenAI fields the server does not implement (``logprobs``,
 ``echo``, ``presence_penalty``, ...) are accepted only at their no-op values.  Extensions, as
 vLLM accepts them: the other :class:`~pipeline.engine.GenerationSettings` fields under
@@ -44,10 +44,13 @@ from pipeline.engine.stats import COLUMNS as STAT_COLUMNS
 #: GenerationSettings fields a request sets under an OpenAI name (or never)
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "do_sample": "temperature"}
 _NOT_PER_REQUEST = ("eos_token_id",)
+#: GenerationSettings fields a request sets under an OpenAI field of its own shape (``response_format``
+#: is checked here; OpenAI's ``logprobs`` is a no-op field, not vLLM's count: :data:`NOOP_FIELDS`)
+_OWN_FIELDS = ("response_format", "logprobs")
 #: GenerationSettings fields a request may set under their own names (vLLM-style extensions)
 EXTRA_SAMPLING_FIELDS = tuple(
     f.name for f in dataclasses.fields(GenerationSettings)
-    if f.name not in _OPENAI_NAMES and f.name not in _NOT_PER_REQUEST
+    if f.name not in _OPENAI_NAMES and f.name not in _NOT_PER_REQUEST and f.name not in _OWN_FIELDS
     and f.name not in ("temperature", "top_p", "seed")
 )
 #: the request fields of the methods' draft lengths (their SpeculationSettings names, from the method table)
@@ -112,6 +115,10 @@ class _SamplingBase(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    #: structured output: OpenAI's ``{"type": "json_schema", "json_schema": {"name", "schema"}}`` /
+    #: ``{"type": "json_object"}`` / ``{"type": "text"}``, vLLM's ``regex`` / ``choice``
+    #: (:func:`pipeline.engine.grammar.normalize_response_format`; the output is masked by its grammar)
+    response_format: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
     add_special_tokens: bool | None = None
     return_token_ids: bool = False
@@ -131,6 +138,15 @@ class _SamplingBase(_Strict):
             raise ValueError(f"{info.field_name} is not supported by this server (only its no-op value "
                              f"{NOOP_FIELDS[info.field_name][1]!r})")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        from pipeline.engine.grammar import normalize_response_format
+
+        return normalize_response_format(v)  # GrammarError (a ValueError) names the bad field
 
     @field_validator("seed")
     @classmethod
@@ -197,6 +213,8 @@ class _SamplingBase(_Strict):
             s.top_p = self.top_p
         if self.stop is not None:
             s.stop_strings = self.stop_list()
+        if self.response_format is not None:
+            s.response_format = self.response_format
         for name in EXTRA_SAMPLING_FIELDS:
             value = getattr(self, name)
             if value is not None:

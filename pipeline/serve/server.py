@@ -184,9 +184,27 @@ class OpenAIServer:
         except ValueError as e:
             raise settings_error(e) from None
         self._check_vocabulary_left(req, settings)
+        self._check_response_format(settings)
         if cap is not None and settings.max_new_tokens > cap:  # the server's own default, above its cap
             settings = dataclasses.replace(settings, max_new_tokens=cap)
         return settings
+
+    def _check_response_format(self, settings: GenerationSettings) -> None:
+        """Compile the request's ``response_format`` against the target's tokenizer (cached by
+        content: a format seen before costs nothing); one the grammar library refuses, or cannot
+        compile in time, is a 400 naming ``response_format``."""
+        rf = getattr(settings, "response_format", None)
+        if rf is None:
+            return
+        from pipeline.engine.grammar import GrammarError, compile_grammar
+
+        if self.tokenizer is None:
+            raise APIError("response_format needs the target's tokenizer, which this server does not have",
+                           param="response_format")
+        try:
+            compile_grammar(rf, self.tokenizer, self.engine.target_vocab)
+        except GrammarError as e:
+            raise APIError(f"response_format: {e}", param="response_format") from None
 
     def _check_lists(self, req) -> None:
         """``stop`` and ``bad_words_ids`` within the server's caps (each is matched at every

@@ -118,3 +118,37 @@ def check_stats(result, k: int | None = None) -> None:
         assert len(s.drafted_per_position) <= k
     assert s.wall_time_s >= s.draft_time_s + s.prefill_time_s + s.verify_time_s - 1e-6
     assert s.prefill_time_s > 0 or s.prompt_tokens == 1  # a 1-token prompt needs no prefill
+
+
+#: the JSON tokenizer's pieces longer than one character (each is also built from its prefixes)
+JSON_PIECES = ('{"', '": ', '": "', '", "', '"}', '"]', '["', '", ', '"name', '"tags', '"kind', '"n"', 'red', 'green',
+               'blue', 'alpha', 'beta', '], "')
+
+
+def json_tokenizer(vocab: int = VOCAB, pieces: tuple[str, ...] = JSON_PIECES) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer for JSON with real token strings (the grammar library reads them):
+    ``<eos>`` (id 0, the EOS token), the characters of JSON (braces, quotes, digits, letters,
+    space), and merged ``pieces`` (:data:`JSON_PIECES` and their prefixes), so that a text has
+    several tokenizations, as a real vocabulary does (``pieces=()``: characters only, one
+    tokenization per text); ids up to ``vocab`` (unused ids are
+    ``<uN>`` specials).  Byte-level, as GPT-2's and SmolLM2's are (a space is ``Ġ``)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = list('{}[]":, -.') + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    merged, (pieces, merges) = pieces, (["<eos>"] + chars, [])
+    for p in merged:
+        for j in range(2, len(p) + 1):
+            if p[:j] not in pieces:
+                pieces.append(p[:j])
+                merges.append((p[: j - 1], p[j - 1]))
+    assert len(pieces) <= vocab, len(pieces)
+    pieces += [f"<u{i}>" for i in range(vocab - len(pieces))]
+    byte = str.maketrans(" ", "\u0120")  # GPT-2's byte-to-unicode map on this alphabet: only the space moves
+    pieces = [p.translate(byte) for p in pieces]
+    merges = [(a.translate(byte), b.translate(byte)) for a, b in merges]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)] + [AddedToken(p, special=True) for p in pieces
+                                                                  if p.startswith("<u")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")

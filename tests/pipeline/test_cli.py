@@ -141,7 +141,7 @@ def _job_parsers():
     from pipeline.serve import app
 
     parsers = {"summarize": cli.build_parser("summarize", "c.yaml"), "translate": cli.build_parser("translate", "c.yaml"),
-               "serve": app.build_parser()}
+               "generate": cli.build_parser("generate", "c.yaml"), "serve": app.build_parser()}
     for job in ("tune", "report", "prepare_inputs", "train_drafter"):
         spec = importlib.util.spec_from_file_location(f"job_{job}", REPO / "jobs" / f"{job}.py")
         module = importlib.util.module_from_spec(spec)

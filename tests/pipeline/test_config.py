@@ -91,8 +91,10 @@ def test_translate_needs_languages_and_template_needs_text():
         load_config(None, ["task.name=translate"])
     with pytest.raises(ConfigError, match="text"):
         load_config(None, ["task.prompt_template=Summarize this"])
-    with pytest.raises(ConfigError, match="placeholder"):
-        load_config(None, ["task.prompt_template={text} in {language}"])
+    with pytest.raises(ConfigError, match="placeholder"):  # attribute access: nothing in a template is evaluated
+        load_config(None, ["task.prompt_template={text.__class__} in {language}"])
+    # any other {column} names an input column (checked against the input before work starts)
+    assert load_config(None, ["task.prompt_template={text} in {language}"]).task.columns == ["text", "language"]
 
 
 def test_draft_model_needs_a_drafter_and_plain_does_not_use_it():

@@ -44,18 +44,37 @@ def make_tokenizer(chat_template: str | None = None):
     return fast
 
 
+def make_byte_tokenizer(chat_template: str | None = None):
+    """A byte-level tokenizer (GPT-2's and SmolLM2's kind: the grammar library reads its token
+    strings): ``<eos>`` (id 0) and one token per byte, no merges, so a text has one tokenization."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(["<eos>"] + alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
 def make_model_pair(root: str | Path, *, seed: int = 0, context: int = 256, noise: float = 0.15,
-                    hidden: int = 48, layers: int = 2) -> tuple[str, str]:
-    """Save a target and a drafter (same tokenizer) under ``root``; returns their paths."""
+                    hidden: int = 48, layers: int = 2, tokenizer=None) -> tuple[str, str]:
+    """Save a target and a drafter (same tokenizer: ``tokenizer``, default :func:`make_tokenizer`'s)
+    under ``root``; returns their paths."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = Path(root)
-    tok = make_tokenizer()
+    tok = tokenizer if tokenizer is not None else make_tokenizer()
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

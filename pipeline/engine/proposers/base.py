@@ -71,8 +71,9 @@ class ProposerInputs:
 
 #: where a draft's tokens come from (:attr:`Draft.source`): the row's own text (prompt and
 #: output so far), the outputs of earlier rows (a job-wide pool), a per-row reference text,
-#: a model; the statistics count accepted tokens by source (``RowStats.accepted_from_*``)
-SOURCES = ("prompt", "pool", "reference", "drafter")
+#: a model, the row's grammar (a run its response_format forces, :mod:`pipeline.engine.grammar`);
+#: the statistics count accepted tokens by source (``RowStats.accepted_from_*``)
+SOURCES = ("prompt", "pool", "reference", "drafter", "grammar")
 
 
 @dataclass
