@@ -120,7 +120,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_head(job_output, tmp_pat
     monkeypatch.setattr(training, "train_step", dies_at_the_sixth)
     with pytest.raises(KeyboardInterrupt):
         job.main(_args(job_output, tmp_path / "killed", "--steps", "7"))
-    state = torch.load(tmp_path / "killed" / "train_state.pt", weights_only=False)
+    from train.state_files import load_state
+
+    state = load_state(tmp_path / "killed" / "train_state.safetensors")
     assert state["state"]["step"] == 4  # the last checkpoint before the kill
     assert not (tmp_path / "killed" / "model.safetensors").exists()  # no half-written head
     monkeypatch.setattr(training, "train_step", original)
