@@ -359,6 +359,40 @@ class OutputLocation:
         except Exception as e:
             self.refused(e, "writable")
 
+    def check_committed_sizes(self, m: Manifest) -> None:
+        """Before a resume builds on them: every data file a committed unit names is there,
+        of the size its record says (``checksums``; a unit of a version before them: only
+        there).  Sizes come from one listing; the SHA-256 is checked where the bytes are
+        read (:mod:`pipeline.output.reader`): a resume does not read what it skips.
+
+        Raises:
+            OutputError: naming the first file missing or of another size, and what to do.
+            StorageError: the storage kept failing with transient errors.
+        """
+        def sizes() -> dict[str, int]:
+            try:
+                return {posixpath.basename(i["name"].rstrip("/")): int(i.get("size") or 0)
+                        for i in self.fs.ls(self.root, detail=True) if i.get("type") != "directory"}
+            except FileNotFoundError:
+                return {}
+
+        if not m.entries:
+            return
+        have = self.io(sizes, f"list {self.url()}")
+        for part, e in sorted(m.entries.items()):
+            for name in e["files"]:
+                want = ((e.get("checksums") or {}).get(name) or {}).get("size")
+                got = have.get(name)
+                if got is None:
+                    problem = "is missing"
+                elif want is not None and got != want:
+                    problem = f"is {got} bytes, not the {want} its record says (cut short or replaced)"
+                else:
+                    continue
+                raise OutputError(f"output {self.url()!r}: {name}, a data file of the committed unit {part}, "
+                                  f"{problem}: a resume would keep it; nothing was written. Restore the file, or "
+                                  "rerun with --overwrite (output.overwrite: true) to decode every unit again")
+
     def refused(self, e: Exception, what: str) -> None:
         """Re-raise ``e`` from a check of the location: an :class:`OutputError` or a
         transient :class:`StorageError` as it is, anything else as an OutputError saying the
