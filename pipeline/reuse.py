@@ -30,6 +30,14 @@ object store once per node and every actor maps without a copy.  Each actor
 ``O(log n)`` per row, 45 bytes per previous row (its key, offset, codes and id hash) and 4
 per output token, whatever the number of actors on a node.
 
+What is copied is checked first (:func:`read_previous`): each committed data file against its
+unit record's SHA-256, size and rows (a file that fails is named, its rows decoded afresh and
+counted in ``previous.rejected_rows``), each row's key for its form and its token ids against
+the target's vocabulary before they are narrowed to ``int32``; an output written before
+checksums is read unverified (``previous.unverified_files``).  ``output.previous`` naming this
+run's own folder by any spelling (a link, ``.``, ``..``) is refused in the preflight
+(:func:`pipeline.storage.same_location`), before ``overwrite`` could delete anything.
+
 A reused row's output is the previous row's token ids, their text decoded again by this
 run's tokenizer (the same files), its finish reason, and ``reused_from``
 (``<previous output>#<run id>``, the run that committed it there).  Its decode statistics are
