@@ -4,27 +4,17 @@ run resumes to the very head an uninterrupted run makes, the held-back acceptanc
 measured before and after (and rises: the target's answers are what the head learns), the
 head is promoted only when better, and bad inputs are refused in one line with exit 2."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline_testkit import TEXTS, job_config, write_jsonl
-
-REPO = Path(__file__).resolve().parents[2]
+from pipeline_testkit import TEXTS, job_config, job_module, write_jsonl
 
 
 def _job():
-    name = "job_train_drafter"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "jobs" / "train_drafter.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return job_module("train_drafter")
 
 
 ROWS = 32

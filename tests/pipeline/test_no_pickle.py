@@ -11,14 +11,15 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from pipeline_testkit import job_module
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Payload:
@@ -75,13 +76,7 @@ def test_state_files_round_trip_an_optimizer_and_refuse_a_pickle(tmp_path):
 
 
 def _train_drafter_job():
-    name = "job_train_drafter"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "jobs" / "train_drafter.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return job_module("train_drafter")
 
 
 @pytest.mark.parametrize("name", ["train_state.pt", "train_state.safetensors"])
