@@ -37,9 +37,10 @@ import posixpath
 from typing import Any
 
 from pipeline.config import JobRefused, OutputConfig
+from pipeline.output import exclusive
 from pipeline.output.commit_log import CommitLog
 from pipeline.output.layout import (DATA_FILE, LEASE, LOG, LOG_RECORD, MANIFEST, STAGING, SUCCESS, SUMMARY,
-                                    TEMP_FILE, data_file_run, owned_layout_file, owned_output_path, temp_name)
+                                    TEMP_FILE, data_file_run, owned_layout_file, owned_output_path)
 from pipeline.output.manifest import Manifest, ManifestDamaged, read_manifest
 from pipeline.retry import endpoint_of, open_fs, retrying
 from pipeline.storage import (is_local, is_object_store, prune_empty, raise_refusal, refuse_special, resolved_location,
@@ -134,7 +135,8 @@ class OutputLocation:
 
     def put_atomic(self, path: str, data: bytes, what: str) -> None:
         """Write the small file ``path`` (a manifest record, a marker) whole or not at all,
-        retried: on local disk it is written under :func:`temp_name`, flushed to disk, then
+        retried: on local disk it is written under a temporary name
+        (:func:`pipeline.output.exclusive.write_temp`), flushed to disk, then
         renamed over ``path`` (a failed write, a full disk included, removes the temporary
         file and leaves ``path`` as it was); on an object store it is one PUT, which the
         store makes atomic.
@@ -147,13 +149,8 @@ class OutputLocation:
             if not self.local:
                 self.fs.pipe_file(path, data)
                 return
-            tmp = temp_name(path)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            tmp = exclusive.write_temp(path, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
