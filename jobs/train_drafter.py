@@ -6,13 +6,14 @@
 Reads the committed rows of ``--from`` (only the units its commit log commits; an output that
 mixes configs is refused), rebuilds each row's prompt and answer ids as the job made them,
 holds back ``--holdout`` of the rows, trains the head teacher-forced on the rest (resumable:
-``<output>/train_state.pt``), measures its acceptance before and after on the held-back
+``<output>/train_state.safetensors``, never a pickle), measures its acceptance before and after on the held-back
 rows, writes ``<output>/report.json``, and with ``--promote-to`` copies the head there only
 when it is better.  The recipe, step by step: :mod:`train.drafter_from_outputs`.
 
 Exit status: 0 on success (whether or not the head was promoted), 2 for bad input before
 any training (not a job output, no usable rows, no rows held back, a missing model or head,
-an ``--output`` or ``--promote-to`` holding something else), 1 for any other failure.
+an ``--output`` or ``--promote-to`` holding something else, a training state that is not
+safetensors + JSON), 1 for any other failure.
 """
 
 import json
@@ -43,7 +44,7 @@ def build_parser():
         notes={"config": "the job's config; needed only when the output has no _summary.json",
                "target": "default: the job's models.target",
                "head": "default: the job's models.drafter when it ran method eagle, else a new head",
-               "output": "required: the trained head (config.json, model.safetensors), train_state.pt, report.json",
+               "output": "required: the trained head (config.json, model.safetensors), train_state.safetensors, report.json",
                "max_draft": "acceptance is measured at k = 1 .. K"})
 
 

@@ -142,6 +142,10 @@ def reuse_line(summary: dict) -> None:
     rows = this.get("reused_rows") or 0
     pool = previous.get("pool_seeded_rows") or 0
     seeded = f"; {pool:,} previous rows seeded the draft pool" if pool else ""
+    rejected = previous.get("rejected_rows") or 0
+    if rejected:
+        why = "; ".join(f"{n:,} {reason}" for reason, n in (previous.get("rejected") or {}).items())
+        seeded += f"; {rejected:,} previous rows rejected and decoded afresh ({why})"
     if rows:
         print(f"reuse: {rows:,} rows reused from {previous.get('output')} (copied, not decoded: tokens/s counts "
               f"the decoded rows only){seeded}", file=sys.stderr)

@@ -128,14 +128,22 @@ def check_generation(cfg: JobConfig):
     Raises:
         ModelError, ConfigError (:class:`pipeline.config.JobRefused`), naming the key.
     """
+    return check_generation_and_vocabulary(cfg)[0]
+
+
+def check_generation_and_vocabulary(cfg: JobConfig):
+    """:func:`check_generation`, and the target's vocabulary size (None: its config gives
+    none), which bounds the token ids a nightly run copies (:mod:`pipeline.reuse`)."""
     from pipeline.models import check_models
     from pipeline.prompts import check_prompt
 
     checked = check_models(cfg.models, cfg.uses_drafter, method=cfg.method.name)
     check_prompt(checked["tokenizer"], cfg.task)
-    generation = resolve_job_generation(cfg, checked["target_config"])
-    check_response_format(generation, checked["tokenizer"], checked["target_config"])
-    return generation
+    target = checked["target_config"]
+    text = target.get_text_config() if hasattr(target, "get_text_config") else target
+    generation = resolve_job_generation(cfg, target)
+    check_response_format(generation, checked["tokenizer"], target)
+    return generation, getattr(text, "vocab_size", None)
 
 
 def check_response_format(generation, tokenizer, target_config) -> None:
@@ -352,4 +360,4 @@ class _RowMap:
         return pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
 
 
-__all__ = ["build_processor", "Processor", "as_job_config", "check_generation", "missing_prompt"]
+__all__ = ["build_processor", "Processor", "as_job_config", "check_generation", "check_generation_and_vocabulary", "missing_prompt"]

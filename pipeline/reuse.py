@@ -30,6 +30,14 @@ object store once per node and every actor maps without a copy.  Each actor
 ``O(log n)`` per row, 45 bytes per previous row (its key, offset, codes and id hash) and 4
 per output token, whatever the number of actors on a node.
 
+What is copied is checked first (:func:`read_previous`): each committed data file against its
+unit record's SHA-256, size and rows (a file that fails is named, its rows decoded afresh and
+counted in ``previous.rejected_rows``), each row's key for its form and its token ids against
+the target's vocabulary before they are narrowed to ``int32``; an output written before
+checksums is read unverified (``previous.unverified_files``).  ``output.previous`` naming this
+run's own folder by any spelling (a link, ``.``, ``..``) is refused in the preflight
+(:func:`pipeline.storage.same_location`), before ``overwrite`` could delete anything.
+
 A reused row's output is the previous row's token ids, their text decoded again by this
 run's tokenizer (the same files), its finish reason, and ``reused_from``
 (``<previous output>#<run id>``, the run that committed it there).  Its decode statistics are
@@ -187,31 +195,43 @@ class ReuseTable:
         return self.output(int(self.id_row[at])).token_ids
 
     @classmethod
-    def from_batches(cls, batches: Iterable[pa.RecordBatch], origin_of: Any) -> tuple["ReuseTable", dict[str, int]]:
+    def from_batches(cls, batches: Iterable[pa.RecordBatch], origin_of: Any,
+                     vocab_size: int | None = None) -> tuple["ReuseTable", dict[str, Any]]:
         """The table of the rows of ``batches`` (columns :data:`READ_COLUMNS` and the reader's
-        run column) that can be reused: no error, a key and output ids.
+        run column) that can be reused: no error, a well-formed key and output ids, each
+        id in ``[0, vocab_size)`` (checked before the ids are narrowed to ``int32``).
 
         Args:
             batches: record batches of a previous output, in any order.
             origin_of: ``run id -> reused_from`` value.
+            vocab_size: the target's vocabulary size (None: ids must fit ``int32``).
 
         Returns:
-            ``(table, counts)``: counts of ``rows`` read and of ``usable`` ones, and ``keyless``:
+            ``(table, counts)``: counts of ``rows`` read and of ``usable`` ones; ``keyless``:
             rows without error that carry no key (an output written before keys existed, or
-            sampled without a seed).
+            sampled without a seed); ``rejected_rows``: rows with error-free output that are
+            not copied (a malformed key, ids outside the vocabulary), and ``rejected``:
+            reason -> rows.
         """
         from pipeline.output.reader import RUN_COLUMN
 
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("hi", "lo", "len", "tok", "fin", "org", "idh")}
         finish_names: dict[str | None, int] = {}
         origin_names: dict[str, int] = {}
-        counts = {"rows": 0, "usable": 0, "keyless": 0}
+        counts: dict[str, Any] = {"rows": 0, "usable": 0, "keyless": 0, "rejected_rows": 0, "rejected": {}}
+        bound = int(vocab_size) if vocab_size is not None else 2**31
         for b in batches:
             counts["rows"] += b.num_rows
             ok = pc.is_null(b.column("error"))
             counts["keyless"] += int(pc.sum(pc.and_(ok, pc.is_null(b.column("reuse_key")))).as_py() or 0)
             keep = pc.and_(ok, pc.and_(pc.is_valid(b.column("reuse_key")), pc.is_valid(b.column("output_token_ids"))))
             b = b.filter(keep)
+            if not b.num_rows:
+                continue
+            b = _reject(b, pc.invert(pc.match_substring_regex(b.column("reuse_key"), r"^[0-9a-f]{32}$")),
+                        "a malformed reuse key (not 32 lower-case hex digits)", counts)
+            b = _reject(b, _ids_outside(b.column("output_token_ids"), bound),
+                        f"output token ids outside the target's vocabulary (size {bound})", counts)
             if not b.num_rows:
                 continue
             counts["usable"] += b.num_rows
@@ -244,23 +264,68 @@ class ReuseTable:
                    origin_names=origin_names, id_hash=idh[by_id], id_row=by_id.astype(np.int64))
 
 
+def _ids_outside(ids: pa.ChunkedArray | pa.Array, bound: int) -> np.ndarray:
+    """Per row of the list column ``ids``: whether one of its ids is outside ``[0, bound)``
+    (read as int64: nothing narrowed before the check)."""
+    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    bad = np.zeros(len(ids), dtype=bool)
+    out = (flat < 0) | (flat >= bound)
+    if out.any():
+        bad[pc.list_parent_indices(ids).to_numpy(zero_copy_only=False)[out]] = True
+    return bad
+
+
+def _reject(b: pa.RecordBatch, bad: Any, reason: str, counts: dict[str, Any]) -> pa.RecordBatch:
+    """``b`` without the rows where ``bad`` (a boolean mask; nulls count as bad), counted
+    under ``reason`` in ``counts``."""
+    bad = np.asarray(pc.fill_null(bad, True) if isinstance(bad, (pa.Array, pa.ChunkedArray)) else bad, dtype=bool)
+    n = int(bad.sum())
+    if not n:
+        return b
+    counts["rejected_rows"] += n
+    counts["rejected"][reason] = counts["rejected"].get(reason, 0) + n
+    return b.filter(pa.array(~bad))
+
+
 _DTYPES = {"hi": np.uint64, "lo": np.uint64, "len": np.int64, "tok": np.int32, "fin": np.uint8, "org": np.int32,
            "idh": np.uint64}
 
 
-def read_previous(url: str, storage_options: dict[str, Any] | None = None,
-                  retry: Any = None) -> tuple[ReuseTable, dict[str, int]]:
+def read_previous(url: str, storage_options: dict[str, Any] | None = None, retry: Any = None,
+                  vocab_size: int | None = None) -> tuple[ReuseTable, dict[str, Any]]:
     """The :class:`ReuseTable` of the committed rows of the job output ``url`` (read through
-    :class:`~pipeline.output.reader.CommittedOutput`, batch by batch), and its counts.
+    :class:`~pipeline.output.reader.CommittedOutput`, batch by batch, each data file checked
+    against its record), and its counts (:meth:`ReuseTable.from_batches`'s, plus
+    ``unverified_files``: files of a version before checksums, decoded but not hashed).
+
+    A data file that fails its check (missing, cut short, replaced, not Parquet) is named in
+    one log line; its rows are left out of the table (decoded afresh) and counted in
+    ``rejected_rows`` under ``rejected``'s reason ``<file>: <what failed>``.  The same
+    table seeds the job-wide draft pool: rejected rows seed nothing.
 
     Raises:
-        OutputReadError: ``url`` is not a job output, mixes configs, or a committed file is missing.
+        OutputReadError: ``url`` is not a job output or mixes configs.
         StorageError: the storage kept failing with transient errors.
     """
     from pipeline.output.reader import CommittedOutput
 
     out = CommittedOutput.open(url, storage_options, retry)
-    return ReuseTable.from_batches(out.batches(READ_COLUMNS), lambda run: f"{out.url}#{run}")
+    damaged: list[Any] = []
+
+    def on_damaged(e: Any) -> None:
+        log.warning("output.previous: %s: its %s row(s) are not copied, they are decoded afresh", e,
+                    "?" if e.rows is None else e.rows)
+        damaged.append(e)
+
+    table, counts = ReuseTable.from_batches(out.batches(READ_COLUMNS, on_damaged=on_damaged),
+                                            lambda run: f"{out.url}#{run}", vocab_size)
+    for e in damaged:
+        reason = f"{e.name}: {e.reason}"
+        counts["rejected_rows"] += e.rows or 0
+        counts["rejected"][reason] = counts["rejected"].get(reason, 0) + (e.rows or 0)
+    counts["unverified_files"] = len(out.unverified)
+    return table, counts
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -277,6 +342,8 @@ class ReusePlan:
             model and tokenizer are this run's; None: no pool to seed, or it was refused).
         pool_size: how many previous rows may seed the pool (the method's bound on it,
             ``suffix_decoding_max_cached_requests``; 0: the method learns nothing from outputs).
+        vocab_size: the target's vocabulary size: a previous row holding an id outside it is
+            rejected (None: ids must fit ``int32``).
     """
 
     fingerprint: str
@@ -286,9 +353,11 @@ class ReusePlan:
     counts: dict[str, int] = field(default_factory=dict)
     pool_from: str | None = None
     pool_size: int = 0
+    vocab_size: int | None = None
 
     def facts(self) -> dict[str, Any] | None:
-        """The run summary's ``previous``: ``{"output", "finished", "note", "rows", "usable"}``,
+        """The run summary's ``previous``: ``{"output", "finished", "note", "rows", "usable",
+        "rejected_rows", "rejected" (reason -> rows), "unverified_files", ...}``,
         None when ``output.previous`` is unset."""
         if self.note is None:
             return None
@@ -328,9 +397,9 @@ def plan_reuse(cfg: JobConfig, identity: dict[str, Any], greedy: bool, own_url: 
         prev = CommittedOutput.open(url, o.storage_options, cfg.retry)
     except OutputReadError as e:
         raise OutputReadError(f"output.previous: {e}") from None
-    if prev.url.rstrip("/") == own_url.rstrip("/"):
-        raise ConfigError(f"output.previous names this run's own output folder ({own_url}): name an earlier output "
-                          "(a rerun of the same output resumes by itself)")
+    if _same_folder(prev.location, own_url, o.storage_options, cfg.retry):
+        raise ConfigError(f"output.previous ({url}) is this run's own output folder ({own_url}), by another "
+                          "spelling or a link: name an earlier output (a rerun of the same output resumes by itself)")
     plan.finished = prev.finished
     plan.pool_from = _pool_source(plan, prev, identity)
     theirs = reuse_fingerprint(prev.config_identity, greedy)
@@ -346,6 +415,19 @@ def plan_reuse(cfg: JobConfig, identity: dict[str, Any], greedy: bool, own_url: 
     plan.note = f"output.previous: reusing the unchanged rows of {prev.url}, {prev.rows_committed} committed row(s), {state}"
     log.info("%s", plan.note)
     return plan
+
+
+def _same_folder(prev: Any, own_url: str, storage_options: dict[str, Any], retry: Any) -> bool:
+    """Whether the previous output's location ``prev`` is the folder ``own_url`` by identity
+    (:func:`pipeline.storage.same_location`: a real path or the same file on local disk, the
+    normalised bucket and key on an object store), not by spelling."""
+    from pipeline.config import OutputConfig
+    from pipeline.output.location import OutputLocation
+    from pipeline.storage import same_location
+
+    own = OutputLocation(OutputConfig(uri=own_url, partition_by_date=False, storage_options=dict(storage_options or {})),
+                         retry)
+    return same_location(prev.fs, prev.root, own.fs, own.root)
 
 
 def pool_size(cfg: JobConfig) -> int:
@@ -400,10 +482,14 @@ def share_previous(plan: ReusePlan, cfg: JobConfig) -> dict[str, Any]:
     import ray
 
     task = ray.remote(num_cpus=0, num_returns=2)(_read_remote)
-    table_ref, counts_ref = task.remote(url, cfg.output.storage_options, cfg.retry.model_dump())
+    table_ref, counts_ref = task.remote(url, cfg.output.storage_options, cfg.retry.model_dump(), plan.vocab_size)
     try:
         plan.counts = ray.get(counts_ref)
     except ray.exceptions.RayTaskError as e:  # our own error, raised in the task: as it was
+        try:  # the table's result holds the same error: fetched, so Ray prints no "Unhandled error" for it
+            ray.get(table_ref)
+        except Exception:  # noqa: BLE001 - the same failure, reported once below
+            pass
         cause = getattr(e, "cause", None)
         if isinstance(cause, Exception):
             raise cause from None
@@ -411,6 +497,9 @@ def share_previous(plan: ReusePlan, cfg: JobConfig) -> dict[str, Any]:
     c = plan.counts
     pool = min(c["usable"], plan.pool_size) if plan.pool_from else 0
     c["pool_seeded_rows"] = pool
+    if c.get("rejected_rows"):
+        log.warning("output.previous: %d row(s) of %s are not copied and decoded afresh: %s", c["rejected_rows"], url,
+                    "; ".join(f"{n} {why}" for why, n in c["rejected"].items()))
     if pool:
         log.info("output.previous: %d committed row(s) of %s seed each actor's job-wide draft pool", pool, url)
     if plan.previous is None:
@@ -427,8 +516,8 @@ def share_previous(plan: ReusePlan, cfg: JobConfig) -> dict[str, Any]:
             "copy": plan.previous is not None, "pool": pool}
 
 
-def _read_remote(url: str, storage_options: dict[str, Any], retry: dict[str, Any]):
-    table, counts = read_previous(url, storage_options, retry)
+def _read_remote(url: str, storage_options: dict[str, Any], retry: dict[str, Any], vocab_size: int | None = None):
+    table, counts = read_previous(url, storage_options, retry, vocab_size)
     return table, {**counts, "nbytes": table.nbytes}
 
 

@@ -58,7 +58,8 @@ from pipeline.engine import GenerationSettings
 from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
 from pipeline.output import OutputWriter, ResumePlan, RunError
-from pipeline.processor import Processor, check_generation, resolve_job_generation  # noqa: F401 (re-exported)
+from pipeline.processor import (Processor, check_generation, check_generation_and_vocabulary,  # noqa: F401
+                                resolve_job_generation)
 from pipeline.ray_setup import (PlanError, check_resource_plan, init_ray, open_load_board,  # noqa: F401
                                 quiet_ray_data_console, read_load_board)
 from pipeline.input import Shard, carried_columns, partition_keys, read_units_batch, resolve_shards, units_of
@@ -123,11 +124,12 @@ def preflight(cfg: JobConfig) -> Preflight:
     need = cfg.prompt_columns()
     shards = resolve_shards(cfg.input, cfg.retry, cfg.output, columns=need, list_columns=every)
     carry = carried_columns(shards, need, every, cfg.input.id_column, cfg.input.text_column)
-    generation = check_generation(cfg)  # models, the template rendered once, generation settings
+    generation, vocab_size = check_generation_and_vocabulary(cfg)  # models, the template once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards) + list(carry or []),
                           split_rows=cfg.input.split_rows)
     identity = run_identity(cfg, generation, shards)
     reuse = plan_reuse(cfg, identity, greedy=not generation.do_sample, own_url=writer.location.url())
+    reuse.vocab_size = vocab_size
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
     try:
         plan = writer.prepare(units_of(shards), identity)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import posixpath
 import stat
 from typing import Any, NoReturn, TypeVar
 
@@ -78,6 +79,33 @@ def resolved_location(fs: fsspec.AbstractFileSystem, path: str) -> str:
             return path
         return resolved_location(fs, head or "/").rstrip("/") + "/" + tail + path[cut:]
     return os.path.realpath(path)
+
+
+def same_location(fs_a: fsspec.AbstractFileSystem, a: str, fs_b: fsspec.AbstractFileSystem, b: str) -> bool:
+    """Whether ``a`` on ``fs_a`` and ``b`` on ``fs_b`` are one folder by identity, whatever
+    their spelling: on local disk their real paths (symlinks, ``.``, ``..``, ``//``
+    resolved), or ``os.path.samefile`` when both exist (a bind mount, a hard-linked
+    folder); elsewhere the same protocol, endpoint and bucket + key with ``.``, ``..``, ``//``
+    and a trailing ``/`` normalised (an over-cautious answer where a store keeps ``a/./b``
+    apart from ``a/b``: this decides what must not be deleted or read as another output)."""
+    if is_local(fs_a) != is_local(fs_b):
+        return False
+    if is_local(fs_a):
+        ra, rb = os.path.realpath(a), os.path.realpath(b)
+        if ra == rb:
+            return True
+        try:
+            return os.path.samefile(ra, rb)
+        except OSError:
+            return False
+    if set(protocols(fs_a)) != set(protocols(fs_b)):
+        return False
+    from pipeline.retry import endpoint_of
+
+    if endpoint_of(fs_a) != endpoint_of(fs_b):
+        return False
+    norm = lambda p: posixpath.normpath("/" + p.split("://", 1)[-1]).strip("/")  # noqa: E731
+    return norm(a) == norm(b)
 
 
 def under(path: str, folder: str) -> bool:

@@ -30,7 +30,7 @@ next-token distribution); nothing is generated.  Steps (:func:`run`):
    draft positions 1-3, cross-entropy against the target's top-8 distribution on the
    draft vocabulary, answer tokens weighted 4x, 30 % of prompt positions sampled), the
    rows in a seeded order, epoch after epoch.  Every :data:`SAVE_EVERY` steps, and at the
-   end, ``<output>/train_state.pt`` keeps the head, the optimizer's state and the position
+   end, ``<output>/train_state.safetensors`` (safetensors + JSON, :mod:`train.state_files`; never a pickle) keeps the head, the optimizer's state and the position
    in the row order: a rerun with the same ``--output`` continues where it stopped (a rerun
    with a larger ``--steps`` trains on); a different output, ``--holdout`` or ``--seed`` is
    refused.
@@ -70,8 +70,11 @@ from typing import Any
 from pipeline.config import JobRefused
 from train.drafter_acceptance import (MAX_LEN, HeldOut, acceptance, held_out_record, score,  # noqa: F401
                                       stored_layers, train_record)
+from train.state_files import StateFileError, load_state, refuse_pickled, save_state
 
-STATE = "train_state.pt"
+STATE = "train_state.safetensors"
+#: the pickled state an older version wrote: never loaded, refused by name
+PICKLED_STATE = "train_state.pt"
 REPORT = "report.json"
 #: the files this job writes in --output (and, promoted, in --promote-to)
 HEAD_FILES = ("model.safetensors", "config.json")
@@ -80,7 +83,7 @@ OWN_FILES = (*HEAD_FILES, STATE, REPORT)
 OWN_TEMPORARY = (".saving", f"{STATE}.tmp", f"{REPORT}.tmp", *(f".{n}.tmp" for n in (*HEAD_FILES, REPORT)))
 UNROLL, STEP_DECAY, ANSWER_WEIGHT, PROMPT_FRACTION = 3, 0.8, 4.0, 0.3
 NEW_HEAD_VOCAB = 16384
-#: steps between two saves of ``train_state.pt``
+#: steps between two saves of ``train_state.safetensors``
 SAVE_EVERY = 10
 #: the columns of a job's output rows the training reads
 COLUMNS = ["id", "prompt", "output_text", "finish_reason", "error", "prompt_tokens", "new_tokens", "output_token_ids"]
@@ -296,6 +299,10 @@ def check_folder_for_writing(path: str, flag: str, head_ok: bool) -> None:
         return
     if not os.path.isdir(path):
         raise TrainDrafterError(f"{flag} {path!r} is a file, not a folder")
+    try:
+        refuse_pickled(path, (PICKLED_STATE,))
+    except StateFileError as e:
+        raise TrainDrafterError(f"{flag}: {e}") from None
     names = set(os.listdir(path))
     foreign = sorted(names - set(OWN_FILES) - set(OWN_TEMPORARY))
     if head_ok and is_draft_head(path):
@@ -346,6 +353,7 @@ def check_options(opts: Options) -> tuple[str, str | None]:
         raise TrainDrafterError("--steps must be >= 0, --max-draft and --tokens-per-step >= 1, --lr > 0")
     out_dir = os.path.abspath(os.path.expanduser(opts.output))
     check_folder_for_writing(out_dir, "--output", head_ok=False)
+    read_saved_state(os.path.join(out_dir, STATE))  # a bad state is refused now, before the models load
     promote = os.path.abspath(os.path.expanduser(opts.promote_to)) if opts.promote_to else None
     if promote:
         check_folder_for_writing(promote, "--promote-to", head_ok=True)
@@ -353,6 +361,25 @@ def check_options(opts: Options) -> tuple[str, str | None]:
         raise TrainDrafterError(f"--head {opts.head!r} is not a draft-head folder (config.json with model_type "
                                 "'specbatch_draft_head' and model.safetensors)")
     return out_dir, promote
+
+
+def read_saved_state(state_file: str) -> dict | None:
+    """The training state saved in ``state_file`` (safetensors + JSON), or None when there is none.
+
+    Raises:
+        TrainDrafterError: the file is not such a state (a pickle, a truncated file...); named, never run.
+    """
+    if not os.path.isfile(state_file):
+        return None
+    try:
+        saved = load_state(state_file)
+    except StateFileError as e:
+        raise TrainDrafterError(f"--output: {e}") from None
+    if not isinstance(saved, dict) or not {"source", "start_from", "before", "head_config", "head", "optimizer",
+                                           "state"} <= set(saved):
+        raise TrainDrafterError(f"--output: {state_file!r} is not this job's training state: delete it to start "
+                                "afresh")
+    return saved
 
 
 @dataclass
@@ -438,7 +465,7 @@ class Training:
         self.state_file = os.path.join(out_dir, STATE)
         self.source_id = {"uri": job.uri, "parts": job.parts, "holdout": opts.holdout, "seed": opts.seed,
                           "max_rows": opts.max_rows}
-        saved = torch.load(self.state_file, weights_only=False) if os.path.isfile(self.state_file) else None
+        saved = read_saved_state(self.state_file)
         if saved is not None and saved["source"] != self.source_id:
             raise TrainDrafterError(f"--output {opts.output!r} holds the training on another output or with other "
                                     "--holdout / --seed / --max-rows: choose another --output")
@@ -495,14 +522,10 @@ class Training:
         return idx
 
     def save_state(self) -> None:
-        import torch
-
         os.makedirs(self.out_dir, exist_ok=True)
-        tmp = self.state_file + ".tmp"
-        torch.save({"source": self.source_id, "start_from": self.start_from, "before": self.before,
-                    "head_config": self.head.head_config.to_dict(), "head": self.head.state_dict(),
-                    "optimizer": self.opt.state_dict(), "state": self.st}, tmp)
-        os.replace(tmp, self.state_file)
+        save_state(self.state_file, {"source": self.source_id, "start_from": self.start_from, "before": self.before,
+                                     "head_config": self.head.head_config.to_dict(), "head": self.head.state_dict(),
+                                     "optimizer": self.opt.state_dict(), "state": self.st})
 
     def _batch_records(self, perm: list[int]) -> tuple[list[dict], list[int]]:
         """The next step's training records, about ``--tokens-per-step`` tokens, in the rows'

@@ -77,6 +77,7 @@ sys.path.insert(0, str(REPO))
 
 from train.draft_head_training import (Data, init_head, lr_scale, make_batch, make_optimizer,  # noqa: E402
                                       record, topk_logprobs, train_step, unrolled)
+from train.state_files import load_state, refuse_pickled, save_state  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 #: XSum articles 0..199 are the report set, 200..263 the benchmark set: never trained on
@@ -89,14 +90,11 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- text sources
 def load_xsum(data: Path) -> list[dict]:
-    from pipeline.corpora import HELM_PREFIX, HELM_SUFFIX, strip_wrapper as _strip
+    """The XSum articles (:func:`pipeline.corpora.xsum_rows`, HELM's wrapper stripped) as
+    ``{"text", "summary"}``, in file order."""
+    from pipeline.corpora import xsum_rows
 
-    rows = []
-    with open(data / "xsum_helm_1000" / "xsum_0shot.jsonl", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            rows.append({"text": _strip(r["article"], HELM_PREFIX, HELM_SUFFIX), "summary": r["summary_gt"].strip()})
-    return rows
+    return [{"text": r["text"], "summary": r["reference"].strip()} for r in xsum_rows(data)]
 
 
 def news_documents(data: Path) -> list[list[str]]:
@@ -141,29 +139,33 @@ def news_paragraphs(docs: list[list[str]], seed: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- records
 class Shards:
-    """Records in numbered ``torch.save`` files under ``folder`` (written atomically), with a
-    ``done`` marker once the stage is complete."""
+    """Records in numbered safetensors + JSON files under ``folder`` (:mod:`train.state_files`,
+    written atomically; never a pickle), with a ``done`` marker once the stage is complete.
+
+    Raises (on construction):
+        StateFileError: ``folder`` holds shards an older version pickled (``shard-*.pt``),
+            named and never loaded.
+    """
 
     def __init__(self, folder: Path):
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
+        refuse_pickled(folder, sorted(p.name for p in folder.glob("shard-*.pt")))
 
     def files(self) -> list[Path]:
-        return sorted(self.folder.glob("shard-*.pt"))
+        return sorted(self.folder.glob("shard-*.safetensors"))
 
     def write(self, records: list[dict], meta: dict) -> None:
         n = len(self.files())
-        tmp = self.folder / f".shard-{n:05d}.tmp"
-        torch.save({"records": records, "meta": meta}, tmp)
-        tmp.rename(self.folder / f"shard-{n:05d}.pt")
+        save_state(self.folder / f"shard-{n:05d}.safetensors", {"records": records, "meta": meta})
 
     def meta(self) -> list[dict]:
-        return [torch.load(f, weights_only=False)["meta"] for f in self.files()]
+        return [load_state(f)["meta"] for f in self.files()]
 
     def load(self) -> list[dict]:
         out = []
         for f in self.files():
-            out += torch.load(f, weights_only=False)["records"]
+            out += load_state(f)["records"]
         return out
 
     @property
@@ -311,12 +313,18 @@ def coverage(records: list[dict], order: torch.Tensor, sizes: list[int]) -> dict
 
 def train_head(head, train: Data, args, work: Path, vocab_index: torch.Tensor) -> dict:
     """AdamW with warm-up and cosine decay for ``--train-minutes`` of wall time (resumable
-    from ``work/train-state.pt``)."""
+    from ``work/train-state.safetensors``, safetensors + JSON: never a pickle).
+
+    Raises:
+        StateFileError: the saved state is not safetensors + JSON (an older version's pickled
+            ``train-state.pt`` included), named and never loaded.
+    """
     opt, params = make_optimizer(head, args.lr)
-    state_file = work / "train-state.pt"
+    state_file = work / "train-state.safetensors"
+    refuse_pickled(work, ("train-state.pt",))
     st = {"step": 0, "elapsed": 0.0, "tokens": 0, "losses": [], "agree": []}
     if state_file.exists():
-        saved = torch.load(state_file, weights_only=False)
+        saved = load_state(state_file)
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         st = saved["stats"]
@@ -371,9 +379,7 @@ def train_head(head, train: Data, args, work: Path, vocab_index: torch.Tensor) -
 
 
 def _save_state(path: Path, head, opt, st) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "stats": st}, tmp)
-    tmp.rename(path)
+    save_state(path, {"head": head.state_dict(), "opt": opt.state_dict(), "stats": st})
 
 
 # ----------------------------------------------------------------------------- evaluation

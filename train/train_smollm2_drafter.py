@@ -70,14 +70,11 @@ def log(msg: str) -> None:
 
 
 def load_xsum() -> list[dict]:
-    from pipeline.corpora import HELM_PREFIX, HELM_SUFFIX, strip_wrapper as _strip
+    """The XSum articles of ``../shared/data`` (:func:`pipeline.corpora.xsum_rows`, HELM's
+    wrapper stripped) as ``{"text", "summary"}``, in file order."""
+    from pipeline.corpora import xsum_rows
 
-    rows = []
-    with open(DATA / "xsum_helm_1000" / "xsum_0shot.jsonl", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            rows.append({"text": _strip(r["article"], HELM_PREFIX, HELM_SUFFIX), "summary": r["summary_gt"].strip()})
-    return rows
+    return [{"text": r["text"], "summary": r["reference"].strip()} for r in xsum_rows(DATA)]
 
 
 def news_text() -> list[str]:

@@ -317,7 +317,11 @@ def _load_draft_head(path, target, dtype, device) -> DraftHead:
     with open(cfg_file) as f:
         config = DraftHeadConfig.from_dict(json.load(f))
     head = DraftHead(config)
-    state = load_file(weights)
+    try:
+        state = load_file(weights)
+    except Exception as e:  # noqa: BLE001 - SafetensorError (a pickle, a truncated file) is no ValueError
+        raise ValueError(f"method 'eagle': {weights!r} is not a safetensors file ({type(e).__name__}: {e}); "
+                         "weights are read only as safetensors, never unpickled") from None
     expected = set(head.state_dict())
     if config.tie_lm_head:
         expected.discard("lm_head.weight")

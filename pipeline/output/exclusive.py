@@ -51,12 +51,13 @@ def s3_call(fs, method: str, path: str, **kw):
     return fs.call_s3(method, Bucket=bucket, Key=key, **kw)
 
 
-def create_local(path: str, data: bytes) -> bool:
-    """Create the local file ``path`` holding ``data``, whole and only if it does not exist
-    (a flushed temporary file hard-linked to it).  Returns False when ``path`` exists.
+def write_temp(path: str, data: bytes) -> str:
+    """Write ``data`` to a fresh temporary file beside the local file ``path``
+    (:func:`~pipeline.output.layout.temp_name`, created exclusively, never through a link),
+    flushed to disk; returns its path, for the caller to link or rename into place.
 
     Raises:
-        OSError: the write failed (``ENOSPC``...); nothing is left behind.
+        OSError: the write failed (``ENOSPC``...); the temporary file is removed.
     """
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -65,6 +66,23 @@ def create_local(path: str, data: bytes) -> bool:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def create_local(path: str, data: bytes) -> bool:
+    """Create the local file ``path`` holding ``data``, whole and only if it does not exist
+    (a flushed temporary file, :func:`write_temp`, hard-linked to it).  Returns False when
+    ``path`` exists.
+
+    Raises:
+        OSError: the write failed (``ENOSPC``...); nothing is left behind.
+    """
+    tmp = write_temp(path, data)
+    try:
         os.link(tmp, path, follow_symlinks=False)
         return True
     except FileExistsError:

@@ -245,8 +245,13 @@ class S3LeaseStore(LeaseStore):
     def create(self) -> bool:
         if self.read() is not None:  # never put over a lease, even on a store that ignores the condition
             return False
-        resp, failed = self._call("put_object", "create the lease", Body=self._body(), IfNoneMatch="*",
-                                  ContentType="application/json")
+        return self._put_and_read_back("create the lease", IfNoneMatch="*")
+
+    def _put_and_read_back(self, what: str, **condition: str) -> bool:
+        """Put our lease under ``condition`` (``IfNoneMatch`` / ``IfMatch``), keep its ETag and
+        read it back: True when the lease now in the store is the one we wrote (False: the
+        condition failed, or a store ignoring it let a concurrent writer replace it)."""
+        resp, failed = self._call("put_object", what, Body=self._body(), ContentType="application/json", **condition)
         if failed:
             return False
         self.etag = resp["ETag"]
@@ -283,12 +288,7 @@ class S3LeaseStore(LeaseStore):
             now = self.read()
             if now is None or now.token != stale.token:
                 return False
-        resp, failed = self._call("put_object", "take over the lease", Body=self._body(), IfMatch=stale.token,
-                                  ContentType="application/json")
-        if failed:
-            return False
-        self.etag = resp["ETag"]
-        return self._read_back()
+        return self._put_and_read_back("take over the lease", IfMatch=stale.token)
 
     def after_acquire(self) -> None:
         """Check the store honours both conditions (our own lease is the probe)."""

@@ -37,9 +37,10 @@ import posixpath
 from typing import Any
 
 from pipeline.config import JobRefused, OutputConfig
+from pipeline.output import exclusive
 from pipeline.output.commit_log import CommitLog
 from pipeline.output.layout import (DATA_FILE, LEASE, LOG, LOG_RECORD, MANIFEST, STAGING, SUCCESS, SUMMARY,
-                                    TEMP_FILE, data_file_run, owned_layout_file, owned_output_path, temp_name)
+                                    TEMP_FILE, data_file_run, owned_layout_file, owned_output_path)
 from pipeline.output.manifest import Manifest, ManifestDamaged, read_manifest
 from pipeline.retry import endpoint_of, open_fs, retrying
 from pipeline.storage import (is_local, is_object_store, prune_empty, raise_refusal, refuse_special, resolved_location,
@@ -134,7 +135,8 @@ class OutputLocation:
 
     def put_atomic(self, path: str, data: bytes, what: str) -> None:
         """Write the small file ``path`` (a manifest record, a marker) whole or not at all,
-        retried: on local disk it is written under :func:`temp_name`, flushed to disk, then
+        retried: on local disk it is written under a temporary name
+        (:func:`pipeline.output.exclusive.write_temp`), flushed to disk, then
         renamed over ``path`` (a failed write, a full disk included, removes the temporary
         file and leaves ``path`` as it was); on an object store it is one PUT, which the
         store makes atomic.
@@ -147,13 +149,8 @@ class OutputLocation:
             if not self.local:
                 self.fs.pipe_file(path, data)
                 return
-            tmp = temp_name(path)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            tmp = exclusive.write_temp(path, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -358,6 +355,40 @@ class OutputLocation:
             self.io(write_probe, f"write to {self.url()}")
         except Exception as e:
             self.refused(e, "writable")
+
+    def check_committed_sizes(self, m: Manifest) -> None:
+        """Before a resume builds on them: every data file a committed unit names is there,
+        of the size its record says (``checksums``; a unit of a version before them: only
+        there).  Sizes come from one listing; the SHA-256 is checked where the bytes are
+        read (:mod:`pipeline.output.reader`): a resume does not read what it skips.
+
+        Raises:
+            OutputError: naming the first file missing or of another size, and what to do.
+            StorageError: the storage kept failing with transient errors.
+        """
+        def sizes() -> dict[str, int]:
+            try:
+                return {posixpath.basename(i["name"].rstrip("/")): int(i.get("size") or 0)
+                        for i in self.fs.ls(self.root, detail=True) if i.get("type") != "directory"}
+            except FileNotFoundError:
+                return {}
+
+        if not m.entries:
+            return
+        have = self.io(sizes, f"list {self.url()}")
+        for part, e in sorted(m.entries.items()):
+            for name in e["files"]:
+                want = ((e.get("checksums") or {}).get(name) or {}).get("size")
+                got = have.get(name)
+                if got is None:
+                    problem = "is missing"
+                elif want is not None and got != want:
+                    problem = f"is {got} bytes, not the {want} its record says (cut short or replaced)"
+                else:
+                    continue
+                raise OutputError(f"output {self.url()!r}: {name}, a data file of the committed unit {part}, "
+                                  f"{problem}: a resume would keep it; nothing was written. Restore the file, or "
+                                  "rerun with --overwrite (output.overwrite: true) to decode every unit again")
 
     def refused(self, e: Exception, what: str) -> None:
         """Re-raise ``e`` from a check of the location: an :class:`OutputError` or a

@@ -128,6 +128,8 @@ def check_entry(url: str, rel: str, unit: tuple[int, int | None], entry: Any,
         files = entry.get("files", [expect] if run_id is None else None)
         if not isinstance(files, list) or not files or files != data_file_names(expect, len(files), run_id):
             problem = f"names the files {_short_list(files)}"
+        elif "checksums" in entry and not _checksums_ok(entry["checksums"], files):
+            problem = "holds checksums that are not one SHA-256, size and row count per data file it names"
     if problem is None:
         entry.setdefault("files", [expect])
         return entry
@@ -138,6 +140,22 @@ def check_entry(url: str, rel: str, unit: tuple[int, int | None], entry: Any,
         f"output {url!r}: {rel} {problem}, which are not the names this job gives {who} ({names}, directly in "
         f"the output folder); the job deletes only files it wrote, so it does nothing: remove {rel} (this job did "
         "not write it), or choose another output.uri")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _checksums_ok(checksums: Any, files: list[str]) -> bool:
+    """Whether a unit record's ``checksums`` hold, for exactly its ``files``, a SHA-256 (64
+    lower-case hex digits), a size and a row count (integers >= 0)."""
+    if not isinstance(checksums, dict) or set(checksums) != set(files):
+        return False
+    for c in checksums.values():
+        if not isinstance(c, dict) or not isinstance(c.get("sha256"), str) or not _SHA256.fullmatch(c["sha256"]):
+            return False
+        if any(not isinstance(c.get(k), int) or isinstance(c.get(k), bool) or c[k] < 0 for k in ("size", "rows")):
+            return False
+    return True
 
 
 def _not_ours(url: str, rel: str, problem: str) -> str:

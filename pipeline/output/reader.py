@@ -24,6 +24,14 @@ Every tool that reads a job's output reads it here (:class:`CommittedOutput`):
   its lease from committing, issue 50's paused-run case, and a resume under another config
   is refused: :func:`~pipeline.output.resume.plan_resume`); an earlier version's output (its
   per-unit entries) may be mixed, and so may records edited by hand.
+- **Every byte checked**: each committed data file is read whole and checked against its
+  unit's record (``checksums``: the SHA-256, size and rows the write stage measured on the
+  bytes it wrote, :func:`pipeline.output.sink.parquet_bytes`) before any of its rows is
+  yielded; a file that is missing, of another size or hash, or that does not decode as
+  Parquet raises :class:`DamagedFile`, naming it and its unit, or (``on_damaged``: the
+  nightly reuse) is passed to the caller, which leaves its rows out.  A file of an output
+  written before checksums existed is read *unverified* (it must still decode; counted in
+  :attr:`CommittedOutput.unverified`).
 - **Bounded memory**: :meth:`CommittedOutput.batches` streams record batches file by file
   (each file at most ``output.max_rows_per_file`` rows); :meth:`~CommittedOutput.table`
   gathers them for small outputs.  Each row can carry its provenance: its unit's part name
@@ -41,7 +49,7 @@ import datetime as _dt
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
@@ -60,7 +68,21 @@ _DAY = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 class OutputReadError(JobRefused):
     """A job output cannot be read as committed output: it does not exist, holds no
     committed unit, mixes configs, is a folder of several ``date=`` partitions, or a
-    committed file is missing (exit 2 in a command line)."""
+    committed file is missing or damaged (exit 2 in a command line)."""
+
+
+class DamagedFile(OutputReadError):
+    """A committed data file that fails its check: missing, unreadable, of another size or
+    SHA-256 than its unit's record says, or not decodable as Parquet.
+
+    Attributes:
+        name: the file, relative to the output folder; ``part``: its unit; ``reason``: what
+            failed (a phrase); ``rows``: the rows its record gives it (None: not known).
+    """
+
+    def __init__(self, message: str, name: str, part: str, reason: str, rows: int | None):
+        super().__init__(message)
+        self.name, self.part, self.reason, self.rows = name, part, reason, rows
 
 
 @dataclass
@@ -77,6 +99,8 @@ class CommittedOutput:
             record ends the commit log and ``_SUCCESS`` names that run).
         summary: ``_summary.json`` when there, else None.
         uncommitted: data files in the folder that no committed unit names (orphans: not read).
+        unverified: committed data files read that carry no checksum (written by a version
+            before checksums: decoded, not hashed).
     """
 
     url: str
@@ -85,6 +109,7 @@ class CommittedOutput:
     finished: bool
     summary: dict[str, Any] | None
     uncommitted: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -224,29 +249,79 @@ class CommittedOutput:
         return [(part, name, e.get("run_id")) for part, e in self.entries.items() for name in e["files"]]
 
     def batches(self, columns: list[str] | None = None, batch_size: int = 8192,
-                provenance: bool = True) -> Iterator[pa.RecordBatch]:
-        """The committed rows as record batches, file by file (memory bounded by one
-        batch).  ``columns``: those only (a column a file lacks, from an older version, is
-        null); ``provenance``: :data:`UNIT_COLUMN` and :data:`RUN_COLUMN` appended.
+                provenance: bool = True, on_damaged: Callable[[DamagedFile], None] | None = None
+                ) -> Iterator[pa.RecordBatch]:
+        """The committed rows as record batches, file by file (memory bounded by one file:
+        each is read whole and checked, :meth:`read_file`, before any of its rows is
+        yielded).  ``columns``: those only (a column a file lacks, from an older version, is
+        null); ``provenance``: :data:`UNIT_COLUMN` and :data:`RUN_COLUMN` appended;
+        ``on_damaged``: called with each :class:`DamagedFile`, whose rows are then left out
+        (None: raised).
 
         Raises:
-            OutputReadError: a committed data file is missing.
+            DamagedFile (an :class:`OutputReadError`): a committed data file is missing or
+                fails its check, naming it (unless ``on_damaged``).
+            StorageError: the storage kept failing with transient errors.
         """
+        for part, name, run_id in self.files():
+            try:
+                got = self.read_file(part, name, columns, batch_size)
+            except DamagedFile as e:
+                if on_damaged is None:
+                    raise
+                on_damaged(e)
+                continue
+            for batch in got:
+                yield _completed(batch, columns, part, run_id, provenance)
+
+    def read_file(self, part: str, name: str, columns: list[str] | None = None,
+                  batch_size: int = 8192) -> list[pa.RecordBatch]:
+        """The record batches of the committed data file ``name`` of unit ``part``, read
+        whole and checked: its size, SHA-256 and rows against the unit's ``checksums``
+        (an older version's file without them: only decoded, and listed in :attr:`unverified`),
+        its Parquet pages decoded (page CRCs verified where written).
+
+        Raises:
+            DamagedFile: saying which check failed.
+            StorageError: the storage kept failing with transient errors.
+        """
+        import hashlib
+
         from pipeline.input.formats import parquet_file
 
-        for part, name, run_id in self.files():
-            path = self.location.path(name)
-            try:
-                f = self.location.fs.open(path, "rb")
-            except FileNotFoundError:
-                raise OutputReadError(f"the output {self.url!r}: {name}, a data file of the committed unit {part} "
-                                      f"({self.record_of(part)} names it), is missing") from None
-            with f:
-                pf = parquet_file(f)
-                names = pf.schema_arrow.names
-                cols = None if columns is None else [c for c in columns if c in names]
-                for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
-                    yield _completed(batch, columns, part, run_id, provenance)
+        entry = self.entries[part]
+        check = (entry.get("checksums") or {}).get(name)
+        rows = check["rows"] if check else (entry.get("rows") if len(entry["files"]) == 1 else None)
+        path = self.location.path(name)
+
+        def damaged(reason: str) -> DamagedFile:
+            return DamagedFile(f"the output {self.url!r}: {name}, a data file of the committed unit {part} "
+                               f"({self.record_of(part)} names it), {reason}", name, part, reason, rows)
+
+        try:
+            data = self.location.io(lambda: self.location.fs.cat_file(path), f"read {name}")
+        except Exception as e:  # noqa: BLE001 - a missing file (raised as it is, or as a StorageError's cause)
+            if isinstance(e, FileNotFoundError) or isinstance(e.__cause__, FileNotFoundError):
+                raise damaged("is missing") from None
+            raise
+        if check is not None:
+            if len(data) != check["size"]:
+                raise damaged(f"is {len(data)} bytes, not the {check['size']} its record says (cut short or replaced)")
+            if hashlib.sha256(data).hexdigest() != check["sha256"]:
+                raise damaged("does not hash to the SHA-256 its record says (its content was changed)")
+        try:
+            pf = parquet_file(pa.BufferReader(data))
+            names = pf.schema_arrow.names
+            cols = None if columns is None else [c for c in columns if c in names]
+            got = list(pf.iter_batches(batch_size=batch_size, columns=cols))
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise damaged(f"does not decode as Parquet ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+        n = sum(b.num_rows for b in got)
+        if rows is not None and n != rows:
+            raise damaged(f"holds {n} rows, not the {rows} its record says")
+        if check is None and name not in self.unverified:
+            self.unverified.append(name)
+        return got
 
     def table(self, columns: list[str] | None = None, provenance: bool = True) -> pa.Table:
         """Every committed row in one table (files of older versions' schemas promoted)."""

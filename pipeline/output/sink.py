@@ -8,7 +8,9 @@ writes the rows, sorted by ``source_row``, as *fragments* of at most
 ``output.max_rows_per_file`` rows to ``_staging/<run_id>/<part stem>/<first row>-<token>.parquet``
 and returns one small record per fragment (:data:`FRAGMENT_SCHEMA`): the part, the staged
 path, the first and last ``source_row``, its rows, error rows and totals, the pid and
-host that wrote it, and whether its rows are consecutive (each once, no gap).  Output rows never travel to the driver: it commits a unit from
+host that wrote it, whether its rows are consecutive (each once, no gap), and the SHA-256
+and size of the bytes written (:func:`parquet_bytes`: the unit's record carries them, and
+every reader of committed output checks them, :mod:`pipeline.output.reader`).  Output rows never travel to the driver: it commits a unit from
 these records alone (:meth:`pipeline.output.writer.OutputWriter.add_fragments`), which
 moves the fragments to their final names (a rename or an object store's server-side copy).
 
@@ -35,8 +37,19 @@ from pipeline.input.units import UNIT_COLUMN  # each row's unit, from the read s
 FRAGMENT_SCHEMA = pa.schema([
     ("part", pa.string()), ("path", pa.string()), ("first_row", pa.int64()), ("last_row", pa.int64()),
     ("rows", pa.int64()), ("errors", pa.int64()), ("totals", pa.string()), ("pid", pa.int64()),
-    ("host", pa.string()), ("consecutive", pa.bool_()),
+    ("host", pa.string()), ("consecutive", pa.bool_()), ("sha256", pa.string()), ("size", pa.int64()),
 ])
+
+
+def parquet_bytes(table: pa.Table) -> tuple[bytes, str, int]:
+    """``table`` as the bytes of one Parquet file, their SHA-256 (hex) and their size: the
+    hash is of exactly what is written (the unit's record carries it)."""
+    import hashlib
+
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    data = buf.getvalue().to_pybytes()
+    return data, hashlib.sha256(data).hexdigest(), len(data)
 
 
 def fragment_path(staging: str, part: str, first_row: int, token: str) -> str:
@@ -90,18 +103,19 @@ def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str,
                 chunk.num_rows < 2 or pc.all(pc.equal(pc.subtract(src.slice(1), src.slice(0, chunk.num_rows - 1)),
                                                       1)).as_py())
             path = fragment_path(staging, part, first, uuid.uuid4().hex[:12])
-            table = conform(chunk, extra_columns)
+            data, sha256, size = parquet_bytes(conform(chunk, extra_columns))
 
-            def write(path=path, table=table) -> None:
+            def write(path=path, data=data) -> None:
                 if not is_object_store(fs):
                     fs.makedirs(posixpath.dirname(path), exist_ok=True)
                 with fs.open(path, "wb") as f:
-                    pq.write_table(table, f)
+                    f.write(data)
 
             io(write, f"write {part} (rows {first}..{last}) to staging")
             totals = RunTotals()
             totals.add(chunk)
             records.append({"part": part, "path": path, "first_row": first, "last_row": last,
                             "rows": chunk.num_rows, "errors": totals.errors, "totals": json.dumps(totals.state()),
-                            "pid": os.getpid(), "host": socket.gethostname(), "consecutive": bool(consecutive)})
+                            "pid": os.getpid(), "host": socket.gethostname(), "consecutive": bool(consecutive),
+                            "sha256": sha256, "size": size})
     return pa.Table.from_pylist(records, schema=FRAGMENT_SCHEMA)

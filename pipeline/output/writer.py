@@ -24,7 +24,8 @@ never write one name), by a rename on a local filesystem, a copy + delete on S3 
 copy is atomic: the object appears whole or not at all); then the unit's ``unit`` record
 (its manifest entry: its files, the source URL and its fingerprint (size + mtime or ETag),
 its shard, split, first row and rows, ``input.split_rows``, the config fingerprint
-(pipeline.fingerprint), row and error counts, the run id and the unit's totals) is
+(pipeline.fingerprint), row and error counts, the run id, the unit's totals, and each data
+file's SHA-256, size and rows, ``checksums``, which every reader checks) is
 appended to the commit log: the unit's commit point.  Files published by a run that then
 died or lost its lease are *orphans* (its run id is in the log, no committed unit names
 them): the next run removes them.  Units commit in the order they complete.
@@ -179,6 +180,8 @@ class OutputWriter:
         units = [u for x in (units or []) for u in (x.units() if hasattr(x, "units") else [x])]
         for _ in range(5):  # another run committed between our read and our epoch: read again
             m = loc.inspect(self.log)
+            if not self.cfg.overwrite:
+                loc.check_committed_sizes(m)  # a resume keeps the committed files: they must be whole
             if self.cfg.overwrite:
                 plan = plan_resume(loc.url(), units, {}, identity)
             else:
@@ -310,6 +313,9 @@ class OutputWriter:
             "errors": totals.errors,
             "committed_at": _now(),
             "totals": totals.state(),
+            # each data file's SHA-256, size and rows: every reader of committed output checks them
+            "checksums": {n: {"sha256": r["sha256"], "size": r["size"], "rows": r["rows"]}
+                          for r, n in zip(frags, names)},
         }
         seq = self._append(entry, f"the commit of {name}")
         self.written.extend(finals)
@@ -325,21 +331,20 @@ class OutputWriter:
         self._units.setdefault(unit.part, unit)
         rows = table.append_column(UNIT_COLUMN, pa.array([unit.part] * table.num_rows, pa.string()))
         if rows.num_rows == 0:
-            import pyarrow.parquet as pq
-
-            from pipeline.output.sink import FRAGMENT_SCHEMA, fragment_path
+            from pipeline.output.sink import FRAGMENT_SCHEMA, fragment_path, parquet_bytes
 
             path = fragment_path(self.staging, unit.part, unit.split.start, uuid.uuid4().hex[:12])
+            data, sha256, size = parquet_bytes(output_schema(self.extra_columns).empty_table())
 
             def write() -> None:
                 self.location.makedirs(posixpath.dirname(path))
                 with self.fs.open(path, "wb") as f:
-                    pq.write_table(output_schema(self.extra_columns).empty_table(), f)
+                    f.write(data)
 
             self.io(write, f"write {unit.part} to staging")
             rec = {"part": unit.part, "path": path, "first_row": unit.split.start, "last_row": unit.split.start - 1,
                    "rows": 0, "errors": 0, "totals": json.dumps(RunTotals().state()), "pid": 0, "host": "",
-                   "consecutive": True}
+                   "consecutive": True, "sha256": sha256, "size": size}
             records = pa.Table.from_pylist([rec], schema=FRAGMENT_SCHEMA)
         else:
             records = write_fragments(rows, **self.sink_kwargs())

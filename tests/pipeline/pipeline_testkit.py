@@ -14,6 +14,21 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
+def job_module(name: str):
+    """The entry point ``jobs/<name>.py`` as a module (``job_<name>``; loaded once: ``jobs/``
+    is no package)."""
+    import importlib.util
+    import sys
+
+    key = f"job_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, REPO / "jobs" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

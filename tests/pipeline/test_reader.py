@@ -11,9 +11,7 @@ A run is killed at the seam ``test_fencing.py`` pauses runs at: the commit log's
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,7 +24,7 @@ from pipeline.output import OutputWriter, is_complete
 from pipeline.output.reader import RUN_COLUMN, CommittedOutput, OutputReadError, previous_partition
 from pipeline.report import ReportError, load_run, write_report
 from pipeline.schema import OUTPUT_SCHEMA
-from pipeline_testkit import REPO, killed_inside_commit
+from pipeline_testkit import job_module, killed_inside_commit
 SHARD = Shard(index=0, url="/in/rows.jsonl", format="jsonl", num_rows=6, fingerprint="size=60;mtime=1")
 UNITS = [Unit(SHARD, k, Split(2 * k, 2)) for k in range(3)]
 #: a config identity whose task is the default config's (train_drafter checks --config against it)
@@ -185,13 +183,7 @@ def test_a_committed_file_that_went_missing_is_named_with_its_record(tmp_path):
 
 
 def _train_drafter():
-    name = "job_train_drafter"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "jobs" / "train_drafter.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return job_module("train_drafter")
 
 
 def test_the_report_and_train_drafter_agree_on_a_killed_then_resumed_output(tmp_path):

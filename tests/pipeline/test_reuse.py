@@ -206,7 +206,7 @@ def test_the_table_finds_every_key_and_no_other(tmp_path):
     rows += [dict(rows[6], reuse_key=None, id="old"), dict(rows[7], error="ValueError: x", id="failed")]
     batches = pa.Table.from_pylist(rows).to_batches(max_chunksize=37)
     table, counts = ReuseTable.from_batches(batches, lambda run: f"prev#{run}")
-    assert counts == {"rows": len(rows), "usable": len(keys) + 1, "keyless": 1}
+    assert counts == {"rows": len(rows), "usable": len(keys) + 1, "keyless": 1, "rejected_rows": 0, "rejected": {}}
     for i, k in enumerate(keys):
         hit = table.output(table.find(k))
         assert hit.token_ids == [i, i + 1] and hit.reused_from == f"prev#{'a' if i % 2 else 'b'}"
@@ -289,7 +289,7 @@ def test_a_killed_previous_runs_files_are_never_copied(tiny_models, tmp_path, ca
     assert plan.previous == str(night) and plan.finished is False and "unfinished" in plan.note
     assert "only its committed units are read" in caplog.text
     table, counts = read_previous(plan.previous)
-    assert counts == {"rows": 2, "usable": 2, "keyless": 0}
+    assert counts == {"rows": 2, "usable": 2, "keyless": 0, "rejected_rows": 0, "rejected": {}, "unverified_files": 0}
     assert [table.find(f"{i:032x}") is not None for i in range(4)] == [True, True, False, False]
     assert table.output(table.find(f"{1:032x}")).reused_from == f"{night}#{run}"
 

@@ -4,27 +4,17 @@ run resumes to the very head an uninterrupted run makes, the held-back acceptanc
 measured before and after (and rises: the target's answers are what the head learns), the
 head is promoted only when better, and bad inputs are refused in one line with exit 2."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline_testkit import TEXTS, job_config, write_jsonl
-
-REPO = Path(__file__).resolve().parents[2]
+from pipeline_testkit import TEXTS, job_config, job_module, write_jsonl
 
 
 def _job():
-    name = "job_train_drafter"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "jobs" / "train_drafter.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return job_module("train_drafter")
 
 
 ROWS = 32
@@ -120,7 +110,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_head(job_output, tmp_pat
     monkeypatch.setattr(training, "train_step", dies_at_the_sixth)
     with pytest.raises(KeyboardInterrupt):
         job.main(_args(job_output, tmp_path / "killed", "--steps", "7"))
-    state = torch.load(tmp_path / "killed" / "train_state.pt", weights_only=False)
+    from train.state_files import load_state
+
+    state = load_state(tmp_path / "killed" / "train_state.safetensors")
     assert state["state"]["step"] == 4  # the last checkpoint before the kill
     assert not (tmp_path / "killed" / "model.safetensors").exists()  # no half-written head
     monkeypatch.setattr(training, "train_step", original)
