@@ -32,9 +32,9 @@ lands on every shape alike):
   and values written and read once).
 
 The KV cache: one row's prompt (``--context`` random token ids, fixed seed: a pass's cost does
-not depend on the ids) is prefilled in slot 0 and copied to the other rows' slots; as in a
-running batch, rows after the first sit in slots from the top down, so their keys and values
-are gathered as the loop gathers them.  Not a test, not run in CI (``tests/bench`` runs it on
+not depend on the ids) is prefilled in slot 0 and copied to the other rows' slots; ``B`` rows sit in slots
+``0 .. B-1``, as a full batch of the loop does (its scheduler steps rows in slot order, and
+they read their caches in place).  Not a test, not run in CI (``tests/bench`` runs it on
 the tiny demo model)::
 
     python bench/bench_roofline.py --output reports/bench_roofline     # SmolLM2-135M, float32
@@ -215,7 +215,7 @@ def measure(args) -> dict:
     g = torch.Generator().manual_seed(0)
     vocab = facts["vocab"]
     prompt = torch.randint(min(100, vocab // 2), vocab, (context,), generator=g)
-    slots = [0] + [capacity - i for i in range(1, capacity)]
+    slots = list(range(capacity))  # a full batch: the scheduler steps rows in slot order, caches read in place
     timer = PartTimer(engine)
     try:
         with torch.inference_mode():
