@@ -103,11 +103,12 @@ class _Rows:
     def first(self, b: int) -> list[RowState]:
         new = []
         for i in range(len(self.rows), b):
-            # Row 0 in slot 0, the others from the top slot down: one row reads its cache in
-            # place, as a lone row does, while B > 1 rows are never slots 0 .. B-1, so their
-            # keys and values are gathered as in a running batch, whose rows come and go in
-            # any order (see SlotLayer.update).
-            slot = 0 if i == 0 else self.capacity - i
+            # Row i in slot i: B rows are slots 0 .. B-1, as a full batch of the loop is (the
+            # scheduler steps its rows in slot order, so they read their caches in place, see
+            # SlotLayer.update).  Rows in scattered slots would gather every row's keys and
+            # values in every layer, a copy the loop pays only in a batch's ragged tail: that
+            # put t(1, 16) at 3-4x the loop's step (issue 54).
+            slot = i
             row = self.engine.new_row(i, self.prompts[i % len(self.prompts)], self.settings, slot, self.runner.device)
             if isinstance(row, str):
                 raise ValueError(f"cannot profile with prompt {i % len(self.prompts)}: {row}")

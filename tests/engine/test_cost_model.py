@@ -158,6 +158,25 @@ def test_profile_measures_every_batch_size_width_and_draft_length(pair):
     assert [r.token_ids for r in engine.generate_batch(prompts, settings, max_batch_size=2)] == want
 
 
+def test_profile_puts_b_rows_in_slots_0_to_b_minus_1_as_the_loops_full_batch(pair):
+    """The loop steps a full batch in slot order, reading its caches in place: the profile's
+    passes at B rows use slots 0 .. B-1 too (scattered slots gathered every row's cache in
+    every layer, which put t(1, 16) at 1.3x the loop's step, issue 54)."""
+    target, _ = pair
+    engine = SpeculativeEngine(target)
+    seen = []
+    real = engine.target_pass
+
+    def spy(slots, *a, **k):
+        seen.append(list(slots))
+        return real(slots, *a, **k)
+
+    engine.target_pass = spy
+    profile_engine(engine, [prompt_of(n, seed=n).tolist()[0] for n in (5, 9, 7)], [1, 2, 3], widths=[1, 2], repeats=1)
+    # each row's prefill in its own slot, then the passes of 1, 2 and 3 rows
+    assert {tuple(s) for s in seen} == {(0,), (1,), (2,), (0, 1), (0, 1, 2)}
+
+
 def test_profile_stops_the_batch_sweep_where_batching_stops_paying(pair):
     """With a stop ratio the sizes are measured in increasing order and the sweep ends after
     the first B whose per-row cost exceeds ratio × the cheapest so far: ratio 0 stops after

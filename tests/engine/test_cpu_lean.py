@@ -1,7 +1,7 @@
 """The lean Llama pass (pipeline/engine/cpu/lean.py) against the model's own forward, through the
 runner: prefill, ragged decoding rows, a token tree; logits and the KV cache written, in
 float64 (to rounding) and float32; which models and passes take it; weights changed in
-place; forward hooks; the compiled layer of 1-2 token passes, chosen when the model is prepared."""
+place; forward hooks; the compiled layer of 1-4 token passes, chosen when the model is prepared."""
 
 from __future__ import annotations
 
@@ -224,14 +224,14 @@ def test_a_global_forward_hook_takes_the_models_forward(counted):
 
 def _few_token_passes(model, compiled: bool, monkeypatch):
     """Prefills of two rows, then passes of 1-5 tokens in all (one-token passes on slot rows 0
-    and 1, two rows of one token, a row of 3 tokens, a token tree of 5 nodes) with hidden
+    and 1, two rows of one token, a row of 3 tokens, a token tree of 5 nodes, two rows of 2 tokens) with hidden
     states asked for: the logits, hidden states and the cache after them.  With ``compiled``,
     the model is prepared with the compiled layer taken wherever it compiles (passes of up to
     lean.COMPILED_MAX_TOKENS tokens)."""
     monkeypatch.setattr(lean.LeanPass, "_offers_compiled_layer", lambda self: compiled)
     monkeypatch.setattr(lean.LeanPass, "_time", lambda self, tokens, graphs, costs: 0.0 if graphs else 1.0)
     plan = prepare(model, CpuOptions(lean_pass=True, compiled_layer=compiled))
-    assert sorted(plan.lean.graphs) == ([1, 2] if compiled else [])
+    assert sorted(plan.lean.graphs) == (list(range(1, lean.COMPILED_MAX_TOKENS + 1)) if compiled else [])
     runner = ModelRunner(model, 2)
     out = []
     with torch.inference_mode():
@@ -239,7 +239,8 @@ def _few_token_passes(model, compiled: bool, monkeypatch):
         runner.forward([1], [prompt_of(4, seed=7)[0]], [0])
         for slots, tokens, starts, trees in (([0], [[5]], [7], None), ([1], [[9]], [4], None),
                                              ([0, 1], [[2], [11]], [8, 5], None), ([1], [[3, 4, 6]], [6], None),
-                                             ([0], [[7, 8, 9, 10, 12]], [9], [[-1, 0, -1, 2]]), ([0], [[1]], [10], None)):
+                                             ([0], [[7, 8, 9, 10, 12]], [9], [[-1, 0, -1, 2]]), ([0], [[1]], [10], None),
+                                             ([0, 1], [[2, 3], [4, 5]], [11, 9], None)):
             r = runner.forward(slots, [torch.tensor(t) for t in tokens], starts, logits_to_keep=0,
                                output_hidden_states=True, trees=trees)
             out.append((r.logits, r.hidden_states))
@@ -268,7 +269,7 @@ def test_passes_of_few_tokens_through_the_compiled_layer_give_the_models_logits_
     monkeypatch.setattr(lean.LeanPass, "__call__", counted)
     want, want_cache = _few_token_passes(model, False, monkeypatch)
     got, got_cache = _few_token_passes(model, True, monkeypatch)
-    assert calls[-1] == [1, 2]
+    assert calls[-1] == list(range(1, lean.COMPILED_MAX_TOKENS + 1))
     for (gl, gh), (wl, wh) in zip(got, want):
         torch.testing.assert_close(gl, wl, rtol=tol, atol=tol)
         for g, w in zip(gh, wh, strict=True):
@@ -290,9 +291,11 @@ def test_the_compiled_layer_is_taken_where_measured_faster_by_the_margin_at_load
                         or (compiled_seconds if graphs else 1.0))
     model = build("llama", layers=2).float()
     plan = prepare(model, CpuOptions())
-    assert compiled == [1, 2] and sorted(timed) == [(1, False), (1, True), (2, False), (2, True)]
-    assert plan.lean.graphs == ({1: ("graphs", 1), 2: ("graphs", 2)} if chosen else {})
-    assert plan.describe()["compiled_layer_tokens"] == ([1, 2] if chosen else [])
+    counts = list(range(1, lean.COMPILED_MAX_TOKENS + 1))
+    assert counts[:2] == [1, 2] and compiled == counts
+    assert sorted(timed) == [(n, c) for n in counts for c in (False, True)]
+    assert plan.lean.graphs == ({n: ("graphs", n) for n in counts} if chosen else {})
+    assert plan.describe()["compiled_layer_tokens"] == (counts if chosen else [])
     compiled.clear(), timed.clear()
     plan = prepare(build("llama", layers=2).float(), CpuOptions(compiled_layer=False))
     assert not compiled and not timed and not plan.lean.graphs

@@ -43,9 +43,10 @@ SUPPORTED_CLASSES = ("LlamaForCausalLM",)
 #: head's query heads into the query length for SDPA instead of its grouped-query kernel
 #: (``enable_gqa``), which costs up to twice as much from two query tokens on.
 FOLD_MAX_QUERY = 16
-#: the most tokens in all a pass may have to run the compiled layer: from 3 tokens the whole
-#: pass measured 0.96-1.04x of the eager layer's (docs/benchmarks.md)
-COMPILED_MAX_TOKENS = 2
+#: the most tokens in all a pass may have to run the compiled layer (each count's graphs are
+#: compiled, and kept where measured faster at load): on the 2-core AVX2 machine of issue 54 a
+#: one-row pass over 3 / 4 tokens measured 0.73x / 0.82x of the eager layer's (docs/benchmarks.md)
+COMPILED_MAX_TOKENS = 4
 
 
 def supports(model) -> bool:
