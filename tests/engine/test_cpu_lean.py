@@ -1,7 +1,7 @@
 """The lean Llama pass (pipeline/engine/cpu/lean.py) against the model's own forward, through the
 runner: prefill, ragged decoding rows, a token tree; logits and the KV cache written, in
 float64 (to rounding) and float32; which models and passes take it; weights changed in
-place; forward hooks; the compiled layer of 1-4 token passes, chosen when the model is prepared."""
+place; forward hooks; the compiled layer of passes up to COMPILED_MAX_TOKENS tokens, chosen when the model is prepared."""
 
 from __future__ import annotations
 

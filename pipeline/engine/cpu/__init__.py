@@ -3,7 +3,7 @@
 :func:`prepare` (``prepare(model, options) -> CpuPlan``) rewrites the model's linear layers in
 place to run each weight shape's fastest kernel for a few rows of input (:mod:`.linear`),
 builds the lean forward of a Llama (:mod:`.lean`, with :mod:`.layer`'s compiled layer for
-passes of 1-4 tokens), turns on the small-query attention (:mod:`.attention`), compiles what it
+passes of 1-2 tokens by default), turns on the small-query attention (:mod:`.attention`), compiles what it
 will use into the node's inductor cache, and returns a :class:`CpuPlan` saying what it chose
 and what that cost.  The engine prepares every model it runs when it is built; the runner
 takes the plan of its model (:func:`plan_of`) and chooses nothing itself.  Which parts are on

@@ -1,5 +1,5 @@
 """A Llama decoder layer outside attention as three graphs compiled by inductor, for the lean
-pass's passes of 1-4 tokens in all (:mod:`.lean`).
+pass's passes of 1-2 tokens in all by default, up to COMPILED_MAX_TOKENS (:mod:`.lean`).
 
 Around its three matrix products the eager layer runs about thirty small ops (RMSNorm, RoPE,
 residuals, SiLU), a few microseconds of dispatch each whatever their size.  Compiled, the

@@ -48,7 +48,7 @@ class CpuOptions:
             key/value heads read once (``enable_gqa``) instead of transformers' copies of them.
         lean_pass: a Llama's forward runs the engine's lean pass (fused q/k/v and gate/up
             projections, no per-module Python) instead of transformers' forward.
-        compiled_layer: in the lean pass, passes of 1-4 tokens in all run each layer outside
+        compiled_layer: in the lean pass, passes of 1-2 tokens in all run each layer outside
             attention as graphs compiled by inductor, where measured faster at load (float32
             weights of at least 2^18 elements).
         compile_cache: the folder inductor keeps compiled code in, shared by the processes of
