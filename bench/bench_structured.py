@@ -19,7 +19,7 @@ other articles under the schema, then ``reset_learning``), it prints:
 
 Usage::
 
-    python bench/bench_structured.py                                  # 16 articles, 1 and 8 rows
+    python bench/bench_structured.py                                  # 16 articles, 1 and 8 rows (~25 min)
     python bench/bench_structured.py --rows 300:304 --batch-sizes 1   # a quick look
 
 Not a test: one run each, CPU clock (steadier than the wall clock on a shared machine).
@@ -62,7 +62,7 @@ def prompts_of(tokenizer, rows: range, article_chars: int, xsum: Path = XSUM) ->
     """Chat prompts (the tokenizer's chat template) asking for the JSON of XSum articles ``rows``."""
     from pipeline.corpora import xsum_rows
 
-    articles = xsum_rows(xsum)
+    articles = xsum_rows(Path(xsum).parents[1])  # the data folder
     out = []
     for i in rows:
         text = INSTRUCTION + articles[i]["text"][:article_chars]
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--rows", default="300:316", help="XSum rows a:b")
     ap.add_argument("--article-chars", type=int, default=1200)
-    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
 
