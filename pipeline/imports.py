@@ -32,6 +32,7 @@ REQUIRED = {
     "safetensors": "safetensors",
     "gguf": "gguf",
     "matplotlib": "matplotlib",
+    "llguidance": "llguidance",
 }
 
 
