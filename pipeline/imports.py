@@ -33,6 +33,7 @@ REQUIRED = {
     "gguf": "gguf",
     "matplotlib": "matplotlib",
     "jsonschema": "jsonschema",
+    "llguidance": "llguidance",
 }
 
 

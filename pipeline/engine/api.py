@@ -116,7 +116,8 @@ class SpeculativeEngine(StepEngine):
             new_tokens: tokens the shortest row decodes.
             settings: the caller's :class:`GenerationSettings` (sampling and logits processors
                 choose the verification path, so pass the job's); ``max_new_tokens``,
-                ``eos_token_id``, ``stop_strings`` and ``seed`` are replaced.  Default: greedy.
+                ``eos_token_id``, ``stop_strings`` and ``seed`` are replaced, and ``response_format``
+                dropped (random rows with EOS off cannot follow a grammar).  Default: greedy.
             seed: the synthetic prompts' seed (and the sampled rows').
 
         Returns:
@@ -145,7 +146,8 @@ class SpeculativeEngine(StepEngine):
             segment = torch.randint(0, self.target_vocab, (self.WARM_UP_PERIOD,), generator=gen)
             prompts.append(segment.repeat(-(-prompt_tokens // self.WARM_UP_PERIOD))[:prompt_tokens].tolist())
         base = settings or GenerationSettings(do_sample=False)
-        row_settings = [dataclasses.replace(base, max_new_tokens=b, eos_token_id=[], stop_strings=None, seed=seed + i)
+        row_settings = [dataclasses.replace(base, max_new_tokens=b, eos_token_id=[], stop_strings=None, seed=seed + i,
+                                            response_format=None)
                         for i, b in enumerate(budgets)]
         results = self.generate_batch(prompts, row_settings, max_batch_size=rows)
         # every row entered at the first step and took part in its verify_steps steps

@@ -236,16 +236,20 @@ def test_rows_that_cannot_run_get_their_own_error():
         engine.generate([], GenerationSettings(max_new_tokens=6))
 
 
-def test_per_row_settings_may_differ_only_where_allowed():
+def test_per_row_settings_may_differ_in_any_field():
+    """Rows differing beyond PER_ROW_FIELDS (temperature) step in separate groups: each gets
+    what it gets alone (tests/engine/test_grammar.py mixes more settings)."""
     target = build("llama", seed=0)
     engine = SpeculativeEngine(target, max_batch_size=3)
     prompts = [prompt_of(4, seed=1), prompt_of(6, seed=2)]
     ok = engine.generate_batch(prompts, [GenerationSettings(max_new_tokens=3, seed=1),
                                          GenerationSettings(max_new_tokens=7, seed=2, eos_token_id=5)])
     assert [len(r.token_ids) <= n for r, n in zip(ok, (3, 7))] == [True, True]
-    with pytest.raises(ValueError, match="temperature"):
-        engine.generate_batch(prompts, [GenerationSettings(do_sample=True, temperature=0.5),
-                                        GenerationSettings(do_sample=True, temperature=0.9)])
+    mixed = [GenerationSettings(do_sample=True, temperature=0.5, seed=1, max_new_tokens=6),
+             GenerationSettings(do_sample=True, temperature=0.9, seed=2, max_new_tokens=6)]
+    together = engine.generate_batch(prompts, mixed)
+    assert [r.token_ids for r in together] == [SpeculativeEngine(target).generate(p, s).token_ids
+                                               for p, s in zip(prompts, mixed)]
     with pytest.raises(ValueError, match="2 prompts"):
         engine.generate_batch(prompts, [GenerationSettings()])
 
