@@ -153,8 +153,10 @@ class StepEngine:
             raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {draft_length!r}")
         self.clock = clock
         fixed = draft_length == "fixed" or self.spec.assistant_ensemble_weight is not None
+        schedule = self.spec.num_assistant_tokens_schedule if self.method.adaptive else "constant"
         #: the draft-length controller (``None`` without a proposer)
-        self.budget = DraftBudget(self.spec.draft_length, fixed=fixed) if self.proposer is not None else None
+        self.controller = DraftBudget(self.spec.draft_length, fixed=fixed, schedule=schedule) \
+            if self.proposer is not None else None
         self._runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -184,8 +186,8 @@ class StepEngine:
         their own evidence: call it between runs, not while rows are in flight."""
         if self.method.learns_from_outputs:
             self.proposer.reset_learning()
-        if self.budget is not None:
-            self.budget.reset_learning()
+        if self.controller is not None:
+            self.controller.reset_learning()
 
     def seed_pool(self, documents: list[list[int]]) -> int:
         """Seed the proposer's job-wide pool with earlier outputs (token ids; a previous run's,
@@ -286,7 +288,7 @@ class StepEngine:
             r.stats.prefill_time_s += (t2 - t1) * share
             r.stats.wall_time_s += (t2 - t0) * share
 
-    def _draft_length(self, row: RowState) -> int:
+    def _cap(self, row: RowState) -> int:
         """The most tokens this row may draft now: its schedule, its budget (one token is
         the target's), its context, and a verification pass that must not straddle a
         LongRoPE switch."""
@@ -298,25 +300,30 @@ class StepEngine:
             k = min(k, switch - row.length)
         return max(0, k)
 
-    def step(self, rows: list[RowState]) -> None:
+    def step(self, rows: list[RowState], fixed: bool = False) -> None:
         """One propose -> verify -> commit step for every row in flight: the controller's
         lengths, the proposer's drafts, the controller's cut, one target pass, the verdicts,
-        each row settled, the controller told what happened."""
+        each row settled, the controller told what happened.  ``fixed``: every row drafts
+        and verifies its cap ``k`` this step, whatever the engine's ``draft_length``
+        (:func:`~pipeline.engine.profile.step_costs`)."""
         t0 = self.clock()
-        caps = [self._draft_length(r) for r in rows]
+        caps = [self._cap(r) for r in rows]
         # the rows of a step share their settings (the scheduler groups them): one way to verify
         argmax = self.spec.assistant_ensemble_weight is None and not any(
             r.shaper.active or r.shaper.do_sample or r.logprobs is not None for r in rows)
         candidates = self.spec.num_candidates if argmax else 1
-        budget, evidence = self.budget, [r.evidence for r in rows]
-        ks = budget.lengths(evidence, caps, rows[0].settings.do_sample) if budget is not None else caps
+        controller, evidence = self.controller, [r.evidence for r in rows]
+        plan = controller.lengths(evidence, caps, rows[0].settings.do_sample, fixed) if controller is not None else None
+        ks = list(plan.lengths) if plan is not None else caps
         proposed = self._propose(rows, ks, candidates)
         offered = [offer_reference(d, r.reference.draft(r.generated, k, r.sequence.device)) if r.reference is not None
                    else d for r, d, k in zip(rows, proposed, ks)]
         if self.proposer is not None and any(r.grammar is not None for r in rows):
             offered = [grammar_draft(r.grammar, r.generated, d, cap, r.sequence.device) if r.grammar is not None
                        else d for r, d, cap in zip(rows, offered, caps)]
-        drafts = budget.cut(offered, evidence) if budget is not None else offered
+        if plan is not None:
+            plan = controller.cut(plan, offered, evidence)
+        drafts = plan.drafts if plan is not None else offered
         t1 = self.clock()
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
@@ -324,8 +331,8 @@ class StepEngine:
         emitted = [self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax and r.grammar is None)
                    for r, d, v in zip(rows, drafts, verdicts)]
         t3 = self.clock()
-        if budget is not None:
-            budget.observe(evidence, [v.path for v in verdicts], emitted, t1 - t0, t3 - t1)
+        if plan is not None:
+            controller.observe(plan, evidence, [v.path for v in verdicts], emitted, t1 - t0, t3 - t1)
         share = 1.0 / len(rows)
         for r in rows:
             r.stats.verify_steps += 1
@@ -428,8 +435,8 @@ class StepEngine:
         if row.finish is None:
             new = torch.tensor([block], dtype=torch.long, device=row.sequence.device)
             row.sequence = torch.cat([row.sequence, new], dim=1)
-            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.method.adaptive and drafted:
-                row.k = row.k + 2 if len(accepted) == row.k else max(1, row.k - 1)
+            if self.controller is not None and drafted:
+                row.k = self.controller.next_k(row.k, len(accepted))
         return block[:emitted]
 
     def finish(self, row: RowState) -> GenerationResult:

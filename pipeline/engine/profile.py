@@ -155,7 +155,8 @@ def verification_costs(engine, rows: list[RowState], widths: list[int], repeats:
 
 def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: int = 3) -> list[StepCost]:
     """Median costs of real engine steps of ``rows`` for every ``k`` in ``draft_lengths``
-    (every row asked to draft ``k``; the caller fixes the engine's draft length)."""
+    (every row asked to draft and verify ``k``: fixed steps, whatever the engine's
+    ``draft_length``, :meth:`~pipeline.engine.loop.StepEngine.step`)."""
     out = []
     b = len(rows)
     for k in draft_lengths:
@@ -165,7 +166,7 @@ def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: 
                       for r in rows]
             for r in rows:
                 r.k = k  # a heuristic schedule moves it; every step asks for k
-            engine.step(rows)
+            engine.step(rows, fixed=True)
             if not rep:
                 continue
             d = [(r.stats.draft_time_s - x[0], r.stats.verify_time_s - x[1], r.stats.wall_time_s - x[2],
@@ -188,7 +189,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
 
     Args:
         engine: a :class:`~pipeline.engine.SpeculativeEngine` (its method is profiled;
-            its draft-length controller is fixed while it is measured).
+            its steps are fixed steps, every row drafting the ``k`` measured).
         prompts: real prompts of the corpus (their lengths set the attention cost); a
             prompt that leaves no room in the target's context for the steps measured
             is cut to fit.
@@ -224,24 +225,16 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
     rows = _Rows(engine, prompts, max(sizes), _settings(engine, settings, budget))
     profile = EngineProfile(method=engine.spec.method)
     cheapest = None  # the lowest per-row cost of a plain pass so far
-    budget = engine.budget
-    fixed = budget.fixed if budget is not None else None
-    if budget is not None:
-        budget.fixed = True  # every step drafts the k asked
-    try:
-        for b in sizes:
-            batch = rows.first(b)
-            if widths:
-                profile.verify_s[b] = verification_costs(engine, batch, list(widths), repeats)
-            profile.steps += step_costs(engine, batch, ks, repeats)
-            if widths and stop_ratio is not None:
-                per_row = profile.verify_s[b][widths[0]] / b
-                if cheapest is not None and per_row > stop_ratio * cheapest:
-                    break
-                cheapest = per_row if cheapest is None else min(cheapest, per_row)
-    finally:
-        if budget is not None:
-            budget.fixed = fixed
+    for b in sizes:
+        batch = rows.first(b)
+        if widths:
+            profile.verify_s[b] = verification_costs(engine, batch, list(widths), repeats)
+        profile.steps += step_costs(engine, batch, ks, repeats)
+        if widths and stop_ratio is not None:
+            per_row = profile.verify_s[b][widths[0]] / b
+            if cheapest is not None and per_row > stop_ratio * cheapest:
+                break
+            cheapest = per_row if cheapest is None else min(cheapest, per_row)
     profile.admit_s_per_token = rows.admit_s / rows.tokens
     profile.prefill_s_per_token = rows.prefill_s / rows.tokens
     profile.seconds = engine.clock() - t0

@@ -197,7 +197,7 @@ def test_stop_strings_per_row(oracle, draft_length):
     if draft_length == "auto":
         from test_draft_budget import GPU
 
-        engine.budget.curve = GPU
+        engine.controller.curve = GPU
     results = engine.generate_batch(prompts, settings)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "stop" for r in results)
@@ -289,7 +289,7 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     if load == "auto":
         from test_draft_budget import GPU
 
-        engine.budget.curve, engine.budget.record = GPU, True
+        engine.controller.curve, engine.controller.record = GPU, True
     others = [torch.randint(0, ts.V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (2, 5, 9)]
     prompts, settings, counted = [], [], []
     for seed in range(ts.RUNS):
@@ -307,7 +307,7 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     assert 50 < accepted < drafted - 50
     assert ts.chi_square_p_value(samples, exact) > 1e-3
     if load == "auto":  # the controller cut the drafts: some steps verified fewer than asked
-        cuts = [a for a in engine.budget.history if a.phase == "cut"]
+        cuts = [a for a in engine.controller.history if a.phase == "cut"]
         assert any(0 < sum(a.lengths) < 2 * len(a.lengths) for a in cuts) and any(a.width == 3 for a in cuts)
     if load != "fixed":
         return

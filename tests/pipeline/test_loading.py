@@ -35,7 +35,7 @@ def test_the_actor_the_replica_and_the_tuner_build_the_same_engine(tiny_models, 
             assert engine.spec.method == method and engine.spec.draft_length == k, name
             assert type(engine.proposer) is type(actor.engine.proposer), name
             assert engine.max_batch_size == 4 and engine.tokenizer is not None, name
-            assert not engine.budget.fixed, name  # the draft-length controller, on by default everywhere
+            assert not engine.controller.fixed, name  # the draft-length controller, on by default everywhere
         # a method that does not draft with a model never gets the drafter, even when it is loaded
         assert models.drafter is not None
         assert (actor.models.drafter is None) == (method == "prompt_lookup")
