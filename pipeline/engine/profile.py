@@ -153,13 +153,13 @@ def verification_costs(engine, rows: list[RowState], widths: list[int], repeats:
     return out
 
 
-def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: int = 3) -> list[StepCost]:
-    """Median costs of real engine steps of ``rows`` for every ``k`` in ``draft_lengths``
+def step_costs(engine, rows: list[RowState], ks: list[int], repeats: int = 3) -> list[StepCost]:
+    """Median costs of real engine steps of ``rows`` for every ``k`` in ``ks``
     (every row asked to draft and verify ``k``: fixed steps, whatever the engine's
     ``draft_length``, :meth:`~pipeline.engine.loop.StepEngine.step`)."""
     out = []
     b = len(rows)
-    for k in draft_lengths:
+    for k in ks:
         samples = []
         for rep in range(repeats + 1):
             before = [(r.stats.draft_time_s, r.stats.verify_time_s, r.stats.wall_time_s, r.stats.draft_tokens)
@@ -182,7 +182,7 @@ def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: 
 
 @torch.inference_mode()
 def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, widths: list[int] | None = None,
-                   draft_lengths: list[int] | None = None, repeats: int = 3,
+                   ks: list[int] | None = None, repeats: int = 3,
                    settings: GenerationSettings | None = None, stop_ratio: float | None = None) -> EngineProfile:
     """Measure ``engine`` on ``prompts`` (token id lists; reused in turn when there are
     fewer than ``max(batch_sizes)``).
@@ -195,7 +195,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
             is cut to fit.
         batch_sizes: ``B`` values (rows in flight); capped at what the proposer can batch.
         widths: ``n`` values of :func:`verification_costs` (``None``: not measured).
-        draft_lengths: ``k`` values of :func:`step_costs` (``None``: ``[0]``, plain steps).
+        ks: ``k`` values of :func:`step_costs` (``None``: ``[0]``, plain steps).
         repeats: timings per figure (their median is kept), after one warm-up.
         settings: the job's generation settings (sampling and logits processors cost time).
         stop_ratio: with ``widths``, batch sizes are measured in increasing order and the
@@ -213,7 +213,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
     t0 = engine.clock()
     limit = engine.method.max_rows
     sizes = sorted({b for b in batch_sizes if limit is None or b <= limit}) or [1]
-    ks = list(draft_lengths) if draft_lengths else [0]
+    ks = list(ks) if ks else [0]
     # the first rows take part at every batch size: room for all their steps and the widest pass
     budget = len(sizes) * (repeats + 1) * sum(k + 1 for k in ks) + 1
     if engine.context is not None:

@@ -21,7 +21,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 import test_sampling as ts
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import CostCurve
-from pipeline.engine.draft_budget import Admission, DraftBudget
+from pipeline.engine.draft_control import Admission, DraftController
 
 from coverage import BATCH_ARCHS, BATCH_METHODS
 from tiny_models import NO_SPECIAL, VOCAB, bracket_tokenizer, build, check_stats, perturbed_copy, prompt_of
@@ -112,17 +112,17 @@ def test_shuffled_rows_give_every_row_the_same_output(arch):
 def random_lengths(monkeypatch, rng: random.Random, cut: bool = True) -> None:
     """The controller asks each row for a random length (0 .. its cap) and, with ``cut``, cuts
     the step's drafts to a random width, every step; its other bookkeeping runs as always."""
-    lengths = DraftBudget.lengths
+    lengths = DraftController.lengths
 
     def random_ks(self, rows, caps, sampled=False):
         lengths(self, rows, caps, sampled)
         self._asked = [rng.randint(0, c) for c in caps]
         return list(self._asked)
 
-    monkeypatch.setattr(DraftBudget, "lengths", random_ks)
+    monkeypatch.setattr(DraftController, "lengths", random_ks)
     if cut:
         monkeypatch.setattr(CostCurve, "ready", property(lambda self: True))
-        monkeypatch.setattr(DraftBudget, "_width",
+        monkeypatch.setattr(DraftController, "_width",
                             lambda self, picks, firsts, stops: (rng.randint(0, max(firsts)), Admission("cut", "gain", [])))
 
 
@@ -382,7 +382,7 @@ def test_scheduler_row_draft_length_and_cancel():
 
     scheduler = Scheduler(engine)
     finals: dict[int, object] = {}
-    tickets = [scheduler.submit(p, settings, draft_length=k, on_done=lambda r, i=i: finals.__setitem__(i, r))
+    tickets = [scheduler.submit(p, settings, k=k, on_done=lambda r, i=i: finals.__setitem__(i, r))
                for i, (p, k) in enumerate(zip(prompts, (1, None, 2)))]
     scheduler.step()
     scheduler.cancel(tickets[1])
@@ -399,8 +399,8 @@ def test_scheduler_row_draft_length_and_cancel():
     scheduler.step()
     assert finals["w"].finish_reason == "cancelled" and finals["w"].token_ids == [] and not scheduler.busy
     for bad in (0, 5, True, 2.0):
-        with pytest.raises(ValueError, match="draft_length"):
-            scheduler.submit(prompts[0], settings, draft_length=bad)
+        with pytest.raises(ValueError, match=r"k \(a row's cap"):
+            scheduler.submit(prompts[0], settings, k=bad)
 
 
 def test_a_scheduler_works_outside_inference_mode_after_generate_batch():

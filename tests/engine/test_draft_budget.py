@@ -1,4 +1,4 @@
-"""The draft-length controller (pipeline/engine/draft_budget.py): admission by marginal value
+"""The draft-length controller (pipeline/engine/draft_control.py): admission by marginal value
 on synthetic cost curves, calibrated confidence, sources, the sampled rows' stopping rule,
 and in a real engine: lossless with EOS and budgets inside blocks, no draft when a token
 costs more than it can gain, every row its cap when verifying is free."""
@@ -12,7 +12,7 @@ import torch
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import CostCurve, tokens_per_second
-from pipeline.engine.draft_budget import (CALIBRATION_PRIOR, MIN_GAIN, ROW_PRIOR, Acceptance, DraftBudget,
+from pipeline.engine.draft_control import (CALIBRATION_PRIOR, MIN_GAIN, ROW_PRIOR, Acceptance, DraftController,
                                           RowEvidence)
 from pipeline.engine.proposers.base import Draft
 
@@ -52,8 +52,8 @@ DEAR = Costs(lambda b, w: 0.010 * w)
 FLAT = Costs(lambda b, w: 0.010)
 
 
-def budget(k, costs, fixed=False) -> DraftBudget:
-    b = DraftBudget(k, fixed=fixed)
+def budget(k, costs, fixed=False) -> DraftController:
+    b = DraftController(k, fixed=fixed)
     b.curve = costs
     return b
 
@@ -222,7 +222,7 @@ def test_fixed_verifies_the_primary_draft_whole():
 
 
 def test_until_the_costs_are_measured_steps_explore_three_widths():
-    b = DraftBudget(4)
+    b = DraftController(4)
     widths = []
     for _ in range(12):
         plan = b.cut(b.lengths([RowEvidence()], [4]), [draft([1, 2, 3, 4], [0.9] * 4)], [RowEvidence()])
@@ -234,7 +234,7 @@ def test_until_the_costs_are_measured_steps_explore_three_widths():
 
 
 def test_reset_learning_keeps_the_costs_and_forgets_acceptance():
-    b = DraftBudget(3)
+    b = DraftController(3)
     for w in (1, 2, 3) * 3:
         b.curve.observe(2, w, 0.01 * w)
     b.acceptance.observe("prompt", 0.9, 0, True)

@@ -205,7 +205,7 @@ def test_prompt_lookup_suffix_and_draft_model_trees_equal_plain(target, referenc
 
 @pytest.mark.parametrize("costs", ["measured", "cpu", "wide"])
 def test_tree_size_by_expected_gain_never_changes_an_output(references, target, costs):
-    """With the draft length and the tree's node budget from the controller (on the costs it
+    """With the draft length and the tree's node count from the controller (on the costs it
     measures, on a CPU-like curve, or on one where a wider pass costs next to nothing), every
     row is still plain greedy's."""
     import test_draft_budget as tb

@@ -1,13 +1,23 @@
-"""The draft-length controller: one verify budget per step, shared by the rows in flight.
+"""The draft-length controller: one verification width per step, shared by the rows in flight.
 
 How many draft tokens each row verifies this step (0 included) is decided here, for all the
 rows of a step together, at three points of the loop (:mod:`pipeline.engine.loop`):
 
-1. :meth:`DraftBudget.lengths`, before proposing: how many tokens to ask each row's proposer for;
-2. :meth:`DraftBudget.cut`, after proposing: which of a row's drafts to verify (a proposer may
+1. :meth:`DraftController.lengths`, before proposing: how many tokens to ask each row's proposer
+   for, returned as a :class:`StepPlan`;
+2. :meth:`DraftController.cut`, after proposing: which of a row's drafts to verify (a proposer may
    offer one per source, :attr:`Draft.alternatives <pipeline.engine.proposers.base.Draft>`)
-   and how many of its tokens; a token tree's node budget;
-3. :meth:`DraftBudget.observe`, after verifying: the accepted tokens and the step's timings.
+   and how many of its tokens; a token tree's node count; the plan with the drafts to verify;
+3. :meth:`DraftController.observe`, after verifying: the plan, the accepted tokens and the
+   step's timings.
+
+The step is a value: the plan carries everything of a step from one call to the next, and the
+controller keeps only what it learns (calibration and acceptance by position, the cost curve,
+the tree sizer, the share of asked tokens the cut keeps, the probe schedule).  Names: ``k`` is a
+row's cap on draft tokens (``caps``), ``k_max`` the method's ``k``; the engine's
+``draft_length`` (``"auto"`` or ``"fixed"``) is the controller's ``fixed``.  The
+``heuristic`` schedule of transformers (``num_assistant_tokens_schedule``) moves a row's ``k``
+here too (:meth:`DraftController.next_k`).
 
 **Admission by marginal value** (as vLLM's adaptive verification).  Draft position ``j`` of row
 ``i`` is worth its *survival* ``s_ij = a_i1 * ... * a_ij``, the chance that the row's first
@@ -59,7 +69,7 @@ Until the cost curve is measured (a few steps at two widths; the engine's warm-u
 before the timed work) steps verify 0, 1, 0 and 2 tokens in turn (:data:`EXPLORE`).  A costly
 proposer whose drafts do not pay is still asked now and then (a probe: one row, one token
 more, every :data:`PROBE_EVERY` steps, doubling while it still does not pay), so acceptance
-keeps being measured.  :meth:`DraftBudget.reset_learning` drops what was learnt of acceptance
+keeps being measured.  :meth:`DraftController.reset_learning` drops what was learnt of acceptance
 and keeps the cost curve.
 """
 
@@ -93,7 +103,7 @@ EXPLORE = (0, 1, 0, 2)
 #: a probe every this many steps (doubling while drafting does not pay, up to MAX_PROBE_EVERY)
 PROBE_EVERY = 32
 MAX_PROBE_EVERY = 1024
-#: the pooled position table of every verified draft (the prior of :meth:`DraftBudget.lengths`)
+#: the pooled position table of every verified draft (the prior of :meth:`DraftController.lengths`)
 ANY = "*"
 
 
@@ -160,7 +170,7 @@ def _bin(c: float) -> int:
 
 @dataclass
 class Admission:
-    """Why a step verifies what it does (one per :meth:`DraftBudget.lengths` or :meth:`~DraftBudget.cut`).
+    """Why a step verifies what it does (one per :meth:`DraftController.lengths` or :meth:`~DraftController.cut`).
 
     Attributes:
         phase: ``"lengths"`` (tokens asked of the proposer) or ``"cut"`` (tokens verified).
@@ -201,7 +211,7 @@ class Admission:
 
 @dataclass(frozen=True)
 class Pick:
-    """A row's chosen draft (:meth:`DraftBudget.cut`), judged by :meth:`DraftBudget.observe`."""
+    """A row's chosen draft (:meth:`DraftController.cut`), judged by :meth:`DraftController.observe`."""
 
     primary: Draft
     chosen: Draft
@@ -212,8 +222,8 @@ class Pick:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step of the controller, as a value: :meth:`DraftBudget.lengths` makes it,
-    :meth:`DraftBudget.cut` returns it with the drafts to verify, :meth:`DraftBudget.observe`
+    """One step of the controller, as a value: :meth:`DraftController.lengths` makes it,
+    :meth:`DraftController.cut` returns it with the drafts to verify, :meth:`DraftController.observe`
     reads it.  Nothing of a step is kept in the controller between the three calls; the
     controller keeps only what it learns (calibration, acceptance by position, cost curve,
     tree sizer, probe schedule).
@@ -224,10 +234,10 @@ class StepPlan:
             exploring step takes).
         sampled: the rows sample (a drafter's draws are cut by the stopping rule).
         fixed: every row verifies its cap and its primary draft (the controller's ``fixed``, or
-            asked for this step: :meth:`DraftBudget.lengths`'s ``fixed``).
+            asked for this step: :meth:`DraftController.lengths`'s ``fixed``).
         free: the proposer was asked for its cap, its drafts costing nearly nothing (:data:`FREE_PROPOSER`).
         probing: a probe step (one row one token more, or one token of width more).
-        picks: after :meth:`~DraftBudget.cut`, per row the chosen and verified draft.
+        picks: after :meth:`~DraftController.cut`, per row the chosen and verified draft.
     """
 
     lengths: tuple[int, ...]
@@ -240,7 +250,7 @@ class StepPlan:
 
     @property
     def drafts(self) -> list[Draft]:
-        """The drafts to verify, one per row (after :meth:`~DraftBudget.cut`)."""
+        """The drafts to verify, one per row (after :meth:`~DraftController.cut`)."""
         return [p.verified for p in self.picks]
 
     @property
@@ -249,13 +259,17 @@ class StepPlan:
         return EXPLORE[(self.step - 1) % len(EXPLORE)]
 
 
-class DraftBudget:
+class DraftController:
     """The draft-length controller of one engine (see the module docstring).
 
     Args:
-        k_max: the method's draft length ``K`` (the most any row drafts).
+        k_max: the method's ``k`` (the most any row drafts, unless fixed).
         fixed: every row verifies its cap and the proposer's primary draft, trees whole (a
-            fixed ``k``); the costs and acceptance are still measured.
+            fixed ``k``: the engine's ``draft_length="fixed"``); the costs and acceptance are
+            still measured.  One step can be asked fixed too (:meth:`lengths`).
+        schedule: how a row's cap ``k`` moves after a step that drafted
+            (``num_assistant_tokens_schedule``: ``"constant"`` or ``"heuristic"``;
+            :meth:`next_k`); ``"constant"`` for a method that is not adaptive.
     """
 
     def __init__(self, k_max: int, fixed: bool = False, schedule: str = "constant"):
@@ -387,7 +401,7 @@ class DraftBudget:
     def cut(self, plan: StepPlan, drafts: Sequence[Draft], rows: Sequence[RowEvidence]) -> StepPlan:
         """``plan`` with the drafts to verify (``.drafts``, ``.picks``): per row the draft (of
         the primary and its alternatives) with the most expected accepted tokens, cut to the
-        step's width; a tree's first branch cut so, then the trees cut to the node budget
+        step's width; a tree's first branch cut so, then the trees cut to the node count
         (:class:`~pipeline.engine.tree_size.TreeSizer`).  Fixed: the primary drafts as they came."""
         picks = [self._pick(plan, d, r) for d, r in zip(drafts, rows)]
         if plan.fixed or not any(len(p.chosen) for p in picks):
