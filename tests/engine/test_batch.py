@@ -11,6 +11,7 @@ distribution with other prompts' rows in the batch (chi-square).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -114,10 +115,9 @@ def random_lengths(monkeypatch, rng: random.Random, cut: bool = True) -> None:
     the step's drafts to a random width, every step; its other bookkeeping runs as always."""
     lengths = DraftController.lengths
 
-    def random_ks(self, rows, caps, sampled=False):
-        lengths(self, rows, caps, sampled)
-        self._asked = [rng.randint(0, c) for c in caps]
-        return list(self._asked)
+    def random_ks(self, rows, caps, sampled=False, fixed=False):
+        plan = lengths(self, rows, caps, sampled, fixed)
+        return dataclasses.replace(plan, lengths=tuple(rng.randint(0, c) for c in caps))
 
     monkeypatch.setattr(DraftController, "lengths", random_ks)
     if cut:
