@@ -47,13 +47,13 @@ def chosen(rows: int, confidence: float, costs) -> int:
     from pipeline.engine.draft_control import DraftController, RowEvidence
     from pipeline.engine.proposers.base import Draft
 
-    budget = DraftController(K)
-    budget.curve = costs
+    controller = DraftController(K)
+    controller.curve = costs
     evidence = [RowEvidence() for _ in range(rows)]
-    budget.lengths(evidence, [K] * rows)
+    plan = controller.lengths(evidence, [K] * rows)
     drafts = [Draft(torch.arange(K), confidence=torch.full((K,), confidence, dtype=torch.float64), source="prompt")
               for _ in range(rows)]
-    return max(len(d) for d in budget.cut(drafts, evidence))
+    return max(len(d) for d in controller.cut(plan, drafts, evidence).drafts)
 
 
 def main(argv=None) -> int:
