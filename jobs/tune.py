@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     del defaults["methods"], defaults["max_draft"], defaults["trees"]  # None / a switch: said in their help
     by_k: dict = {}
     for m in METHODS.values():
-        if m.draft_length is not None:
+        if m.k_param is not None:
             by_k.setdefault(m.tune_k_max, []).append(m.name)
     own = "the config's"
     k_max = "; ".join(f"{k or own} for {', '.join(names)}" for k, names in by_k.items())

@@ -122,8 +122,8 @@ def method_fields(name: str) -> frozenset[str]:
     if spec is None:
         return frozenset()
     used = set(spec.params)
-    if spec.draft_length:
-        used.add(spec.draft_length)
+    if spec.k_param:
+        used.add(spec.k_param)
     if spec.adaptive:
         used.add(SCHEDULE_FIELD)
     if spec.draft_logits:

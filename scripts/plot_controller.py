@@ -1,6 +1,6 @@
 """docs/controller.png: the draft length the engine's controller chooses, against the rows in
 flight and the proposer's confidence, from the controller's own code
-(:class:`pipeline.engine.draft_budget.DraftBudget`) on a synthetic cost curve.
+(:class:`pipeline.engine.draft_control.DraftController`) on a synthetic cost curve.
 
 The curve is SmolLM2-135M's verification on one CPU thread as docs/engine.md gives it
 (``t(1..5)`` at one row 26 / 28.5 / 30.7 / 32 / 34 ms, ``t(1..4)`` at 8 rows 55 / 72 / 86 /
@@ -44,16 +44,16 @@ def chosen(rows: int, confidence: float, costs) -> int:
     """Tokens each of ``rows`` rows verifies when every row offers ``K`` tokens at ``confidence``."""
     import torch
 
-    from pipeline.engine.draft_budget import DraftBudget, RowEvidence
+    from pipeline.engine.draft_control import DraftController, RowEvidence
     from pipeline.engine.proposers.base import Draft
 
-    budget = DraftBudget(K)
-    budget.curve = costs
+    controller = DraftController(K)
+    controller.curve = costs
     evidence = [RowEvidence() for _ in range(rows)]
-    budget.lengths(evidence, [K] * rows)
+    plan = controller.lengths(evidence, [K] * rows)
     drafts = [Draft(torch.arange(K), confidence=torch.full((K,), confidence, dtype=torch.float64), source="prompt")
               for _ in range(rows)]
-    return max(len(d) for d in budget.cut(drafts, evidence))
+    return max(len(d) for d in controller.cut(plan, drafts, evidence).drafts)
 
 
 def main(argv=None) -> int:

@@ -253,7 +253,7 @@ def methods_block() -> str:
         else:
             tuned = "when the models allow it"
         out.append(f"| `{name}` | {proposer} | {'yes' if m.needs_drafter else ''} | "
-                   f"{'`' + m.draft_length + '`' if m.draft_length else '–'} | {params} | "
+                   f"{'`' + m.k_param + '`' if m.k_param else '–'} | {params} | "
                    f"{'yes' if m.adaptive else ''} | {rows} | {'yes' if m.draft_logits else ''} | {tuned} |")
     out += ["", METHODS_END]
     return "\n".join(out)

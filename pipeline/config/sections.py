@@ -367,7 +367,7 @@ class ComputeConfig(_Section):
     #: more rows pay: jobs/tune.py
     max_batch_size: int = Field(8, ge=1)
     #: how many draft tokens each row verifies per step: ``auto``, the engine's draft-length
-    #: controller (:mod:`pipeline.engine.draft_budget`: 0 .. the method's ``k`` per row and
+    #: controller (:mod:`pipeline.engine.draft_control`: 0 .. the method's ``k`` per row and
     #: step, from the proposer's confidence, the measured acceptance and the measured cost of
     #: one more token in the pass; a step where no draft pays is a plain step), greedy and
     #: sampled rows alike; ``fixed``: every row its ``k``, as the method's settings say.

@@ -134,7 +134,7 @@ class SpeculativeEngine(StepEngine):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         t0 = self.clock()
         rows = min(max_rows or self.max_batch_size, self.max_batch_size)
-        k = self.spec.draft_length if self.proposer is not None else 0
+        k = self.spec.k_max if self.proposer is not None else 0
         budgets = [new_tokens + 2 * (k + 1) * i for i in range(rows)]
         room = k * self.spec.num_candidates + 2
         if self.context is not None:  # a tiny context: shorter prompts first, then shorter budgets

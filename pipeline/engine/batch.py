@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .draft_budget import RowEvidence
+from .draft_control import RowEvidence
 from .grammar import GrammarState
 from .reference import ReferenceIndex
 from .sampling import LogitsShaper
@@ -69,7 +69,7 @@ class RowState:
         k: the draft length its schedule asks for now.
         rope_regime: the RoPE regime its target cache was computed in (LongRoPE).
         evidence: its acceptance against the draft-length controller's estimates
-            (:class:`~pipeline.engine.draft_budget.RowEvidence`), beside ``stats`` (which
+            (:class:`~pipeline.engine.draft_control.RowEvidence`), beside ``stats`` (which
             counts verified drafts only).
         reference: the n-gram index of its reference text (:mod:`pipeline.engine.reference`),
             whose drafts the loop offers beside the method's; ``None``: none.

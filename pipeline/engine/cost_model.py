@@ -1,6 +1,6 @@
 """Expected tokens per step and tokens per second of speculative decoding, from measured
 acceptance and measured costs: the one formula that both the engine's draft-length
-controller (:mod:`pipeline.engine.draft_budget`) and the tuner (:mod:`pipeline.tune`) use,
+controller (:mod:`pipeline.engine.draft_control`) and the tuner (:mod:`pipeline.tune`) use,
 and the engine's measured cost curve ``t(tokens, rows)`` (:class:`CostCurve`).
 
 Leviathan et al. (2023, arXiv 2211.17192, §3) assume one per-token acceptance rate

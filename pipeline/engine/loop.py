@@ -3,8 +3,8 @@ case of a batch of one.
 
 Each step, for every row in flight::
 
-    k   <- min(its schedule, its budget - 1, what the context allows)  its cap
-    k'  <- the draft-length controller's lengths for all rows at once  (0 .. k; pipeline.engine.draft_budget)
+    k   <- min(its schedule, its token budget - 1, what the context allows)  its cap
+    k'  <- the draft-length controller's plan for all rows at once    (0 .. k; pipeline.engine.draft_control)
     d   <- the proposer drafts up to k' tokens for every row at once  (may be fewer, or none; per source)
            and a row with a reference drafts from it too              (pipeline.engine.reference)
            and a row with a grammar offers the run it forces (up to k), every draft cut
@@ -14,7 +14,8 @@ Each step, for every row in flight::
     (a, t) <- verify(d, p, q)  per row                                accepted prefix + one target token
     commit d_1..d_a, t token by token, stopping at EOS / stop string / budget / context
     the row's caches are valid up to its committed length (KV-cache rollback)
-    the controller observes the accepted tokens and the step's timings
+    the controller observes the plan, the accepted tokens and the step's timings; a row's
+    schedule moves its k (the controller's next_k)
 
 then finished rows leave and waiting rows take their slots at once (their prompt is
 prefilled before the next step).  Rows are ragged: each keeps its own length, positions
@@ -35,7 +36,7 @@ import torch
 
 from .batch import RowState
 from .cpu import CpuOptions, CpuPlan, prepare
-from .draft_budget import DraftBudget
+from .draft_control import DraftController
 from .grammar import GrammarError, GrammarState, compile_grammar
 from .reference import offer_reference
 from .proposers import METHODS, ProposerInputs, build_proposer
@@ -65,8 +66,8 @@ class StepEngine:
     :meth:`step` (one step of every row in flight), :meth:`finish` (a finished row's
     :class:`GenerationResult`); :meth:`reset_learning` between jobs (or after a warm-up).
     :attr:`uses_target_hook` says whether the proposer runs the target's passes itself (MTP,
-    early exit); :meth:`target_pass` is one target pass; :attr:`budget` is the draft-length
-    controller (:class:`~pipeline.engine.draft_budget.DraftBudget`, ``None`` for plain decoding).
+    early exit); :meth:`target_pass` is one target pass; :attr:`controller` is the draft-length
+    controller (:class:`~pipeline.engine.draft_control.DraftController`, ``None`` for plain decoding).
 
     Args:
         target: a causal LM (``transformers.PreTrainedModel``), in eval mode, on any
@@ -84,7 +85,7 @@ class StepEngine:
         draft_length: ``"auto"`` (default): each step, the draft-length controller decides
             how many draft tokens each row verifies, 0 .. its draft length ``k``, from the
             proposer's confidence, measured acceptance and the measured cost of one more token
-            in the pass (:mod:`pipeline.engine.draft_budget`), greedy and sampled rows alike;
+            in the pass (:mod:`pipeline.engine.draft_control`), greedy and sampled rows alike;
             a step where no draft pays is a plain step.  ``"fixed"``: every row drafts its
             ``k`` (the proposer's primary draft, token trees whole).  Greedy outputs and the
             law of sampled ones never depend on it; the draws a seed gives do, so a seed
@@ -153,8 +154,10 @@ class StepEngine:
             raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {draft_length!r}")
         self.clock = clock
         fixed = draft_length == "fixed" or self.spec.assistant_ensemble_weight is not None
+        schedule = self.spec.num_assistant_tokens_schedule if self.method.adaptive else "constant"
         #: the draft-length controller (``None`` without a proposer)
-        self.budget = DraftBudget(self.spec.draft_length, fixed=fixed) if self.proposer is not None else None
+        self.controller = DraftController(self.spec.k_max, fixed=fixed, schedule=schedule) \
+            if self.proposer is not None else None
         self._runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -177,15 +180,15 @@ class StepEngine:
 
         Cleared: the proposer's job-wide state (its ``reset_learning()``: suffix's tree of
         finished outputs) and the controller's learning
-        (:meth:`~pipeline.engine.draft_budget.DraftBudget.reset_learning`: the calibration of
+        (:meth:`~pipeline.engine.draft_control.DraftController.reset_learning`: the calibration of
         confidence, the acceptance by position, the token-tree sizer's gain per side node, the
         probe schedule, the recorded admissions).  Kept: the controller's cost curve
         t(tokens, rows), the CPU plans and compiled kernels, the caches.  Rows in flight keep
         their own evidence: call it between runs, not while rows are in flight."""
         if self.method.learns_from_outputs:
             self.proposer.reset_learning()
-        if self.budget is not None:
-            self.budget.reset_learning()
+        if self.controller is not None:
+            self.controller.reset_learning()
 
     def seed_pool(self, documents: list[list[int]]) -> int:
         """Seed the proposer's job-wide pool with earlier outputs (token ids; a previous run's,
@@ -259,7 +262,7 @@ class StepEngine:
             index=index, slot=slot, sequence=ids, prompt_len=n, budget=budget, context_bound=bound,
             settings=settings, shaper=LogitsShaper(settings, prompt_length=n, eos_token_ids=eos_ids, grammar=grammar),
             stopper=StopChecker(eos_ids, settings.stop_strings, self.tokenizer),
-            generator=generator, stats=RowStats(prompt_tokens=n), k=self.spec.draft_length,
+            generator=generator, stats=RowStats(prompt_tokens=n), k=self.spec.k_max,
             rope_regime=self.layout.regime(n - 1), grammar=grammar,
             logprobs=[] if settings.logprobs is not None else None,
         )
@@ -271,7 +274,7 @@ class StepEngine:
         t0 = self.clock()
         slots = [r.slot for r in rows]
         prompts = [r.sequence for r in rows]
-        longest = max(r.prompt_len + r.budget for r in rows) + self.spec.draft_length * self.spec.num_candidates + 1
+        longest = max(r.prompt_len + r.budget for r in rows) + self.spec.k_max * self.spec.num_candidates + 1
         self._runner.cache.reserve(longest)  # one allocation, not a doubling per pass
         if self.proposer is not None:
             self.proposer.reserve(longest)
@@ -286,8 +289,8 @@ class StepEngine:
             r.stats.prefill_time_s += (t2 - t1) * share
             r.stats.wall_time_s += (t2 - t0) * share
 
-    def _draft_length(self, row: RowState) -> int:
-        """The most tokens this row may draft now: its schedule, its budget (one token is
+    def _cap(self, row: RowState) -> int:
+        """The most tokens this row may draft now: its schedule, its token budget (one token is
         the target's), its context, and a verification pass that must not straddle a
         LongRoPE switch."""
         if self.proposer is None:
@@ -298,25 +301,30 @@ class StepEngine:
             k = min(k, switch - row.length)
         return max(0, k)
 
-    def step(self, rows: list[RowState]) -> None:
+    def step(self, rows: list[RowState], fixed: bool = False) -> None:
         """One propose -> verify -> commit step for every row in flight: the controller's
         lengths, the proposer's drafts, the controller's cut, one target pass, the verdicts,
-        each row settled, the controller told what happened."""
+        each row settled, the controller told what happened.  ``fixed``: every row drafts
+        and verifies its cap ``k`` this step, whatever the engine's ``draft_length``
+        (:func:`~pipeline.engine.profile.step_costs`)."""
         t0 = self.clock()
-        caps = [self._draft_length(r) for r in rows]
+        caps = [self._cap(r) for r in rows]
         # the rows of a step share their settings (the scheduler groups them): one way to verify
         argmax = self.spec.assistant_ensemble_weight is None and not any(
             r.shaper.active or r.shaper.do_sample or r.logprobs is not None for r in rows)
         candidates = self.spec.num_candidates if argmax else 1
-        budget, evidence = self.budget, [r.evidence for r in rows]
-        ks = budget.lengths(evidence, caps, rows[0].settings.do_sample) if budget is not None else caps
+        controller, evidence = self.controller, [r.evidence for r in rows]
+        plan = controller.lengths(evidence, caps, rows[0].settings.do_sample, fixed) if controller is not None else None
+        ks = list(plan.lengths) if plan is not None else caps
         proposed = self._propose(rows, ks, candidates)
         offered = [offer_reference(d, r.reference.draft(r.generated, k, r.sequence.device)) if r.reference is not None
                    else d for r, d, k in zip(rows, proposed, ks)]
         if self.proposer is not None and any(r.grammar is not None for r in rows):
             offered = [grammar_draft(r.grammar, r.generated, d, cap, r.sequence.device) if r.grammar is not None
                        else d for r, d, cap in zip(rows, offered, caps)]
-        drafts = budget.cut(offered, evidence) if budget is not None else offered
+        if plan is not None:
+            plan = controller.cut(plan, offered, evidence)
+        drafts = plan.drafts if plan is not None else offered
         t1 = self.clock()
         step = self._pass(rows, drafts)
         verdicts = self._verification(argmax).run(rows, drafts, step)
@@ -324,8 +332,8 @@ class StepEngine:
         emitted = [self._settle(r, d, v, tree_off=self.spec.num_candidates > 1 and not argmax and r.grammar is None)
                    for r, d, v in zip(rows, drafts, verdicts)]
         t3 = self.clock()
-        if budget is not None:
-            budget.observe(evidence, [v.path for v in verdicts], emitted, t1 - t0, t3 - t1)
+        if plan is not None:
+            controller.observe(plan, evidence, [v.path for v in verdicts], emitted, t1 - t0, t3 - t1)
         share = 1.0 / len(rows)
         for r in rows:
             r.stats.verify_steps += 1
@@ -428,8 +436,8 @@ class StepEngine:
         if row.finish is None:
             new = torch.tensor([block], dtype=torch.long, device=row.sequence.device)
             row.sequence = torch.cat([row.sequence, new], dim=1)
-            if self.spec.num_assistant_tokens_schedule == "heuristic" and self.proposer is not None and self.method.adaptive and drafted:
-                row.k = row.k + 2 if len(accepted) == row.k else max(1, row.k - 1)
+            if self.controller is not None and drafted:
+                row.k = self.controller.next_k(row.k, len(accepted))
         return block[:emitted]
 
     def finish(self, row: RowState) -> GenerationResult:

@@ -39,7 +39,7 @@ class MethodSpec:
         proposer: the proposer class ``build`` makes.
         needs_drafter: ``models.drafter`` is required, loaded and passed to ``build``
             (the other methods never load it, even when one is configured).
-        draft_length: the SpeculationSettings field of its draft length ``k`` (the same
+        k_param: the SpeculationSettings field of its ``k`` (the most draft tokens; the same
             name in an API request); ``None``: it drafts nothing.
         params: its own SpeculationSettings fields beyond the draft length (and beyond
             the schedule of an adaptive method): a field that defaults to ``None`` is
@@ -91,7 +91,7 @@ class MethodSpec:
     build: Callable[[Any], Any] | None = None
     proposer: type | None = None
     needs_drafter: bool = False
-    draft_length: str | None = "num_assistant_tokens"
+    k_param: str | None = "num_assistant_tokens"
     params: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
     draft_logits: bool = False

@@ -154,19 +154,20 @@ def verification_costs(engine, rows: list[RowState], widths: list[int], repeats:
     return out
 
 
-def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: int = 3) -> list[StepCost]:
-    """Median costs of real engine steps of ``rows`` for every ``k`` in ``draft_lengths``
-    (every row asked to draft ``k``; the caller fixes the engine's draft length)."""
+def step_costs(engine, rows: list[RowState], ks: list[int], repeats: int = 3) -> list[StepCost]:
+    """Median costs of real engine steps of ``rows`` for every ``k`` in ``ks``
+    (every row asked to draft and verify ``k``: fixed steps, whatever the engine's
+    ``draft_length``, :meth:`~pipeline.engine.loop.StepEngine.step`)."""
     out = []
     b = len(rows)
-    for k in draft_lengths:
+    for k in ks:
         samples = []
         for rep in range(repeats + 1):
             before = [(r.stats.draft_time_s, r.stats.verify_time_s, r.stats.wall_time_s, r.stats.draft_tokens)
                       for r in rows]
             for r in rows:
                 r.k = k  # a heuristic schedule moves it; every step asks for k
-            engine.step(rows)
+            engine.step(rows, fixed=True)
             if not rep:
                 continue
             d = [(r.stats.draft_time_s - x[0], r.stats.verify_time_s - x[1], r.stats.wall_time_s - x[2],
@@ -182,20 +183,20 @@ def step_costs(engine, rows: list[RowState], draft_lengths: list[int], repeats: 
 
 @torch.inference_mode()
 def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, widths: list[int] | None = None,
-                   draft_lengths: list[int] | None = None, repeats: int = 3,
+                   ks: list[int] | None = None, repeats: int = 3,
                    settings: GenerationSettings | None = None, stop_ratio: float | None = None) -> EngineProfile:
     """Measure ``engine`` on ``prompts`` (token id lists; reused in turn when there are
     fewer than ``max(batch_sizes)``).
 
     Args:
         engine: a :class:`~pipeline.engine.SpeculativeEngine` (its method is profiled;
-            its draft-length controller is fixed while it is measured).
+            its steps are fixed steps, every row drafting the ``k`` measured).
         prompts: real prompts of the corpus (their lengths set the attention cost); a
             prompt that leaves no room in the target's context for the steps measured
             is cut to fit.
         batch_sizes: ``B`` values (rows in flight); capped at what the proposer can batch.
         widths: ``n`` values of :func:`verification_costs` (``None``: not measured).
-        draft_lengths: ``k`` values of :func:`step_costs` (``None``: ``[0]``, plain steps).
+        ks: ``k`` values of :func:`step_costs` (``None``: ``[0]``, plain steps).
         repeats: timings per figure (their median is kept), after one warm-up.
         settings: the job's generation settings (sampling and logits processors cost time).
         stop_ratio: with ``widths``, batch sizes are measured in increasing order and the
@@ -213,7 +214,7 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
     t0 = engine.clock()
     limit = engine.method.max_rows
     sizes = sorted({b for b in batch_sizes if limit is None or b <= limit}) or [1]
-    ks = list(draft_lengths) if draft_lengths else [0]
+    ks = list(ks) if ks else [0]
     # the first rows take part at every batch size: room for all their steps and the widest pass
     budget = len(sizes) * (repeats + 1) * sum(k + 1 for k in ks) + 1
     if engine.context is not None:
@@ -225,24 +226,16 @@ def profile_engine(engine, prompts: list[list[int]], batch_sizes: list[int], *, 
     rows = _Rows(engine, prompts, max(sizes), _settings(engine, settings, budget))
     profile = EngineProfile(method=engine.spec.method)
     cheapest = None  # the lowest per-row cost of a plain pass so far
-    budget = engine.budget
-    fixed = budget.fixed if budget is not None else None
-    if budget is not None:
-        budget.fixed = True  # every step drafts the k asked
-    try:
-        for b in sizes:
-            batch = rows.first(b)
-            if widths:
-                profile.verify_s[b] = verification_costs(engine, batch, list(widths), repeats)
-            profile.steps += step_costs(engine, batch, ks, repeats)
-            if widths and stop_ratio is not None:
-                per_row = profile.verify_s[b][widths[0]] / b
-                if cheapest is not None and per_row > stop_ratio * cheapest:
-                    break
-                cheapest = per_row if cheapest is None else min(cheapest, per_row)
-    finally:
-        if budget is not None:
-            budget.fixed = fixed
+    for b in sizes:
+        batch = rows.first(b)
+        if widths:
+            profile.verify_s[b] = verification_costs(engine, batch, list(widths), repeats)
+        profile.steps += step_costs(engine, batch, ks, repeats)
+        if widths and stop_ratio is not None:
+            per_row = profile.verify_s[b][widths[0]] / b
+            if cheapest is not None and per_row > stop_ratio * cheapest:
+                break
+            cheapest = per_row if cheapest is None else min(cheapest, per_row)
     profile.admit_s_per_token = rows.admit_s / rows.tokens
     profile.prefill_s_per_token = rows.prefill_s / rows.tokens
     profile.seconds = engine.clock() - t0

@@ -19,7 +19,7 @@ uncalibrated) is the share of the n-gram's sites whose continuation agrees with 
 ``j`` (as prompt lookup's, 1.0 for an n-gram seen once), times ``n / REFERENCE_NGRAM`` (a match
 of one token says less than a match of four); the draft-length controller calibrates it
 against the acceptance it measures of source ``"reference"``
-(:mod:`pipeline.engine.draft_budget`).
+(:mod:`pipeline.engine.draft_control`).
 
 Lossless: the draft is a function of the committed tokens and the reference, a point mass
 (``probs`` ``None``): greedy output equals plain greedy output, and a sampled row keeps the

@@ -9,7 +9,7 @@ committed block of tokens (streaming) and one that receives the final result.
 Rows whose settings differ beyond :data:`pipeline.engine.batch.PER_ROW_FIELDS` (another
 temperature, another set of logits processors) share the slots and caches but step in
 separate groups, one target pass per group.  A row may draft fewer tokens than the
-engine's draft length (``draft_length`` at submission), and a row may be cancelled (a
+engine's ``k_max`` (its cap ``k`` at submission), and a row may be cancelled (a
 client went away): it leaves at the next step with finish reason ``"cancelled"``.
 """
 
@@ -41,7 +41,7 @@ class _Waiting:
     settings: GenerationSettings
     on_tokens: OnTokens | None
     on_done: OnDone | None
-    draft_length: int | None = None
+    k: int | None = None
     reference: ReferenceIndex | None = None
 
 
@@ -82,7 +82,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt, settings: GenerationSettings | None = None, on_tokens: OnTokens | None = None,
-               on_done: OnDone | None = None, resolved: bool = False, draft_length: int | None = None,
+               on_done: OnDone | None = None, resolved: bool = False, k: int | None = None,
                reference=None) -> int:
         """Queue a row; returns its ticket (results of :meth:`step` carry it).
 
@@ -92,8 +92,8 @@ class Scheduler:
                 ``generation_config`` unless ``resolved``).
             on_tokens: called (on the stepping thread) with each committed block of ids.
             on_done: called (on the stepping thread) with the row's final result.
-            draft_length: the row's draft length ``k``, 1 .. the engine's (default: the
-                engine's); with the ``heuristic`` schedule, its starting length.
+            k: the row's cap on draft tokens, 1 .. the engine's ``spec.k_max`` (default:
+                ``k_max``); with the ``heuristic`` schedule, its starting cap.
             reference: token ids (``list[int]`` or an int tensor ``(n,)``, the target's
                 vocabulary) the row's output is likely to repeat, or their
                 :class:`~pipeline.engine.reference.ReferenceIndex`: the row drafts from them
@@ -105,15 +105,15 @@ class Scheduler:
         if not resolved:
             settings = resolve_generation_settings(settings, self.engine.target.generation_config,
                                                    self.engine.target_vocab)
-        if draft_length is not None:
-            top = self.engine.spec.draft_length
-            if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 1 <= draft_length <= top:
-                raise ValueError(f"draft_length must be an integer in 1 .. {top} (the engine's), got {draft_length!r}")
+        if k is not None:
+            top = self.engine.spec.k_max
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= top:
+                raise ValueError(f"k (a row's cap on draft tokens) must be an integer in 1 .. {top} (the engine's k_max), got {k!r}")
         if reference is not None and not isinstance(reference, ReferenceIndex):
             reference = ReferenceIndex(reference, self.engine.target_vocab)
         with self._lock:
             ticket = next(self._tickets)
-            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done, draft_length, reference))
+            self._waiting.append(_Waiting(ticket, prompt, settings, on_tokens, on_done, k, reference))
         return ticket
 
     def cancel(self, ticket: int) -> None:
@@ -166,8 +166,8 @@ class Scheduler:
                 continue
             self._free.pop()
             row.on_tokens = w.on_tokens
-            if w.draft_length is not None:
-                row.k = w.draft_length
+            if w.k is not None:
+                row.k = w.k
             if self.engine.proposer is not None:  # a reference drafts beside a method's drafts
                 row.reference = w.reference
             self._callbacks[w.ticket] = (w.on_tokens, w.on_done)

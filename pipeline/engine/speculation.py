@@ -183,7 +183,8 @@ class SpeculationSettings:
         return self
 
     @property
-    def draft_length(self) -> int:
-        """The draft length the method starts with (``k``: its spec's draft-length field;
-        ``num_assistant_tokens`` for a method that drafts nothing)."""
-        return getattr(self, METHODS[self.method].draft_length or "num_assistant_tokens")
+    def k_max(self) -> int:
+        """The method's ``k``: the value of its spec's ``k_param`` field
+        (``num_assistant_tokens`` for a method that drafts nothing); every row's first cap
+        on draft tokens and the draft-length controller's ceiling."""
+        return getattr(self, METHODS[self.method].k_param or "num_assistant_tokens")

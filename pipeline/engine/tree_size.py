@@ -1,7 +1,7 @@
 """How many nodes a step's token trees keep: the tree's size by expected gain.
 
 A row's token tree (``SpeculationSettings.num_candidates > 1``) is its *first branch* (the
-linear draft, whose length the draft-length controller chooses: :mod:`pipeline.engine.draft_budget`)
+linear draft, whose length the draft-length controller chooses: :mod:`pipeline.engine.draft_control`)
 plus side nodes, the other candidates.  A step of ``B`` rows whose trees keep at most ``N``
 nodes costs one target pass over ``B`` rows of width ``N + 1`` (rows are left-padded to the
 widest), and row ``i`` emits on average::
@@ -33,7 +33,7 @@ PRIOR_NODES = 16.0
 
 
 class TreeSizer:
-    """The side nodes' measured gain and the node budget of each step's trees."""
+    """The side nodes' measured gain and the node count of each step's trees."""
 
     def __init__(self):
         self.side_nodes = 0.0

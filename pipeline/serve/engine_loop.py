@@ -31,7 +31,7 @@ class _Entry:
 
     prompt: list[int]
     settings: GenerationSettings
-    draft_length: int | None
+    k: int | None  # the row's cap on draft tokens (None: the engine's k_max)
     on_tokens: Callable | None
     on_done: Callable | None
     scheduler: Scheduler | None = None
@@ -79,7 +79,7 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, prompt: list[int], settings: GenerationSettings, on_tokens=None, on_done=None,
-               draft_length: int | None = None) -> int:
+               k: int | None = None) -> int:
         """Queue a row (settings already resolved); returns its id for :meth:`cancel`.
 
         Raises:
@@ -87,7 +87,7 @@ class EngineLoop:
         """
         if settings.do_sample and settings.seed is None:  # a fresh generator, but one a replay can repeat
             settings = dataclasses.replace(settings, seed=secrets.randbits(63))
-        entry = _Entry(list(prompt), settings, draft_length, on_tokens, on_done)
+        entry = _Entry(list(prompt), settings, k, on_tokens, on_done)
         with self._lock:
             row_id = next(self._ids)
             self._queue(row_id, entry, self.scheduler)
@@ -101,7 +101,7 @@ class EngineLoop:
         self._rows[row_id] = entry
         entry.ticket = scheduler.submit(entry.prompt, entry.settings, on_tokens=lambda ids: self._deliver(entry, ids),
                                         on_done=lambda result: self._done(row_id, result), resolved=True,
-                                        draft_length=entry.draft_length)
+                                        k=entry.k)
         if entry.cancelled:
             scheduler.cancel(entry.ticket)
 
@@ -216,7 +216,7 @@ class RequestRun:
     """The rows of one request in the engine loop, with an asyncio queue of their events:
     ``(index, "tokens", ids)`` and ``(index, "done", result)``."""
 
-    def __init__(self, loop: EngineLoop, rows: list[RequestRow], draft_length: int | None):
+    def __init__(self, loop: EngineLoop, rows: list[RequestRow], k: int | None):
         self.engine_loop = loop
         self.rows = rows
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -235,7 +235,7 @@ class RequestRun:
                     row.prompt, row.settings,
                     on_tokens=lambda ids, i=row.index: post((i, "tokens", list(ids))),
                     on_done=lambda r, i=row.index: post((i, "done", r)),
-                    draft_length=draft_length,
+                    k=k,
                 )
         except BaseException:
             self.cancel()

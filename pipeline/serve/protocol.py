@@ -54,7 +54,7 @@ EXTRA_SAMPLING_FIELDS = tuple(
     and f.name not in ("temperature", "top_p", "seed")
 )
 #: the request fields of the methods' draft lengths (their SpeculationSettings names, from the method table)
-DRAFT_LENGTH_FIELDS = tuple(dict.fromkeys(m.draft_length for m in METHODS.values() if m.draft_length))
+DRAFT_LENGTH_FIELDS = tuple(dict.fromkeys(m.k_param for m in METHODS.values() if m.k_param))
 #: OpenAI fields the server does not implement, accepted only at values that change nothing
 #: (some clients always send them); any other value is a 400 naming the field
 NOOP_FIELDS = {
@@ -356,12 +356,12 @@ USAGE_COUNTS = ("prompt_tokens", "new_tokens")
 SPECULATION_KEYS = tuple(c.name for c in STAT_COLUMNS if c.name not in USAGE_COUNTS)
 
 
-def speculation(stats: RowStats, method: str, draft_length: int | None) -> dict[str, Any]:
-    """The ``speculation`` object: the method, the draft length ``k`` the row started with
-    (null for ``plain``), and the row statistics (``docs/metrics.md``; rates null when
+def speculation(stats: RowStats, method: str, k: int | None) -> dict[str, Any]:
+    """The ``speculation`` object: the method, the cap on draft tokens ``k`` the row started
+    with (its key ``draft_length``, the API's name; null for ``plain``), and the row statistics (``docs/metrics.md``; rates null when
     nothing was drafted).  Several rows (a request's choices): their :meth:`RowStats.total`."""
     d = stats.to_columns()
-    return {"method": method, "draft_length": draft_length, **{k: d[k] for k in SPECULATION_KEYS}}
+    return {"method": method, "draft_length": k, **{key: d[key] for key in SPECULATION_KEYS}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -85,7 +85,7 @@ class OpenAIServer:
         self.defaults = resolve_generation_settings(defaults, engine.target.generation_config, engine.target_vocab)
         self.chat_template = chat_template
         self.method = engine.spec.method
-        self.draft_length = engine.spec.draft_length if engine.proposer is not None else None
+        self.k_max = engine.spec.k_max if engine.proposer is not None else None
         self.loop = EngineLoop(engine, max_batch_size)
         self.max_tokens_cap = max_tokens_cap
         self.max_rows_per_request = max_rows_per_request
@@ -153,20 +153,20 @@ class OpenAIServer:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", status=404, code="model_not_found")
 
-    def _draft_length(self, req) -> int | None:
-        """The request's draft length ``k`` (``None``: the server's)."""
+    def _k(self, req) -> int | None:
+        """The request's cap on draft tokens ``k`` (``None``: the server's ``k_max``)."""
         given = {f: getattr(req, f) for f in DRAFT_LENGTH_FIELDS if getattr(req, f) is not None}
         if not given:
             return None
-        own = METHODS[self.method].draft_length
+        own = METHODS[self.method].k_param
         for field, value in given.items():
-            if self.draft_length is None:
+            if self.k_max is None:
                 raise APIError(f"{field}: this server runs method {self.method!r}, which drafts nothing", param=field)
             if field != own:
                 raise APIError(f"{field} is not a parameter of method {self.method!r} (this server's); "
                                f"its draft length is {own}", param=field)
-            if not 1 <= value <= self.draft_length:
-                raise APIError(f"{field} must be in 1 .. {self.draft_length} (the server's method.{own}), "
+            if not 1 <= value <= self.k_max:
+                raise APIError(f"{field} must be in 1 .. {self.k_max} (the server's method.{own}), "
                                f"got {value}", param=field)
         return given[own]
 
@@ -328,7 +328,7 @@ class OpenAIServer:
 
     async def _respond(self, req, prompts: list[list[int]], param: str, chat: bool):
         settings = self._settings(req)
-        k = self._draft_length(req)
+        k = self._k(req)
         rows = self._rows(prompts, req, settings)
         self.requests += 1
         run = RequestRun(self.loop, rows, k)
@@ -350,13 +350,13 @@ class OpenAIServer:
             choice["finish_reason"] = openai_finish_reason(r.finish_reason)
             if req.return_token_ids:
                 choice["token_ids"] = r.token_ids
-            choice["speculation"] = speculation(r.stats, self.method, k or self.draft_length)
+            choice["speculation"] = speculation(r.stats, self.method, k or self.k_max)
             choices.append(choice)
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
             "model": self.model_name, "choices": choices,
             "usage": usage(sum(len(row.prompt) for row in rows), sum(len(r.token_ids) for r in results)),
-            "speculation": speculation(RowStats.total(r.stats for r in results), self.method, k or self.draft_length),
+            "speculation": speculation(RowStats.total(r.stats for r in results), self.method, k or self.k_max),
         }
 
     async def _stream(self, run: RequestRun, req, rid: str, param: str, chat: bool, k: int | None) -> AsyncIterator[str]:
@@ -395,12 +395,12 @@ class OpenAIServer:
                     continue
                 rest = row.stream.finish(result.text or "", result.finish_reason)
                 yield chunk([choice(index, rest, openai_finish_reason(result.finish_reason), ids=[],
-                                    speculation=speculation(result.stats, self.method, k or self.draft_length))])
+                                    speculation=speculation(result.stats, self.method, k or self.k_max))])
             if req.stream_options is not None and req.stream_options.include_usage:
                 done = [row.result for row in run.rows if row.result is not None and row.result.error is None]
                 yield chunk([], usage=usage(sum(len(row.prompt) for row in run.rows), sum(len(r.token_ids) for r in done)),
                             speculation=speculation(RowStats.total(r.stats for r in done), self.method,
-                                                    k or self.draft_length))
+                                                    k or self.k_max))
             yield "data: [DONE]\n\n"
         finally:
             run.cancel()

@@ -131,7 +131,7 @@ def run_pilot(engine, prompts: list[list[int]], settings: list[GenerationSetting
     t0 = clock()
     results = engine.generate_batch(prompts, settings, max_batch_size=batch_size)
     seconds = clock() - t0
-    return PilotRun(engine.spec.method, engine.spec.draft_length if engine.proposer else 0, batch_size, seconds,
+    return PilotRun(engine.spec.method, engine.spec.k_max if engine.proposer else 0, batch_size, seconds,
                     results)
 
 

@@ -91,7 +91,7 @@ class MethodChoice:
     @property
     def k_param(self) -> str | None:
         """The SpeculationSettings field of its draft length (``None``: it drafts nothing)."""
-        return METHODS[self.method].draft_length
+        return METHODS[self.method].k_param
 
     def speculation(self, k: int) -> SpeculationSettings:
         kw = dict(self.params)
@@ -212,8 +212,8 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
         fixed = {k: v for k, v in FIXED_DRAFT_LENGTH.items()
                  if (k == SCHEDULE_FIELD and method.adaptive) or k in method.params}
         k_max = 0
-        if method.draft_length is not None:
-            k_max = options.max_draft or max(method.tune_k_max or 0, getattr(spec, method.draft_length))
+        if method.k_param is not None:
+            k_max = options.max_draft or max(method.tune_k_max or 0, getattr(spec, method.k_param))
         out.append(MethodChoice(method.name, k_max, {**params, **fixed}))
     if options.methods:
         known = {c.method for c in out}
@@ -443,7 +443,7 @@ def _profile_phase(options: TuneOptions, run: _Pilot, plain_engine, generation, 
         engine = run.engines.pop(choice.method)  # dropped after its profile, with its caches
         ks = sorted({1, math.ceil(choice.k_max / 2), choice.k_max})
         log(f"profile: {choice.method}, k in {ks}")
-        profiles[choice.method] = profile_engine(engine, prompts, sizes, draft_lengths=ks,
+        profiles[choice.method] = profile_engine(engine, prompts, sizes, ks=ks,
                                                  repeats=options.repeats, settings=generation)
         models.append(_method_model(choice, run.pilots[choice.method], profiles[choice.method], grid,
                                     engine.uses_target_hook, METHODS[choice.method].max_rows))

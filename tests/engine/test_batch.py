@@ -11,6 +11,7 @@ distribution with other prompts' rows in the batch (chi-square).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -21,7 +22,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 import test_sampling as ts
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import CostCurve
-from pipeline.engine.draft_budget import Admission, DraftBudget
+from pipeline.engine.draft_control import Admission, DraftController
 
 from coverage import BATCH_ARCHS, BATCH_METHODS
 from tiny_models import NO_SPECIAL, VOCAB, bracket_tokenizer, build, check_stats, perturbed_copy, prompt_of
@@ -112,17 +113,16 @@ def test_shuffled_rows_give_every_row_the_same_output(arch):
 def random_lengths(monkeypatch, rng: random.Random, cut: bool = True) -> None:
     """The controller asks each row for a random length (0 .. its cap) and, with ``cut``, cuts
     the step's drafts to a random width, every step; its other bookkeeping runs as always."""
-    lengths = DraftBudget.lengths
+    lengths = DraftController.lengths
 
-    def random_ks(self, rows, caps, sampled=False):
-        lengths(self, rows, caps, sampled)
-        self._asked = [rng.randint(0, c) for c in caps]
-        return list(self._asked)
+    def random_ks(self, rows, caps, sampled=False, fixed=False):
+        plan = lengths(self, rows, caps, sampled, fixed)
+        return dataclasses.replace(plan, lengths=tuple(rng.randint(0, c) for c in caps))
 
-    monkeypatch.setattr(DraftBudget, "lengths", random_ks)
+    monkeypatch.setattr(DraftController, "lengths", random_ks)
     if cut:
         monkeypatch.setattr(CostCurve, "ready", property(lambda self: True))
-        monkeypatch.setattr(DraftBudget, "_width",
+        monkeypatch.setattr(DraftController, "_width",
                             lambda self, picks, firsts, stops: (rng.randint(0, max(firsts)), Admission("cut", "gain", [])))
 
 
@@ -197,7 +197,7 @@ def test_stop_strings_per_row(oracle, draft_length):
     if draft_length == "auto":
         from test_draft_budget import GPU
 
-        engine.budget.curve = GPU
+        engine.controller.curve = GPU
     results = engine.generate_batch(prompts, settings)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "stop" for r in results)
@@ -293,7 +293,7 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     if load == "auto":
         from test_draft_budget import GPU
 
-        engine.budget.curve, engine.budget.record = GPU, True
+        engine.controller.curve, engine.controller.record = GPU, True
     others = [torch.randint(0, ts.V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (2, 5, 9)]
     prompts, settings, counted = [], [], []
     for seed in range(ts.RUNS):
@@ -311,7 +311,7 @@ def test_sampling_in_a_batch_of_four_follows_the_target_distribution(method, loa
     assert 50 < accepted < drafted - 50
     assert ts.chi_square_p_value(samples, exact) > 1e-3
     if load == "auto":  # the controller cut the drafts: some steps verified fewer than asked
-        cuts = [a for a in engine.budget.history if a.phase == "cut"]
+        cuts = [a for a in engine.controller.history if a.phase == "cut"]
         assert any(0 < sum(a.lengths) < 2 * len(a.lengths) for a in cuts) and any(a.width == 3 for a in cuts)
     if load != "fixed":
         return
@@ -386,7 +386,7 @@ def test_scheduler_row_draft_length_and_cancel():
 
     scheduler = Scheduler(engine)
     finals: dict[int, object] = {}
-    tickets = [scheduler.submit(p, settings, draft_length=k, on_done=lambda r, i=i: finals.__setitem__(i, r))
+    tickets = [scheduler.submit(p, settings, k=k, on_done=lambda r, i=i: finals.__setitem__(i, r))
                for i, (p, k) in enumerate(zip(prompts, (1, None, 2)))]
     scheduler.step()
     scheduler.cancel(tickets[1])
@@ -403,8 +403,8 @@ def test_scheduler_row_draft_length_and_cancel():
     scheduler.step()
     assert finals["w"].finish_reason == "cancelled" and finals["w"].token_ids == [] and not scheduler.busy
     for bad in (0, 5, True, 2.0):
-        with pytest.raises(ValueError, match="draft_length"):
-            scheduler.submit(prompts[0], settings, draft_length=bad)
+        with pytest.raises(ValueError, match=r"k \(a row's cap"):
+            scheduler.submit(prompts[0], settings, k=bad)
 
 
 def test_a_scheduler_works_outside_inference_mode_after_generate_batch():

@@ -144,8 +144,8 @@ def test_profile_measures_every_batch_size_width_and_draft_length(pair):
 
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=4),
                                drafter=drafter, draft_length="auto")
-    q = profile_engine(engine, prompts, [1, 3], draft_lengths=[1, 4], repeats=2)
-    assert not engine.budget.fixed  # fixed while measuring, then restored
+    q = profile_engine(engine, prompts, [1, 3], ks=[1, 4], repeats=2)
+    assert not engine.controller.fixed  # its steps were fixed steps, the controller itself is not
     assert [(s.rows, s.k) for s in q.steps] == [(1, 1), (1, 4), (3, 1), (3, 4)]
     for s in q.steps:  # the oracle drafts the full k for every row, every step
         assert s.width == s.k + 1 and s.drafted == s.k

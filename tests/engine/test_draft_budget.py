@@ -1,16 +1,18 @@
-"""The draft-length controller (pipeline/engine/draft_budget.py): admission by marginal value
+"""The draft-length controller (pipeline/engine/draft_control.py): admission by marginal value
 on synthetic cost curves, calibrated confidence, sources, the sampled rows' stopping rule,
 and in a real engine: lossless with EOS and budgets inside blocks, no draft when a token
 costs more than it can gain, every row its cap when verifying is free."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pipeline.engine import GenerationSettings, SpeculationSettings, SpeculativeEngine
 from pipeline.engine.cost_model import CostCurve, tokens_per_second
-from pipeline.engine.draft_budget import (CALIBRATION_PRIOR, MIN_GAIN, ROW_PRIOR, Acceptance, DraftBudget,
+from pipeline.engine.draft_control import (CALIBRATION_PRIOR, MIN_GAIN, ROW_PRIOR, Acceptance, DraftController,
                                           RowEvidence)
 from pipeline.engine.proposers.base import Draft
 
@@ -50,8 +52,8 @@ DEAR = Costs(lambda b, w: 0.010 * w)
 FLAT = Costs(lambda b, w: 0.010)
 
 
-def budget(k, costs, fixed=False) -> DraftBudget:
-    b = DraftBudget(k, fixed=fixed)
+def budget(k, costs, fixed=False) -> DraftController:
+    b = DraftController(k, fixed=fixed)
     b.curve = costs
     return b
 
@@ -76,26 +78,27 @@ def test_a_token_that_costs_more_than_any_row_can_gain_is_never_verified():
     b = budget(4, DEAR)
     b.acceptance = calibrated(rate=1.0)
     rows = [RowEvidence() for _ in range(3)]
-    b.lengths(rows, [4, 4, 4])
+    plan = b.lengths(rows, [4, 4, 4])
     drafts = [draft([5, 6, 7, 8], [0.99] * 4), draft([1, 2], [0.95, 0.9]), draft([3], [0.97])]
-    cut = b.cut(drafts, rows)
+    cut = b.cut(plan, drafts, rows).drafts
     assert [len(d) for d in cut] == [0, 0, 0] and b.last.way == "gain" and b.last.width == 1
     # before proposing, a costly proposer is asked for nothing either
     b = budget(4, Costs(DEAR.verify, lambda longest, total: 0.002 * longest))
-    assert b.lengths(rows, [4, 4, 4]) == [0, 0, 0]
+    assert b.lengths(rows, [4, 4, 4]).lengths == (0, 0, 0)
 
 
 def test_free_verification_and_certain_acceptance_verify_every_rows_cap():
     b = budget(4, FLAT)
     b.acceptance = calibrated(rate=1.0)
     rows = [RowEvidence() for _ in range(3)]
-    assert b.lengths(rows, [4, 2, 3]) == [4, 2, 3]  # a free proposer is asked for its cap
-    cut = b.cut([draft([5, 6, 7, 8], [1.0] * 4), draft([1, 2], [1.0] * 2), draft([3, 4, 9], [1.0] * 3)], rows)
+    plan = b.lengths(rows, [4, 2, 3])
+    assert plan.lengths == (4, 2, 3) and plan.free  # a free proposer is asked for its cap
+    cut = b.cut(plan, [draft([5, 6, 7, 8], [1.0] * 4), draft([1, 2], [1.0] * 2), draft([3, 4, 9], [1.0] * 3)], rows).drafts
     assert [len(d) for d in cut] == [4, 2, 3]
     # a costly proposer too, when its calls cost nothing more per token
     b = budget(4, Costs(FLAT.verify, lambda longest, total: 0.001))
     b.acceptance.positions[("*", 0)] = [100.0, 100.0]
-    assert b.lengths(rows, [4, 2, 3]) == [4, 2, 3]
+    assert b.lengths(rows, [4, 2, 3]).lengths == (4, 2, 3)
 
 
 def test_the_cut_is_the_width_of_the_best_rate_and_leviathans_optimum_for_one_row():
@@ -105,7 +108,7 @@ def test_the_cut_is_the_width_of_the_best_rate_and_leviathans_optimum_for_one_ro
     costs = Costs(lambda b, w: 0.010 + 0.004 * (w - 1) * b)
     b = budget(4, costs)
     b.acceptance = calibrated(rate=0.8)
-    [cut] = b.cut([draft([1, 2, 3, 4], [0.8, 0.8, 0.8, 0.8])], [RowEvidence()])
+    [cut] = b.cut(b.lengths([RowEvidence()], [4]), [draft([1, 2, 3, 4], [0.8, 0.8, 0.8, 0.8])], [RowEvidence()]).drafts
     s = b.last.survival[0]
     rates = [tokens_per_second(1, k, s, costs.seconds(1, k + 1)) for k in range(5)]
     assert len(cut) == max(range(5), key=lambda k: rates[k]) == 2
@@ -122,7 +125,8 @@ def test_a_step_drafts_only_when_it_beats_a_plain_step_by_the_margin():
     for a, verified in ((threshold - 0.02, 0), (threshold + 0.02, 1)):
         b = budget(1, costs)
         b.acceptance.bins[("prompt", 9)] = [1e6 * a, 1e6]  # calibrated: confidence 0.95 means a
-        assert len(b.cut([draft([7], [0.95])], [RowEvidence()])[0]) == verified, a
+        plan = b.lengths([RowEvidence()], [1])
+        assert len(b.cut(plan, [draft([7], [0.95])], [RowEvidence()]).drafts[0]) == verified, a
 
 
 def test_rows_of_different_confidence_get_different_lengths_in_the_same_step():
@@ -132,14 +136,14 @@ def test_rows_of_different_confidence_get_different_lengths_in_the_same_step():
     b = budget(4, CPU)
     b.curve = Costs(CPU.verify, lambda longest, total: 0.0005 * longest + 0.0008 * total)
     b.acceptance.positions.update({("*", j): [90.0, 100.0] for j in range(4)})
-    ks = b.lengths(rows, [4, 4])
+    ks = b.lengths(rows, [4, 4]).lengths
     assert ks[0] > ks[1] and rows[1].adjust(0.9) < 0.25
     q = torch.full((4, 16), 1 / 16)  # drafted from a distribution: the stopping rule decides
     b = budget(4, CPU)
     b.acceptance = calibrated(rate=0.9)
-    b.lengths([RowEvidence(), RowEvidence()], [4, 4], sampled=True)
-    cut = b.cut([draft([1, 2, 3, 4], [0.95, 0.9, 0.9, 0.9], "drafter", q),
-                 draft([5, 6, 7, 8], [0.9, 0.2, 0.9, 0.9], "drafter", q)], [RowEvidence(), RowEvidence()])
+    plan = b.lengths([RowEvidence(), RowEvidence()], [4, 4], sampled=True)
+    cut = b.cut(plan, [draft([1, 2, 3, 4], [0.95, 0.9, 0.9, 0.9], "drafter", q),
+                 draft([5, 6, 7, 8], [0.9, 0.2, 0.9, 0.9], "drafter", q)], [RowEvidence(), RowEvidence()]).drafts
     assert len(cut[0]) > len(cut[1]) >= 1
 
 
@@ -153,20 +157,20 @@ def test_the_stopping_rule_at_a_position_reads_nothing_drawn_there_or_after():
         for tokens in ([1, 2, 3, 4], [9, 9, 9, 9]):
             b = budget(4, CPU)
             b.acceptance = calibrated(source="drafter")
-            b.lengths([RowEvidence()], [4], sampled=True)
-            [cut] = b.cut([draft(tokens, [0.95, 0.05] + tail, "drafter", q)], [RowEvidence()])
+            plan = b.lengths([RowEvidence()], [4], sampled=True)
+            [cut] = b.cut(plan, [draft(tokens, [0.95, 0.05] + tail, "drafter", q)], [RowEvidence()]).drafts
             lengths[(tuple(tail), tuple(tokens))] = len(cut)
     assert set(lengths.values()) == {1}  # it stops at position 2 whatever follows
     b = budget(4, CPU)
     b.acceptance = calibrated(source="drafter")  # its 0.99s are right 0.99 of the time, its drafts 0.5 at a position
-    b.lengths([RowEvidence()], [4], sampled=True)
+    plan = b.lengths([RowEvidence()], [4], sampled=True)
     sampled = draft([1, 2, 3, 4], [0.99] * 4, "drafter", q)
     lookup = draft([1, 2, 3], [0.9, 0.9, 0.9], "prompt")
-    b.cut([draft([1, 2, 3, 4], [0.99] * 4, "drafter", q, alternatives=[lookup])], [RowEvidence()])
-    assert b._picks[0].chosen.source == "prompt"  # valued by position (about 0.5 a token), not by its 0.99s
-    b._sampled = False
-    b.cut([draft([1, 2, 3, 4], [0.99] * 4, "drafter", None, alternatives=[lookup])], [RowEvidence()])
-    assert b._picks[0].chosen.source == "drafter"  # a greedy draft is valued by its confidence
+    cut = b.cut(plan, [draft([1, 2, 3, 4], [0.99] * 4, "drafter", q, alternatives=[lookup])], [RowEvidence()])
+    assert cut.picks[0].chosen.source == "prompt"  # valued by position (about 0.5 a token), not by its 0.99s
+    cut = b.cut(dataclasses.replace(plan, sampled=False),
+                [draft([1, 2, 3, 4], [0.99] * 4, "drafter", None, alternatives=[lookup])], [RowEvidence()])
+    assert cut.picks[0].chosen.source == "drafter"  # a greedy draft is valued by its confidence
     assert sampled.confidence is not None
 
 
@@ -180,11 +184,12 @@ def test_the_draft_with_the_most_expected_accepted_tokens_is_verified():
     row = RowEvidence()
     pool = draft([1, 2, 3, 4], [0.95] * 4, "pool")
     prompt = draft([7, 8, 9], [0.6, 0.6, 0.6], "prompt")
-    [cut] = b.cut([draft([], source="prompt", alternatives=[pool, prompt])], [row])
+    plan = b.cut(b.lengths([row], [4]), [draft([], source="prompt", alternatives=[pool, prompt])], [row])
+    [cut] = plan.drafts
     assert cut.source == "prompt" and cut.tokens.tolist() == [7, 8, 9]
     # what happened is judged for every candidate: the pool's first token was right, the match's wrong
     before = {s: list(b.acceptance.positions[(s, 0)]) for s in ("pool", "prompt")}
-    b.observe([row], [[]], [[1]], 0.0, 0.01)
+    b.observe(plan, [row], [[]], [[1]], 0.0, 0.01)
     assert b.acceptance.positions[("pool", 0)] == [before["pool"][0] + 1, before["pool"][1] + 1]
     assert b.acceptance.positions[("prompt", 0)] == [before["prompt"][0], before["prompt"][1] + 1]
     assert ("pool", 1) not in b.acceptance.positions and row.evaluated == 2 and row.accepted == 1
@@ -210,25 +215,26 @@ def test_calibration_and_a_rows_record_move_the_estimates():
 def test_fixed_verifies_the_primary_draft_whole():
     b = budget(4, DEAR, fixed=True)
     alt = draft([1, 2, 3, 4], [1.0] * 4, "pool")
-    assert b.lengths([RowEvidence()], [4]) == [4]
-    [cut] = b.cut([draft([5, 6], [0.1, 0.1], alternatives=[alt])], [RowEvidence()])
+    plan = b.lengths([RowEvidence()], [4])
+    assert plan.lengths == (4,) and plan.fixed
+    [cut] = b.cut(plan, [draft([5, 6], [0.1, 0.1], alternatives=[alt])], [RowEvidence()]).drafts
     assert cut.tokens.tolist() == [5, 6] and b.last.way == "fixed"
 
 
 def test_until_the_costs_are_measured_steps_explore_three_widths():
-    b = DraftBudget(4)
+    b = DraftController(4)
     widths = []
     for _ in range(12):
-        b.lengths([RowEvidence()], [4])
-        [cut] = b.cut([draft([1, 2, 3, 4], [0.9] * 4)], [RowEvidence()])
+        plan = b.cut(b.lengths([RowEvidence()], [4]), [draft([1, 2, 3, 4], [0.9] * 4)], [RowEvidence()])
+        [cut] = plan.drafts
         widths.append(len(cut))
-        b.observe([RowEvidence()], [[]], [[0]], 0.001, 0.01 + 0.001 * len(cut))
+        b.observe(plan, [RowEvidence()], [[]], [[0]], 0.001, 0.01 + 0.001 * len(cut))
     assert widths[:4] == [0, 1, 0, 2] and widths[4:8] == widths[:4] and b.curve.ready
     assert b.curve.seconds(1, 3) > b.curve.seconds(1, 1)
 
 
 def test_reset_learning_keeps_the_costs_and_forgets_acceptance():
-    b = DraftBudget(3)
+    b = DraftController(3)
     for w in (1, 2, 3) * 3:
         b.curve.observe(2, w, 0.01 * w)
     b.acceptance.observe("prompt", 0.9, 0, True)
@@ -250,7 +256,7 @@ def engines(target, drafter, batch, costs):
         engine = SpeculativeEngine(target, spec, drafter=drafter if method == "draft_model" else None,
                                    max_batch_size=batch, draft_length="auto")
         if costs is not None:
-            engine.budget.curve = costs
+            engine.controller.curve = costs
         yield method, engine
 
 
@@ -292,10 +298,10 @@ def test_no_draft_is_verified_where_one_more_token_costs_more_than_it_gains(orac
     prompts = [prompt_of(n, seed=n).repeat(1, 3) for n in (5, 8, 13)]
     want = [r.token_ids for r in SpeculativeEngine(target).generate_batch(prompts, GenerationSettings(max_new_tokens=60))]
     for method, engine in engines(target, drafter, 3, DEAR):
-        engine.budget.record = True
+        engine.controller.record = True
         results = engine.generate_batch(prompts, GenerationSettings(max_new_tokens=60))
         assert [r.token_ids for r in results] == want
-        cuts = [a for a in engine.budget.history if a.phase == "cut"]
+        cuts = [a for a in engine.controller.history if a.phase == "cut"]
         probes = [a for a in cuts if a.way == "probe"]
         assert all(not any(a.lengths) for a in cuts if a.way != "probe") and len(probes) <= 2, method
         assert sum(r.stats.draft_tokens for r in results) == sum(sum(a.lengths) for a in probes)
@@ -308,8 +314,8 @@ def test_free_verification_of_an_oracle_drafts_every_rows_cap(oracle):
     target, same, _ = oracle
     engine = SpeculativeEngine(target, SpeculationSettings(method="draft_model", num_assistant_tokens=4), drafter=same,
                                max_batch_size=3, draft_length="auto")
-    engine.budget.curve = Costs(FLAT.verify, lambda longest, total: 0.0001 * longest)
-    engine.budget.acceptance = calibrated("drafter", rate=1.0)
+    engine.controller.curve = Costs(FLAT.verify, lambda longest, total: 0.0001 * longest)
+    engine.controller.acceptance = calibrated("drafter", rate=1.0)
     prompts = [prompt_of(n, seed=n) for n in (5, 8, 13)]
     results = engine.generate_batch(prompts, GenerationSettings(max_new_tokens=21))  # 4 steps of 4 + 1, then 1
     for r in results:
@@ -326,7 +332,7 @@ def test_a_trimmed_drafts_cut_tokens_are_judged_against_the_targets(oracle):
     prompt = prompt_of(6, seed=3).repeat(1, 4)
     engine = SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=3),
                                draft_length="auto")
-    engine.budget.curve = DEAR
+    engine.controller.curve = DEAR
     proposed = []
     propose = engine.proposer.propose
 
@@ -340,7 +346,7 @@ def test_a_trimmed_drafts_cut_tokens_are_judged_against_the_targets(oracle):
     text = prompt[0].tolist() + out.token_ids
     hits = sum(text[length] == token for length, token in proposed)
     assert len(proposed) > 10 and 0 < hits and out.stats.draft_steps <= 1  # at most a probe verified
-    assert engine.budget.acceptance.positions[("prompt", 0)] == [hits, len(proposed)]
+    assert engine.controller.acceptance.positions[("prompt", 0)] == [hits, len(proposed)]
 
 
 def test_suffix_offers_its_prompt_matches_and_pool_and_counts_tokens_by_source(oracle):
@@ -350,7 +356,7 @@ def test_suffix_offers_its_prompt_matches_and_pool_and_counts_tokens_by_source(o
     target, _, _ = oracle
     engine = SpeculativeEngine(target, SpeculationSettings(method="suffix", num_assistant_tokens=4),
                                max_batch_size=2, draft_length="auto")
-    engine.budget.curve = CPU
+    engine.controller.curve = CPU
     prompts = [prompt_of(20, seed=90 + i).repeat(1, 2) for i in range(4)]
     first = engine.generate_batch(prompts, GenerationSettings(max_new_tokens=30))
     again = engine.generate_batch(prompts, GenerationSettings(max_new_tokens=30))  # the pool holds these outputs
@@ -358,19 +364,19 @@ def test_suffix_offers_its_prompt_matches_and_pool_and_counts_tokens_by_source(o
     stats = [r.stats for r in first + again]
     assert sum(s.accepted_from_prompt for s in stats) > 0 and sum(s.accepted_from_pool for s in stats) > 0
     assert sum(s.accepted_from_pool for s in (r.stats for r in again)) > sum(s.accepted_from_pool for s in stats[:4])
-    assert engine.budget.acceptance.bins and len(engine.proposer.cached) == 8
+    assert engine.controller.acceptance.bins and len(engine.proposer.cached) == 8
     engine.reset_learning()
-    assert not engine.proposer.cached and not engine.budget.acceptance.bins and engine.budget.curve is CPU
+    assert not engine.proposer.cached and not engine.controller.acceptance.bins and engine.controller.curve is CPU
 
 
 def test_the_controller_records_why_each_row_drafts_what_it_does(oracle):
     target, _, _ = oracle
     engine = SpeculativeEngine(target, SpeculationSettings(method="prompt_lookup", prompt_lookup_num_tokens=4),
                                max_batch_size=2, draft_length="auto")
-    engine.budget.curve, engine.budget.record = CPU, True
+    engine.controller.curve, engine.controller.record = CPU, True
     engine.generate_batch([prompt_of(9, seed=1).repeat(1, 3), prompt_of(7, seed=2).repeat(1, 3)],
                           GenerationSettings(max_new_tokens=20))
-    cuts = [a for a in engine.budget.history if a.phase == "cut"]
+    cuts = [a for a in engine.controller.history if a.phase == "cut"]
     assert cuts and all(a.width == max(a.lengths, default=0) + 1 for a in cuts)
     drafting = [a for a in cuts if any(a.lengths)]
     assert drafting and all(a.tokens > len(a.lengths) and a.seconds > a.plain_seconds for a in drafting)

@@ -141,5 +141,5 @@ def test_batched_rows_equal_their_single_row_ensemble_output(models):
         alone = [engine.generate(p, settings).token_ids for p in prompts]
         batched = SpeculativeEngine(target, engine.spec, drafter=drafter if method == "draft_model" else None,
                                     max_batch_size=3, draft_length="auto")
-        assert batched.budget.fixed
+        assert batched.controller.fixed
         assert [r.token_ids for r in batched.generate_batch(prompts, settings)] == alone, method

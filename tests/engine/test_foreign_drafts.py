@@ -119,7 +119,7 @@ class Case:
         engine = SpeculativeEngine(self.target, self.spec, max_batch_size=batch,
                                    draft_length="fixed" if mode == "fixed" else "auto", **self.kwargs)
         if MODES[mode] is not None:
-            engine.budget.curve = MODES[mode]  # the controller's costs fixed: its choices do not follow the load
+            engine.controller.curve = MODES[mode]  # the controller's costs fixed: its choices do not follow the load
         return engine
 
     def alternatives(self, engine: SpeculativeEngine) -> None:
@@ -255,7 +255,7 @@ def test_early_exit_with_references_keeps_the_targets_law_under_auto(tmp_path):
     engine = SpeculativeEngine(target, SpeculationSettings(method="early_exit", assistant_early_exit=1,
                                                            num_assistant_tokens=K), max_batch_size=4,
                                draft_length="auto")
-    engine.budget.curve = FREE
+    engine.controller.curve = FREE
     settings = [GenerationSettings(max_new_tokens=3, seed=seed, **SETTINGS) for seed in range(RUNS)]
     results = engine.generate_batch([prompt] * RUNS, settings, references=[list(likeliest) * 2] * RUNS)
     samples = Counter(tuple(r.token_ids[:2]) for r in results)

@@ -79,8 +79,8 @@ def test_reference_drafts_are_lossless_greedy_and_accepted(greedy_rows, method, 
     target, prompts, outs, eos, stopped = greedy_rows
     spec = SpeculationSettings(method=method, num_assistant_tokens=4, prompt_lookup_num_tokens=4)
     engine = SpeculativeEngine(target, spec, max_batch_size=3, draft_length=draft_length)
-    if engine.budget is not None and not engine.budget.fixed:
-        engine.budget.curve = CPU  # the controller's costs fixed: its choices do not follow the machine's load
+    if engine.controller is not None and not engine.controller.fixed:
+        engine.controller.curve = CPU  # the controller's costs fixed: its choices do not follow the machine's load
     refs = _references(outs)
     settings = GenerationSettings(max_new_tokens=NEW)
     without = engine.generate_batch(prompts, settings)

@@ -136,7 +136,7 @@ def test_every_method_has_a_proposer():
     assert [name for name, m in METHODS.items() if m.build is None] == [PLAIN]
     for name, m in METHODS.items():
         if m.build is not None:
-            assert isinstance(m.proposer, type) and m.draft_length is not None, name
+            assert isinstance(m.proposer, type) and m.k_param is not None, name
 
 
 def test_every_methods_declared_capabilities_are_its_proposers_hooks():

@@ -205,7 +205,7 @@ def test_prompt_lookup_suffix_and_draft_model_trees_equal_plain(target, referenc
 
 @pytest.mark.parametrize("costs", ["measured", "cpu", "wide"])
 def test_tree_size_by_expected_gain_never_changes_an_output(references, target, costs):
-    """With the draft length and the tree's node budget from the controller (on the costs it
+    """With the draft length and the tree's node count from the controller (on the costs it
     measures, on a CPU-like curve, or on one where a wider pass costs next to nothing), every
     row is still plain greedy's."""
     import test_draft_budget as tb
@@ -214,7 +214,7 @@ def test_tree_size_by_expected_gain_never_changes_an_output(references, target, 
     drafter = perturbed_copy(target, 0.3)
     for name, engine in _tree_engines(target, drafter, 3, draft_length="auto"):
         if costs != "measured":
-            engine.budget.curve = tb.CPU if costs == "cpu" else tb.Costs(lambda b, w: 0.010 + 0.00003 * b * (w - 1))
+            engine.controller.curve = tb.CPU if costs == "cpu" else tb.Costs(lambda b, w: 0.010 + 0.00003 * b * (w - 1))
         results = engine.generate_batch(prompts * 2, [GenerationSettings(max_new_tokens=b) for b in budgets] * 2)
         assert [r.token_ids for r in results] == outs * 2, name
         if costs == "wide":  # side nodes pay where a wider pass costs next to nothing: trees are verified

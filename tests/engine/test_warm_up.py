@@ -135,25 +135,25 @@ def test_reset_learning_keeps_the_cost_curve_and_forgets_acceptance(pair):
     pool are gone."""
     target, _, rows, _ = pair
     engine = _engine(target, None, "suffix+auto")
-    budget = engine.budget
-    budget.record = True
+    controller = engine.controller
+    controller.record = True
     prompts, settings = [p for p, _ in rows], [GenerationSettings(max_new_tokens=b) for _, b in rows]
     engine.generate_batch(prompts, settings)
-    curve = budget.curve
+    curve = controller.curve
     measured = {shape: list(v) for shape, v in curve.table.items()}
     predicted = (curve.seconds(2, 3), curve.propose_weights())
-    assert curve.ready and budget.acceptance.positions and budget.acceptance.bins and budget.history
-    budget.trees.observe(6, 2)  # as a step of token trees would have: side nodes that gained 2 tokens
+    assert curve.ready and controller.acceptance.positions and controller.acceptance.bins and controller.history
+    controller.trees.observe(6, 2)  # as a step of token trees would have: side nodes that gained 2 tokens
     assert engine.proposer.cached
     engine.reset_learning()
-    assert engine.budget is budget and budget.curve is curve
+    assert engine.controller is controller and controller.curve is curve
     assert {shape: list(v) for shape, v in curve.table.items()} == measured
     assert (curve.seconds(2, 3), curve.propose_weights()) == predicted
-    assert not budget.acceptance.positions and not budget.acceptance.bins and not budget.kept
-    assert budget.trees.side_nodes == 0 and budget.history == [] and budget.last is None
+    assert not controller.acceptance.positions and not controller.acceptance.bins and not controller.kept
+    assert controller.trees.side_nodes == 0 and controller.history == [] and controller.last is None
     assert not engine.proposer.cached and engine.proposer.global_tree.nodes == 0
     engine.generate_batch(prompts[:1], settings[:1])
-    assert budget.history and budget.history[0].way != "explore"  # the kept curve admits at once
+    assert controller.history and controller.history[0].way != "explore"  # the kept curve admits at once
 
 
 def test_warm_up_on_a_suffix_engine_leaves_no_synthetic_output_in_its_tree(pair):

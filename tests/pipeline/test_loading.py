@@ -28,14 +28,14 @@ def test_the_actor_the_replica_and_the_tuner_build_the_same_engine(tiny_models, 
     try:
         models = load_job_models(cfg, "cpu", any_drafter=True)  # as the tuner loads them: the drafter whatever the method
         choice = next(c for c in tuner.allowed_methods(cfg, models, tuner.TuneOptions())[0] if c.method == method)
-        k = cfg.method.speculation_settings().draft_length
+        k = cfg.method.speculation_settings().k_max
         tuned = tuner._engine(choice, k, 4, models, time.perf_counter)
         engines = {"actor": actor.engine, "replica": server.engine, "tuner": tuned}
         for name, engine in engines.items():
-            assert engine.spec.method == method and engine.spec.draft_length == k, name
+            assert engine.spec.method == method and engine.spec.k_max == k, name
             assert type(engine.proposer) is type(actor.engine.proposer), name
             assert engine.max_batch_size == 4 and engine.tokenizer is not None, name
-            assert not engine.budget.fixed, name  # the draft-length controller, on by default everywhere
+            assert not engine.controller.fixed, name  # the draft-length controller, on by default everywhere
         # a method that does not draft with a model never gets the drafter, even when it is loaded
         assert models.drafter is not None
         assert (actor.models.drafter is None) == (method == "prompt_lookup")

@@ -422,7 +422,7 @@ def test_an_edited_row_drafts_from_its_previous_output_losslessly(greedy_night, 
     cfg = job_config(tiny_models, "unused", str(tmp_path / "o"),
                      overrides=["method.name=suffix", "generation.max_new_tokens=20", "audit.fraction=1.0"])
     actor = _actor(cfg, table)
-    actor.engine.budget.curve = _FixedCosts()
+    actor.engine.controller.curve = _FixedCosts()
     outs = _decode(actor)
     assert [o["reused_from"] for o in outs] == [None] * 3 and [o["audit"] for o in outs] == [True] * 3
     for o, prev in zip(outs, night1):
@@ -448,7 +448,7 @@ def test_a_previous_night_seeds_the_suffix_pool_and_the_output_stays_plain(greed
     reuse = {"fingerprint": _fingerprint(cfg), "table": table, "copy": False, "pool": 3}
     actor = GenerateActor(cfg.model_dump(), device="cpu", reuse=reuse)
     assert actor.pool_seeded == 3 and len(actor.engine.proposer.cached) == 3
-    actor.engine.budget.curve = _FixedCosts()
+    actor.engine.controller.curve = _FixedCosts()
     outs = _decode(actor)
     assert [o["audit"] for o in outs] == [True] * 3 and [o["reused_from"] for o in outs] == [None] * 3
     for o, prev in zip(outs, night1):

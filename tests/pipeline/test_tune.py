@@ -253,11 +253,11 @@ def test_tune_confirms_with_the_controller_on_warmed_engines_and_tries_the_winne
         return next(i for i, e in enumerate(engines) if e is engine)
 
     def warming(self, *args, **kwargs):
-        events.append(("warm", seen(self), self.budget and ("fixed" if self.budget.fixed else "auto")))
+        events.append(("warm", seen(self), self.controller and ("fixed" if self.controller.fixed else "auto")))
         return warm_up(self, *args, **kwargs)
 
     def measuring(engine, *args, **kwargs):
-        events.append(("measure", seen(engine), engine.budget and ("fixed" if engine.budget.fixed else "auto")))
+        events.append(("measure", seen(engine), engine.controller and ("fixed" if engine.controller.fixed else "auto")))
         return measure(engine, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeEngine, "warm_up", warming)

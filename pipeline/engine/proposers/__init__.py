@@ -17,12 +17,12 @@ from .prompt_lookup import PromptLookupProposer
 
 #: the method table, by name (in the order methods are listed to users)
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
-    MethodSpec(PLAIN, draft_length=None, tune_candidate=always_tried),
+    MethodSpec(PLAIN, k_param=None, tune_candidate=always_tried),
     MethodSpec("draft_model", draft_model.build, draft_model.DraftModelProposer, needs_drafter=True,
                params=(CONFIDENCE_FIELD, "draft_vocab", "draft_vocab_size"), draft_logits=True, check_pair=draft_model.check_pair,
                tune_candidate=draft_model.tune_candidate, proposes_trees=True, adaptive=True),
     MethodSpec("prompt_lookup", prompt_lookup.build, prompt_lookup.PromptLookupProposer,
-               draft_length="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
+               k_param="prompt_lookup_num_tokens", params=("max_matching_ngram_size",),
                tune_candidate=always_tried, tune_k_max=10, proposes_trees=True),
     MethodSpec("suffix", suffix.build, suffix.SuffixProposer, params=suffix.PARAMS, tune_candidate=always_tried,
                tune_k_max=10, proposes_trees=True, learns_from_outputs=True),

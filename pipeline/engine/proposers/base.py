@@ -17,7 +17,7 @@ It never verifies: acceptance lives in :mod:`pipeline.engine.verify`, the loop i
 Foreign drafts.  The step may verify a draft that is not the proposer's own: the
 draft-length controller picks, per row, the draft with the most expected accepted tokens
 among the proposer's primary draft, its alternatives and the row's reference
-(:mod:`pipeline.engine.draft_budget`, :mod:`pipeline.engine.reference`), and cuts it.  So
+(:mod:`pipeline.engine.draft_control`, :mod:`pipeline.engine.reference`), and cuts it.  So
 any state a proposer computed *while drafting* (a drafter's cache entries of its draft
 tokens, hidden states of the draft positions, an MTP layer's entries fed its own drafts)
 is valid only for the positions where the committed (or verified) tokens are the tokens
@@ -93,7 +93,7 @@ class Draft:
         confidence: ``(n,)`` float64 on the CPU, or ``None``: the proposer's own estimate,
             per token, that the token is accepted given that the tokens before it were (a
             conditional probability in [0, 1], uncalibrated: the draft-length controller
-            calibrates it against measured acceptance, :mod:`pipeline.engine.draft_budget`).
+            calibrates it against measured acceptance, :mod:`pipeline.engine.draft_control`).
             A deterministic proposer may use anything it knows (suffix: the frequency of the
             continuation in its tree; prompt lookup: how often the matched n-gram was followed
             by it); a proposer that *samples* its tokens must give only what it knew before

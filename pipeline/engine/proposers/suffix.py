@@ -30,7 +30,7 @@ what followed the first earlier occurrence of the text's last n-gram (up to
 :data:`PROMPT_NGRAM` tokens; ``"prompt"``, its confidence how often that n-gram was followed
 so: :func:`~pipeline.engine.proposers.prompt_lookup.lookup_with_confidence`).  The engine's
 draft-length controller verifies the one with the most expected accepted tokens
-(:mod:`pipeline.engine.draft_budget`); with a fixed draft length the primary (the higher
+(:mod:`pipeline.engine.draft_control`); with a fixed draft length the primary (the higher
 score of the two trees, as above) is verified.  On held-out news articles the copy and the
 row's tree each win where the other misses, and the pool of 31 other outputs drafts far
 worse (accepted tokens per step at ``k = 4``, SmolLM2 greedy outputs of XSum 200-231: the

@@ -1,13 +1,23 @@
-"""The draft-length controller: one verify budget per step, shared by the rows in flight.
+"""The draft-length controller: one verification width per step, shared by the rows in flight.
 
 How many draft tokens each row verifies this step (0 included) is decided here, for all the
 rows of a step together, at three points of the loop (:mod:`pipeline.engine.loop`):
 
-1. :meth:`DraftBudget.lengths`, before proposing: how many tokens to ask each row's proposer for;
-2. :meth:`DraftBudget.cut`, after proposing: which of a row's drafts to verify (a proposer may
+1. :meth:`DraftController.lengths`, before proposing: how many tokens to ask each row's proposer
+   for, returned as a :class:`StepPlan`;
+2. :meth:`DraftController.cut`, after proposing: which of a row's drafts to verify (a proposer may
    offer one per source, :attr:`Draft.alternatives <pipeline.engine.proposers.base.Draft>`)
-   and how many of its tokens; a token tree's node budget;
-3. :meth:`DraftBudget.observe`, after verifying: the accepted tokens and the step's timings.
+   and how many of its tokens; a token tree's node count; the plan with the drafts to verify;
+3. :meth:`DraftController.observe`, after verifying: the plan, the accepted tokens and the
+   step's timings.
+
+The step is a value: the plan carries everything of a step from one call to the next, and the
+controller keeps only what it learns (calibration and acceptance by position, the cost curve,
+the tree sizer, the share of asked tokens the cut keeps, the probe schedule).  Names: ``k`` is a
+row's cap on draft tokens (``caps``), ``k_max`` the method's ``k``; the engine's
+``draft_length`` (``"auto"`` or ``"fixed"``) is the controller's ``fixed``.  The
+``heuristic`` schedule of transformers (``num_assistant_tokens_schedule``) moves a row's ``k``
+here too (:meth:`DraftController.next_k`).
 
 **Admission by marginal value** (as vLLM's adaptive verification).  Draft position ``j`` of row
 ``i`` is worth its *survival* ``s_ij = a_i1 * ... * a_ij``, the chance that the row's first
@@ -59,13 +69,13 @@ Until the cost curve is measured (a few steps at two widths; the engine's warm-u
 before the timed work) steps verify 0, 1, 0 and 2 tokens in turn (:data:`EXPLORE`).  A costly
 proposer whose drafts do not pay is still asked now and then (a probe: one row, one token
 more, every :data:`PROBE_EVERY` steps, doubling while it still does not pay), so acceptance
-keeps being measured.  :meth:`DraftBudget.reset_learning` drops what was learnt of acceptance
+keeps being measured.  :meth:`DraftController.reset_learning` drops what was learnt of acceptance
 and keeps the cost curve.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .cost_model import CostCurve
@@ -93,7 +103,7 @@ EXPLORE = (0, 1, 0, 2)
 #: a probe every this many steps (doubling while drafting does not pay, up to MAX_PROBE_EVERY)
 PROBE_EVERY = 32
 MAX_PROBE_EVERY = 1024
-#: the pooled position table of every verified draft (the prior of :meth:`DraftBudget.lengths`)
+#: the pooled position table of every verified draft (the prior of :meth:`DraftController.lengths`)
 ANY = "*"
 
 
@@ -160,7 +170,7 @@ def _bin(c: float) -> int:
 
 @dataclass
 class Admission:
-    """Why a step verifies what it does (one per :meth:`DraftBudget.lengths` or :meth:`~DraftBudget.cut`).
+    """Why a step verifies what it does (one per :meth:`DraftController.lengths` or :meth:`~DraftController.cut`).
 
     Attributes:
         phase: ``"lengths"`` (tokens asked of the proposer) or ``"cut"`` (tokens verified).
@@ -199,37 +209,78 @@ class Admission:
                 f"{1e3 * self.marginal_seconds:.2f} ms")
 
 
-@dataclass
-class _Pick:
-    """A row's chosen draft after :meth:`DraftBudget.cut`, kept for :meth:`DraftBudget.observe`."""
+@dataclass(frozen=True)
+class Pick:
+    """A row's chosen draft (:meth:`DraftController.cut`), judged by :meth:`DraftController.observe`."""
 
     primary: Draft
     chosen: Draft
-    prior: list[float]  # calibrated estimates before the row's record (what its record is judged against)
-    survival: list[float]
+    prior: tuple[float, ...]  # calibrated estimates before the row's record (what its record is judged against)
+    survival: tuple[float, ...]
     verified: Draft | None = None
 
 
-class DraftBudget:
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of the controller, as a value: :meth:`DraftController.lengths` makes it,
+    :meth:`DraftController.cut` returns it with the drafts to verify, :meth:`DraftController.observe`
+    reads it.  Nothing of a step is kept in the controller between the three calls; the
+    controller keeps only what it learns (calibration, acceptance by position, cost curve,
+    tree sizer, probe schedule).
+
+    Attributes:
+        lengths: per row the draft tokens asked of its proposer (``0 .. k``, ``k`` the row's cap).
+        step: the controller's step number (1 for the first; which :data:`EXPLORE` width an
+            exploring step takes).
+        sampled: the rows sample (a drafter's draws are cut by the stopping rule).
+        fixed: every row verifies its cap and its primary draft (the controller's ``fixed``, or
+            asked for this step: :meth:`DraftController.lengths`'s ``fixed``).
+        free: the proposer was asked for its cap, its drafts costing nearly nothing (:data:`FREE_PROPOSER`).
+        probing: a probe step (one row one token more, or one token of width more).
+        picks: after :meth:`~DraftController.cut`, per row the chosen and verified draft.
+    """
+
+    lengths: tuple[int, ...]
+    step: int
+    sampled: bool = False
+    fixed: bool = False
+    free: bool = False
+    probing: bool = False
+    picks: tuple[Pick, ...] = ()
+
+    @property
+    def drafts(self) -> list[Draft]:
+        """The drafts to verify, one per row (after :meth:`~DraftController.cut`)."""
+        return [p.verified for p in self.picks]
+
+    @property
+    def explore(self) -> int:
+        """The tokens an exploring step verifies (before the cost curve is measured)."""
+        return EXPLORE[(self.step - 1) % len(EXPLORE)]
+
+
+class DraftController:
     """The draft-length controller of one engine (see the module docstring).
 
     Args:
-        k_max: the method's draft length ``K`` (the most any row drafts).
+        k_max: the method's ``k`` (the most any row drafts, unless fixed).
         fixed: every row verifies its cap and the proposer's primary draft, trees whole (a
-            fixed ``k``); the costs and acceptance are still measured.
+            fixed ``k``: the engine's ``draft_length="fixed"``); the costs and acceptance are
+            still measured.  One step can be asked fixed too (:meth:`lengths`).
+        schedule: how a row's cap ``k`` moves after a step that drafted
+            (``num_assistant_tokens_schedule``: ``"constant"`` or ``"heuristic"``;
+            :meth:`next_k`); ``"constant"`` for a method that is not adaptive.
     """
 
-    def __init__(self, k_max: int, fixed: bool = False):
+    def __init__(self, k_max: int, fixed: bool = False, schedule: str = "constant"):
         self.k_max = k_max
         self.fixed = fixed
+        self.schedule = schedule
         self.curve = CostCurve()
         self.record = False  # keep every Admission in history (tests, the docs' plot)
         self.history: list[Admission] = []
         self.last: Admission | None = None
         self.steps = 0
-        self._asked: list[int] = []
-        self._picks: list[_Pick] = []
-        self._sampled = self._free = False
         self.reset_learning()
 
     def reset_learning(self) -> None:
@@ -241,7 +292,6 @@ class DraftBudget:
         self.acceptance = Acceptance()
         self.trees = TreeSizer()
         self.kept: dict[int, list[float]] = {}  # draft position -> [verified, proposed] (what cut() keeps)
-        self.probing = False
         self.probe_every = PROBE_EVERY
         self._next_probe = self.steps + PROBE_EVERY
         self._probe_turn = 0
@@ -252,35 +302,45 @@ class DraftBudget:
             self.history.append(admission)
 
     # ------------------------------------------------------------------ 1. before proposing
-    def lengths(self, rows: Sequence[RowEvidence], caps: Sequence[int], sampled: bool = False) -> list[int]:
-        """Tokens to ask each row's proposer for: per row ``0 .. caps[i]`` (its schedule,
-        budget and context; at most ``k_max`` unless ``fixed``, where a schedule may grow it)."""
+    def lengths(self, rows: Sequence[RowEvidence], caps: Sequence[int], sampled: bool = False,
+                fixed: bool = False) -> StepPlan:
+        """The step's plan: per row the tokens to ask its proposer for (``plan.lengths``),
+        ``0 .. caps[i]``, ``caps[i]`` the row's cap ``k`` (its schedule, token budget and
+        context; at most ``k_max`` unless fixed, where a schedule may grow it).  ``fixed``:
+        this step verifies every row's cap and primary draft, as a controller built with
+        ``fixed=True`` does (the profiler's steps, :mod:`pipeline.engine.profile`)."""
         self.steps += 1
-        caps = [max(0, int(c) if self.fixed else min(int(c), self.k_max)) for c in caps]
-        self._sampled = sampled
+        fixed = fixed or self.fixed
+        caps = [max(0, int(c) if fixed else min(int(c), self.k_max)) for c in caps]
         b = len(caps)
-        way = "fixed" if self.fixed else "explore" if not self.curve.ready else None
-        self.probing = way is None and self.steps >= self._next_probe
+        way = "fixed" if fixed else "explore" if not self.curve.ready else None
+        probing = way is None and self.steps >= self._next_probe
         if way is None and self.curve.propose_seconds(caps) <= FREE_PROPOSER * self.curve.seconds(b, 1):
             way = "free"
-        self._free = way == "free"
+        plan = StepPlan((), self.steps, sampled, fixed, way == "free", probing)
         if way is not None:
-            ks = caps if way != "explore" else [min(c, EXPLORE[(self.steps - 1) % len(EXPLORE)]) for c in caps]
-            self._asked = ks
+            ks = caps if way != "explore" else [min(c, plan.explore) for c in caps]
             self._log(Admission("lengths", way, ks, width=max(ks, default=0) + 1))
-            return ks
+            return replace(plan, lengths=tuple(ks))
         survival = [self._asking(r, c) for r, c in zip(rows, caps)]
         ks, adm = self._admit(survival, caps, with_proposer=True)
         open_rows = [i for i, (c, k) in enumerate(zip(caps, ks)) if k < c]
-        if self.probing:  # one row asks one token more (rows in turn): acceptance and costs stay measured
+        if probing:  # one row asks one token more (rows in turn): acceptance and costs stay measured
             self._probed(any(ks))
             if open_rows:
                 ks[open_rows[self._probe_turn % len(open_rows)]] += 1
                 self._probe_turn += 1
                 adm.way, adm.width = "probe", max(ks) + 1
-        self._asked = ks
         self._log(adm)
-        return ks
+        return replace(plan, lengths=tuple(ks))
+
+    def next_k(self, k: int, accepted: int) -> int:
+        """A row's cap ``k`` after a step that drafted: under the ``heuristic`` schedule (as
+        transformers' ``num_assistant_tokens_schedule``) ``k + 2`` when all ``k`` draft tokens
+        were accepted, else ``max(1, k - 1)``; under ``constant``, ``k``."""
+        if self.schedule != "heuristic":
+            return k
+        return k + 2 if accepted == k else max(1, k - 1)
 
     def _probed(self, paid: bool) -> None:
         """A probe step: the next comes :attr:`probe_every` steps on, an interval that doubles
@@ -338,75 +398,69 @@ class DraftBudget:
         return best_ks, adm
 
     # ------------------------------------------------------------------ 2. after proposing
-    def cut(self, drafts: Sequence[Draft], rows: Sequence[RowEvidence]) -> list[Draft]:
-        """The drafts to verify: per row the draft (of the primary and its alternatives) with
-        the most expected accepted tokens, cut to the step's width; a tree's first branch cut
-        so, then the trees cut to the node budget (:class:`~pipeline.engine.tree_size.TreeSizer`).
-        With ``fixed``, the primary drafts as they came."""
-        picks = [self._pick(d, r) for d, r in zip(drafts, rows)]
-        self._picks = picks
-        if self.fixed or not any(len(p.chosen) for p in picks):
-            for p in picks:
-                p.verified = p.chosen
-            self._log(Admission("cut", "fixed" if self.fixed else "gain", [len(p.chosen) for p in picks],
-                                [p.survival for p in picks], [p.chosen.source for p in picks],
+    def cut(self, plan: StepPlan, drafts: Sequence[Draft], rows: Sequence[RowEvidence]) -> StepPlan:
+        """``plan`` with the drafts to verify (``.drafts``, ``.picks``): per row the draft (of
+        the primary and its alternatives) with the most expected accepted tokens, cut to the
+        step's width; a tree's first branch cut so, then the trees cut to the node count
+        (:class:`~pipeline.engine.tree_size.TreeSizer`).  Fixed: the primary drafts as they came."""
+        picks = [self._pick(plan, d, r) for d, r in zip(drafts, rows)]
+        if plan.fixed or not any(len(p.chosen) for p in picks):
+            self._log(Admission("cut", "fixed" if plan.fixed else "gain", [len(p.chosen) for p in picks],
+                                [list(p.survival) for p in picks], [p.chosen.source for p in picks],
                                 width=max((len(p.chosen) for p in picks), default=0) + 1))
-            return [p.chosen for p in picks]
+            return replace(plan, picks=tuple(replace(p, verified=p.chosen) for p in picks))
         firsts = [len(p.survival) for p in picks]
-        stops = [self._stopping_length(p) for p in picks]
+        stops = [self._stopping_length(plan, p, len(picks)) for p in picks]
         if not self.curve.ready:
-            w = EXPLORE[(self.steps - 1) % len(EXPLORE)]
+            w = plan.explore
             width, adm = w, Admission("cut", "explore", [min(f, w) for f in firsts], width=w + 1)
         else:
             width, adm = self._width(picks, firsts, stops)
-            if self.probing and self._free:  # a free proposer's probe: one token of width more than pays
+            if plan.probing and plan.free:  # a free proposer's probe: one token of width more than pays
                 self._probed(width > 0)
                 if width < max(firsts):
                     width, adm.way = width + 1, "probe"
-            elif self.probing:  # a probe asked one row one token more: verify what was asked
+            elif plan.probing:  # a probe asked one row one token more: verify what was asked
                 width, adm.way = max(firsts), "probe"
         width = max([width] + [s for s in stops if s is not None])  # a stopping rule's length is never cut
         out = []
         for p, f, s in zip(picks, firsts, stops):
             n = s if s is not None else min(f, width)
-            p.verified = p.chosen.pruned(n, len(p.chosen)) if p.chosen.parents is not None else p.chosen.truncated(n)
-            out.append(p.verified)
+            out.append(p.chosen.pruned(n, len(p.chosen)) if p.chosen.parents is not None else p.chosen.truncated(n))
         adm.lengths, adm.sources = [min(len(p.survival), len(v.first_branch())) for p, v in zip(picks, out)], \
             [p.chosen.source for p in picks]
         if any(v.is_tree for v in out) and adm.way == "gain":
             first = [len(v.first_branch()) for v in out]
-            nodes = self.trees.nodes(self.curve.seconds, [p.survival for p in picks], first, [len(v) for v in out])
+            nodes = self.trees.nodes(self.curve.seconds, [list(p.survival) for p in picks], first, [len(v) for v in out])
             out = [v.truncated(nodes) if len(v) > nodes else v for v in out]
-            for p, v in zip(picks, out):
-                p.verified = v
         self._log(adm)
-        return out
+        return replace(plan, picks=tuple(replace(p, verified=v) for p, v in zip(picks, out)))
 
-    def _pick(self, draft: Draft, row: RowEvidence) -> _Pick:
-        """The row's draft with the most expected accepted tokens (``fixed``: the primary).  A
+    def _pick(self, plan: StepPlan, draft: Draft, row: RowEvidence) -> Pick:
+        """The row's draft with the most expected accepted tokens (fixed: the primary).  A
         draft sampled from a drafter's ``q`` is valued, for this choice, without its
         confidences (they follow its draws); a tree is valued by its first branch, by position."""
         best = None
-        for cand in (draft,) + tuple(draft.alternatives if draft.parents is None and not self.fixed else ()):
+        for cand in (draft,) + tuple(draft.alternatives if draft.parents is None and not plan.fixed else ()):
             n = len(cand.first_branch()) if cand.parents is not None else len(cand)
             conf = None if cand.confidence is None or cand.parents is not None else cand.confidence.tolist()
             prior = self.acceptance.estimates(cand.source, conf, n)
             survival = _survive([row.adjust(a) for a in prior])
-            drawn = self._sampled and cand.probs is not None
+            drawn = plan.sampled and cand.probs is not None
             value = sum(_survive([row.adjust(a) for a in self.acceptance.estimates(cand.source, None, n)])) \
                 if drawn and conf is not None else sum(survival)
             if best is None or value > best[0]:
-                best = (value, _Pick(draft, cand, prior, survival))
+                best = (value, Pick(draft, cand, tuple(prior), tuple(survival)))
         return best[1]
 
-    def _stopping_length(self, pick: _Pick) -> int | None:
-        """The stopping rule's length of a draft sampled from ``q`` in a sampled step (see the
-        module docstring); ``None`` for any other draft."""
-        if not self._sampled or pick.chosen.probs is None:
+    def _stopping_length(self, plan: StepPlan, pick: Pick, b: int) -> int | None:
+        """The stopping rule's length of a draft sampled from ``q`` in a sampled step of ``b``
+        rows (see the module docstring); ``None`` for any other draft."""
+        if not plan.sampled or pick.chosen.probs is None:
             return None
-        b, total = len(self._picks), 1.0
+        total = 1.0
         if not self.curve.ready:
-            return min(len(pick.survival), EXPLORE[(self.steps - 1) % len(EXPLORE)])
+            return min(len(pick.survival), plan.explore)
         for j, s in enumerate(pick.survival):
             narrow, wide = self.curve.seconds(b, j + 1), self.curve.seconds(b, j + 2)
             if s < (wide - narrow) / narrow * total * (1.0 + MIN_GAIN):
@@ -414,13 +468,13 @@ class DraftBudget:
             total += s
         return len(pick.survival)
 
-    def _width(self, picks: list[_Pick], firsts: list[int], stops: list[int | None]) -> tuple[int, Admission]:
+    def _width(self, picks: list[Pick], firsts: list[int], stops: list[int | None]) -> tuple[int, Admission]:
         """The width of the best expected tokens per second, the proposer's time spent: every
         row keeps ``min(W, its length)`` (a stopping rule's rows their own length)."""
         b = len(picks)
         low = max([s for s in stops if s is not None], default=0)
         caps = [f if s is None else s for f, s in zip(firsts, stops)]
-        ks, adm = self._admit([p.survival for p in picks], caps, with_proposer=False)
+        ks, adm = self._admit([list(p.survival) for p in picks], caps, with_proposer=False)
         width = max([low] + ks)  # every row keeps its positions within the width: they cost nothing more
         adm.tokens = b + sum(sum(p.survival[:min(width, c)]) for p, c in zip(picks, caps))
         adm.seconds, adm.width = self.curve.seconds(b, width + 1), width + 1
@@ -428,20 +482,20 @@ class DraftBudget:
         return width, adm
 
     # ------------------------------------------------------------------ 3. after verifying
-    def observe(self, rows: Sequence[RowEvidence], paths: Sequence[Sequence[int]], emitted: Sequence[Sequence[int]],
-                propose_s: float, verify_s: float) -> None:
-        """The step's outcome: per row the accepted nodes of its verified draft (``paths``,
-        the verdict's) and the tokens it emitted (``emitted``: accepted tokens and the
-        target's, cut by a stop); the seconds of proposing (this call's ``lengths`` to ``cut``)
-        and of verifying (the pass and the settling)."""
-        picks, self._picks = self._picks, []
+    def observe(self, plan: StepPlan, rows: Sequence[RowEvidence], paths: Sequence[Sequence[int]],
+                emitted: Sequence[Sequence[int]], propose_s: float, verify_s: float) -> None:
+        """The outcome of the step ``plan`` (as :meth:`cut` returned it): per row the accepted
+        nodes of its verified draft (``paths``, the verdict's) and the tokens it emitted
+        (``emitted``: accepted tokens and the target's, cut by a stop); the seconds of
+        proposing (``lengths`` to ``cut``) and of verifying (the pass and the settling)."""
+        picks, asked = plan.picks, list(plan.lengths)
         if not picks:
             return
         width = max(len(p.verified) for p in picks) + 1
         self.curve.observe(len(picks), width, verify_s)
-        if any(self._asked):
-            self.curve.observe_propose(self._asked, propose_s)
-        for p, k in zip(picks, self._asked):
+        if any(asked):
+            self.curve.observe_propose(asked, propose_s)
+        for p, k in zip(picks, asked):
             n = len(p.verified.first_branch()) if p.verified.parents is not None else len(p.verified)
             for j in range(min(k, len(p.chosen))):
                 entry = self.kept.setdefault(j, [0.0, 0.0])
@@ -454,17 +508,17 @@ class DraftBudget:
                 on_first = next((i for i, (a, b) in enumerate(zip(path, first)) if a != b), min(len(path), len(first)))
                 self.trees.observe(len(v) - len(first), len(path) - on_first)
             for cand in (p.primary,) + tuple(p.primary.alternatives):
-                if cand is not p.chosen and self._sampled and cand.probs is not None:
+                if cand is not p.chosen and plan.sampled and cand.probs is not None:
                     continue  # a sampled draft that was not verified: its fate is unknown
-                self._judge(cand, p, row, path, block)
+                self._judge(plan, cand, p, row, path, block)
 
-    def _judge(self, cand: Draft, pick: _Pick, row: RowEvidence, path: Sequence[int], block: Sequence[int]) -> None:
+    def _judge(self, plan: StepPlan, cand: Draft, pick: Pick, row: RowEvidence, path: Sequence[int], block: Sequence[int]) -> None:
         """Count the evaluated positions of ``cand``: against the emitted tokens (greedy, or a
         point mass), else the verdict of its verified tokens (a sampled draft)."""
         tokens = cand.tokens[cand.first_branch()].tolist() if cand.parents is not None else cand.tokens.tolist()
         conf = None if cand.confidence is None or cand.parents is not None else cand.confidence.tolist()
         prior = pick.prior if cand is pick.chosen else self.acceptance.estimates(cand.source, conf, len(tokens))
-        if self._sampled and cand.probs is not None:  # only its verified positions are known
+        if plan.sampled and cand.probs is not None:  # only its verified positions are known
             n = len(pick.verified)
             outcome = [j < len(path) for j in range(min(len(path) + 1, n))]
         else:
