@@ -89,9 +89,9 @@ def test_training_script_smoke(tmp_path):
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32)
     assert load_draft_head(out, target).draft_vocab.numel() == 48
     # a second run finds every stage cached: it trains nothing new and only re-evaluates
-    stamp = {p.name: p.stat().st_mtime for p in (tmp_path / "work" / "answers").glob("shard-*.pt")}
+    stamp = {p.name: p.stat().st_mtime for p in (tmp_path / "work" / "answers").glob("shard-*.safetensors")}
     assert stamp
     assert script.main(args + ["--resume"]) == 0
-    assert {p.name: p.stat().st_mtime for p in (tmp_path / "work" / "answers").glob("shard-*.pt")} == stamp
+    assert {p.name: p.stat().st_mtime for p in (tmp_path / "work" / "answers").glob("shard-*.safetensors")} == stamp
     again = json.loads((out / "training_summary.json").read_text())
     assert again["training"]["steps"] >= summary["training"]["steps"]
