@@ -27,7 +27,9 @@ returns (``warm_up_time_s``) and the run summary, apart from the rows' decode ti
 Lossless audit (``audit.fraction`` > 0): a deterministic sample of rows is decoded a
 second time with plain decoding (same model, same generation settings and seed) and the
 token ids are compared; the row's ``audit`` is true on a match, false on a mismatch, null
-when the row was not sampled (or failed).  The comparison of speeds is fair: both engines
+when the row was not sampled, failed, or samples its tokens (``do_sample``, job-wide or per row: the
+two decoders draw from the row's generator differently, so its tokens are a draw of the same law,
+not the same draw; the engine's tests check the law).  The comparison of speeds is fair: both engines
 are warm, and in each batch the sampled rows are decoded by both engines as one group of
 their own (the same rows, the same rows in flight), A B B A (a large group in two halves, the
 engine that went first on the first going second on the second; the first alternating from batch
@@ -178,7 +180,7 @@ class GenerateActor:
             todo.append((i, ids))
             settings.append(one)
             references.append(self._reference(row))
-        audit = [j for j, (i, ids) in enumerate(todo) if self.plain_engine is not None
+        audit = [j for j, (i, ids) in enumerate(todo) if self.plain_engine is not None and not settings[j].do_sample
                  and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
         results, plain = self._decode_audited(todo, settings, audit, references)
         audited = {j: (p.token_ids == results[j].token_ids if p.error is None else None)
@@ -229,7 +231,7 @@ class GenerateActor:
         for out in outs:
             if out.get("error") is not None:
                 out["reuse_key"] = None
-        audit = [(i, ids, s) for i, ids, s in reused if self.plain_engine is not None
+        audit = [(i, ids, s) for i, ids, s in reused if self.plain_engine is not None and not s.do_sample
                  and audit_selected(*_origin(rows[i], ids), self.audit_fraction, self.audit_seed)]
         plain = self._decode(self.plain_engine, [ids for _, ids, _ in audit], [s for _, _, s in audit]) if audit else []
         for (i, _, _), p in zip(audit, plain):

@@ -554,9 +554,9 @@ class RetryConfig(_Section):
 class AuditConfig(_Section):
     """Lossless audit: a deterministic sample of rows is decoded again with plain decoding
     and the same generation settings; the row's ``audit`` is true when the token ids match.
-    The summary counts ``audit_rows`` and ``audit_mismatches`` (0 for a lossless method with
-    greedy decoding; with ``do_sample`` the two decoders use the random stream differently,
-    so mismatches there mean nothing)."""
+    The summary counts ``audit_rows`` and ``audit_mismatches`` (0 for a lossless method).  Rows
+    that sample (``do_sample``, job-wide or a row's own parameters) are not audited: the two
+    decoders use the random stream differently, so their outputs are draws of one law, not one draw."""
 
     #: the share of rows audited (chosen by a hash of the row's shard, position and ``seed``);
     #: 0 disables

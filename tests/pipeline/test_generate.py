@@ -132,6 +132,17 @@ def test_per_row_params_override_the_job_and_bad_values_name_the_field(make_acto
     assert all(r["new_tokens"] is None for r in out[5:])
 
 
+def test_the_audit_compares_greedy_rows_only(make_actor):
+    """A row that samples (its own temperature) is a draw of the target's law, not the draw plain
+    decoding makes from the same seed: the audit leaves it out (null), and audits the greedy rows."""
+    actor = make_actor("audit.fraction=1.0")
+    base = {"name": "A", "brand": "b", "price": 1, "text": TEXTS[1]}
+    rows = [dict(base), dict(base, params={"temperature": 0.8, "seed": 3}), dict(base, params={"max_tokens": 3})]
+    out = actor(_batch(rows)).to_pylist()
+    assert [r["error"] for r in out] == [None, None, None]
+    assert [r["audit"] for r in out] == [True, None, True]
+
+
 def test_apply_params_maps_openai_names_to_the_engine_settings():
     from pipeline.engine import GenerationSettings
 
