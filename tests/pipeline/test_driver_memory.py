@@ -33,11 +33,12 @@ def _write_shards(d, shards, rows):
 class _EchoActor(GenerateActor):
     """An output row per input row (the prompt kept, one "generated" word), no model."""
 
-    def __init__(self, config, device=None, columns="job", text_column="text", id_column="id", **_):  # reuse=, load_board=: not this stub's
+    def __init__(self, config, device=None, columns="job", text_column="text", id_column="id", carry=None,
+                 **_):  # reuse=, load_board=: not this stub's
         from pipeline.config import JobConfig
         from pipeline.prompts import fill_template
 
-        self.columns, self.text_column, self.id_column = columns, text_column, id_column
+        self.columns, self.text_column, self.id_column, self.carry = columns, text_column, id_column, carry
         self.cfg = JobConfig.model_validate(config)
         self.fill = fill_template
         self.meta = {"method": "plain", "target_model": self.cfg.models.target, "draft_model": None}
