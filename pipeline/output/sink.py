@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.input.units import UNIT_COLUMN  # each row's unit, from the read stage
+from pipeline.units import UNIT_COLUMN  # each row's unit, from the read stage
 
 FRAGMENT_SCHEMA = pa.schema([
     ("part", pa.string()), ("path", pa.string()), ("first_row", pa.int64()), ("last_row", pa.int64()),
