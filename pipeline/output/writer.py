@@ -240,7 +240,7 @@ class OutputWriter:
 
     def sink_kwargs(self) -> dict[str, Any]:
         """The ``fn_kwargs`` of :func:`pipeline.output.sink.write_fragments` for this run."""
-        return {"output": self.cfg.model_dump(), "retry": self.retry, "staging": self.staging,
+        return {"output": self.cfg, "retry": self.retry, "staging": self.staging,  # validated once, here
                 "extra_columns": list(self.extra_columns)}
 
     # ------------------------------------------------------------------ committing units
