@@ -15,7 +15,7 @@ streams the write stage's *records* back to the driver (never the rows: its memo
 flat as rows grow), which shows a progress bar of rows done and commits each unit (its
 files, then its manifest entry) as soon as its records cover its rows, in the order
 units complete (no ``preserve_order``), and finally writes ``_summary.json`` and
-``_SUCCESS`` (pipeline.output.writer; the layout: pipeline.output.layout; the resume plan:
+``_SUCCESS`` (pipeline.output.writer; the layout: pipeline.layout; the resume plan:
 pipeline.output.resume).  Ray set-up and the resource plan: pipeline.ray_setup.  Whatever
 the cause, a run whose driver receives no record for ``compute.stall_timeout_s`` fails
 with :class:`StallError` instead of waiting forever (a record comes when a unit's rows
@@ -57,7 +57,7 @@ from pipeline.config import JobConfig
 from pipeline.engine import GenerationSettings
 from pipeline.errors import raised_from
 from pipeline.fingerprint import config_fingerprint, config_identity
-from pipeline.output import OutputWriter, ResumePlan, RunError
+from pipeline.output import OutputWriter, ResumePlan, RunError, listing_view
 from pipeline.processor import (Processor, check_generation, check_generation_and_vocabulary,  # noqa: F401
                                 resolve_job_generation)
 from pipeline.ray_setup import (PlanError, check_resource_plan, init_ray, open_load_board,  # noqa: F401
@@ -122,7 +122,7 @@ def preflight(cfg: JobConfig) -> Preflight:
     check_environment()  # the SPECBATCH_* switches, before an actor would die of a bad one
     every = cfg.task.name == "generate"  # the generate job keeps every input column on output
     need = cfg.prompt_columns()
-    shards = resolve_shards(cfg.input, cfg.retry, cfg.output, columns=need, list_columns=every)
+    shards = resolve_shards(cfg.input, cfg.retry, listing_view(cfg.output, cfg.retry), columns=need, list_columns=every)
     carry = carried_columns(shards, need, every, cfg.input.id_column, cfg.input.text_column)
     generation, vocab_size = check_generation_and_vocabulary(cfg)  # models, the template once, generation settings
     writer = OutputWriter(cfg.output, retry=cfg.retry, extra_columns=partition_keys(shards) + list(carry or []),

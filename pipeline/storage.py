@@ -244,3 +244,12 @@ def raise_refusal(e: BaseException, error: type[E], what: str, hint: str = "") -
     text = (str(inner).strip().splitlines() or [""])[0]
     detail = text if isinstance(inner, StorageError) else f"{type(inner).__name__}: {text}"
     raise error(f"{what} ({detail}); {hint}" if hint else f"{what}: {detail}") from None
+
+
+def parquet_file(f):
+    """A Parquet file (input or committed output) opened with its page checksums verified
+    (``page_checksum_verification``): a page whose CRC-32 does not match, when the writer
+    stored one (``write_page_checksum``), fails to read like a page that does not decode."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(f, page_checksum_verification=True)

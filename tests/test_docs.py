@@ -428,3 +428,22 @@ def test_the_commented_config_shows_every_key():
                 missing.append(f"{s['name']}.{k['key']}")
     assert set(JobConfig.model_fields) <= set(sections), "a section is missing from configs/summarize.yaml"
     assert not missing, f"configs/summarize.yaml does not show {missing} (set it, or show it commented out)"
+
+
+def test_the_input_and_output_packages_never_import_each_other():
+    """What both sides need lies below them (pipeline/units.py, pipeline/layout.py, pipeline/storage.py),
+    as the code map says: no module of pipeline/input/ imports pipeline.output, at the top or inside a
+    function, and none of pipeline/output/ imports pipeline.input."""
+    import ast
+
+    crossings = []
+    for side, other in (("input", "output"), ("output", "input")):
+        for path in sorted((REPO / "pipeline" / side).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                if isinstance(node, ast.ImportFrom) and node.module == "pipeline":
+                    names = [f"pipeline.{a.name}" for a in node.names]
+                crossings += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
+                              if n == f"pipeline.{other}" or n.startswith(f"pipeline.{other}.")]
+    assert crossings == []

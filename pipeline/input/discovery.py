@@ -41,7 +41,7 @@ import pyarrow as pa
 from pipeline.config import InputConfig
 from pipeline.input.formats import (InputError, file_kind, jsonl_scan, line_hash, open_stream, parquet_file,
                                     parquet_splits, parse_line)
-from pipeline.input.units import Shard
+from pipeline.units import Shard
 from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
 from pipeline.storage import file_version, is_local, raise_refusal, refuse_special, resolved_location, under, unstrip
 
@@ -132,20 +132,6 @@ class _Output:
         return held == "own" or (held == "other" and not self.within)
 
 
-def _output_location(output: Any, retry: Any) -> Any:
-    """The output location to ask (anything with ``contains(url)`` and ``url()``), from an
-    ``output:`` section or such an object; None when there is none or it cannot be opened
-    (the writer reports a bad output itself)."""
-    if output is None or hasattr(output, "contains"):
-        return output
-    from pipeline.output.location import OutputLocation
-
-    try:
-        return OutputLocation.whole(output, retry)
-    except Exception:  # noqa: BLE001 - the writer reports a bad output itself
-        return None
-
-
 def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None, columns: list[str] | None = None,
                    list_columns: bool = False) -> list[Shard]:
     """Expand ``cfg.uri`` into shards, checking each one opens and has the columns the
@@ -159,8 +145,9 @@ def resolve_shards(cfg: InputConfig, retry: Any = None, output: Any = None, colu
     Args:
         cfg: the ``input:`` section.
         retry: the ``retry:`` section (or None: defaults).
-        output: the ``output:`` section (or an :class:`~pipeline.output.location.OutputLocation`),
-            or None (nothing excluded).
+        output: the job's output as the listing asks it: anything with ``contains(url)`` and
+            ``url()`` (:func:`pipeline.output.location.listing_view` of the ``output:`` section),
+            or None (nothing excluded).  The input side never opens the output itself.
         columns: the columns every shard must hold (:meth:`pipeline.config.JobConfig.prompt_columns`);
             None: ``[cfg.text_column]``.  A Parquet schema without one, or a JSONL file with
             it on none of its lines, refuses the job naming the column.
@@ -212,7 +199,7 @@ def _output_of(fs, path: str, glob: bool, cfg: InputConfig, output: Any, retry: 
         InputError: the input location is one of the output's own files or folders (in its
             ``_manifest/`` or ``_staging/``, or a data file or marker of it).
     """
-    location = _output_location(output, retry)
+    location = output
     if location is None:
         return None
     root = unstrip(fs, _base_dir(fs, path) if glob else path)
@@ -271,7 +258,7 @@ def _shard(fs, i: int, p: str, real: str, fmt: str, comp: str | None, base: str,
 def _pick(fs, kind: str, paths: list[str], base: str, cfg: InputConfig, out: _Output | None):
     """Sort a listing into the files read ``(path, resolved path, format, compression)``,
     those not read (:class:`_NotRead`) and those left out (``{(folder, why): count}``)."""
-    from pipeline.output.layout import MANIFEST
+    from pipeline.layout import MANIFEST
 
     outputs = {p.rsplit(f"/{MANIFEST}/", 1)[0] for p in paths if f"/{MANIFEST}/" in p}
     outputs = {d for d in outputs if d != base and under(d, base)}  # below the input location only
@@ -398,7 +385,7 @@ def _check_shard(fs, path: str, fmt: str, cfg: InputConfig, compression: str | N
                  need: list[str] | None = None,
                  list_columns: bool = False) -> tuple[int, list[dict[str, Any]], list[str]]:
     """Open one shard, check it is usable (it holds the columns ``need``, default the text
-    column); return its row count, its splits (:class:`~pipeline.input.units.Split` records
+    column); return its row count, its splits (:class:`~pipeline.units.Split` records
     of at most ``input.split_rows`` rows: Parquet row groups merged up to that, or JSONL line
     ranges with their first line's hash) and its columns (a JSONL file's: those seen before
     every needed one was, all of them with ``list_columns``)."""

@@ -24,10 +24,8 @@ import io
 import json
 from typing import Any, Iterator
 
-import pyarrow.parquet as pq
-
 from pipeline.config import InputConfig, JobRefused
-from pipeline.storage import unstrip
+from pipeline.storage import parquet_file, unstrip  # noqa: F401 (parquet_file: the input's reader too)
 
 PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
@@ -65,13 +63,6 @@ def file_kind(path: str, cfg: InputConfig) -> tuple[str | None, str | None, str 
     if fmt == "parquet" and comp:
         return None, None, f"a {comp}-compressed Parquet file (Parquet compresses its own pages: decompress it)"
     return fmt, comp, None
-
-
-def parquet_file(f) -> pq.ParquetFile:
-    """An input Parquet file opened with its page checksums verified
-    (``page_checksum_verification``): a page whose CRC-32 does not match, when the writer
-    stored one (``write_page_checksum``), fails to read like a page that does not decode."""
-    return pq.ParquetFile(f, page_checksum_verification=True)
 
 
 def parquet_splits(group_rows: list[int], split_rows: int) -> list[dict[str, Any]]:
@@ -163,7 +154,7 @@ def jsonl_scan(f, first_line: int = 1, offset: int = 0) -> Iterator[tuple[int, i
 
 def line_hash(raw: bytes) -> str:
     """A short hash of a JSONL line's bytes (as :func:`jsonl_scan` gives them): what a unit
-    records of its first line (:attr:`pipeline.input.units.Split.first_line`)."""
+    records of its first line (:attr:`pipeline.units.Split.first_line`)."""
     return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 

@@ -2,7 +2,7 @@
 
 Each row keeps its shard (``source_file``) and its place in it (``source_row``), so the ids
 derived from it are the same whatever the split, and the write stage commits it under its
-unit's part name (:data:`~pipeline.input.units.UNIT_COLUMN`).
+unit's part name (:data:`~pipeline.units.UNIT_COLUMN`).
 
 Row-level problems never fail a unit: a line that is not UTF-8, not JSON or not a JSON
 object, a text that is not a string or not valid Unicode (a lone surrogate escape such as
@@ -21,7 +21,7 @@ derived id; a Parquet id column of another type refuses the shard (in the driver
 A file that changed since the driver counted it is refused by name, never read from the
 wrong place: its version (:func:`pipeline.storage.file_version`) must be the same, and a
 JSONL unit must start at a line boundary (the byte before its offset a newline) whose line
-is the one counted (:attr:`~pipeline.input.units.Split.first_line`): a file replaced by one
+is the one counted (:attr:`~pipeline.units.Split.first_line`): a file replaced by one
 of the same size with its mtime restored has the version of the old one, but not its lines.
 """
 
@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from pipeline.config import InputConfig
 from pipeline.input.formats import InputError, jsonl_scan, line_hash, open_stream, parquet_file, parse_line, skip_bytes
-from pipeline.input.units import UNIT_COLUMN, Shard, Unit
+from pipeline.units import UNIT_COLUMN, Shard, Unit
 from pipeline.retry import StorageError, endpoint_of, open_fs, retrying
 from pipeline.schema import CARRIED_COLUMN, INPUT_SCHEMA
 from pipeline.storage import file_version

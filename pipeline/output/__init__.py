@@ -1,6 +1,5 @@
 """The output side of a job: one package, one owner for each fact.
 
-- :mod:`pipeline.output.layout`: the names of an output folder, and which files are the job's;
 - :mod:`pipeline.output.exclusive`: create-exclusive writes (``link()`` locally, ``If-None-Match: *`` on S3);
 - :mod:`pipeline.output.commit_log`: the commit log, where every commit is a record the storage creates once;
 - :mod:`pipeline.output.manifest`: the manifest read back and checked (the log, and earlier versions' records);
@@ -12,15 +11,16 @@
   unit's record) and the final commit;
 - :mod:`pipeline.output.reader`: the one reader of committed output (:class:`~pipeline.output.reader.CommittedOutput`).
 
-The part names are the input units' (:mod:`pipeline.input.units`); storage helpers both
-sides use are :mod:`pipeline.storage`'s.
+Below it, shared with :mod:`pipeline.input` (neither package imports the other): the names of an output folder
+(:mod:`pipeline.layout`), the work units and their part names (:mod:`pipeline.units`), the storage helpers
+(:mod:`pipeline.storage`).  :func:`listing_view` is what the input listing asks of the job's output.
 """
 
 from __future__ import annotations
 
-from pipeline.input.units import part_name  # noqa: F401 (the units own the part names)
-from pipeline.output.layout import SUCCESS, data_file_names  # noqa: F401
-from pipeline.output.location import OutputError, OutputLocation  # noqa: F401
+from pipeline.units import part_name  # noqa: F401 (the units own the part names)
+from pipeline.layout import SUCCESS, data_file_names  # noqa: F401
+from pipeline.output.location import OutputError, OutputLocation, listing_view  # noqa: F401
 from pipeline.output.resume import ResumePlan, plan_resume  # noqa: F401
 from pipeline.output.writer import OutputWriter, RunError  # noqa: F401
 

@@ -1,6 +1,6 @@
 """The commit log of an output folder: the one place a unit is committed, fenced by the storage.
 
-``_manifest/log/NNNNNNNNNN.json`` (:func:`pipeline.output.layout.log_record`) are numbered
+``_manifest/log/NNNNNNNNNN.json`` (:func:`pipeline.layout.log_record`) are numbered
 records, each created once with a create-exclusive write (:mod:`pipeline.output.exclusive`:
 ``link()`` on local disk, ``If-None-Match: *`` on S3) and never overwritten, as Delta
 Lake's ``_delta_log``.  A writer always creates the record after the last one it has seen,
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from pipeline.output import exclusive
-from pipeline.output.layout import LOG, LOG_RECORD, MANIFEST, RUN_ID, log_record
+from pipeline.layout import LOG, LOG_RECORD, MANIFEST, RUN_ID, log_record
 
 KINDS = ("epoch", "unit", "final")
 

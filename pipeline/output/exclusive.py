@@ -7,7 +7,7 @@ and the commit log (:mod:`pipeline.output.commit_log`) are built on it:
 
 - **Local disk** (and any POSIX filesystem mounted locally, NFS included): the content is
   written and flushed to a temporary name of the job's beside the target
-  (:func:`pipeline.output.layout.temp_name`), then hard-linked to the target with
+  (:func:`pipeline.layout.temp_name`), then hard-linked to the target with
   ``link()``, which fails when the target exists; the temporary name is then removed.  So
   the file appears whole or not at all, and only once.
 - **S3** (and S3-compatible stores): one PUT with ``If-None-Match: *`` (honoured by AWS S3
@@ -24,7 +24,7 @@ import os
 import posixpath
 
 from pipeline.storage import is_local, is_object_store
-from pipeline.output.layout import temp_name
+from pipeline.layout import temp_name
 
 
 def precondition_failed(e: BaseException | None) -> bool:
@@ -53,7 +53,7 @@ def s3_call(fs, method: str, path: str, **kw):
 
 def write_temp(path: str, data: bytes) -> str:
     """Write ``data`` to a fresh temporary file beside the local file ``path``
-    (:func:`~pipeline.output.layout.temp_name`, created exclusively, never through a link),
+    (:func:`~pipeline.layout.temp_name`, created exclusively, never through a link),
     flushed to disk; returns its path, for the caller to link or rename into place.
 
     Raises:

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 from pipeline.config import MAX_LEASE_TIMEOUT_S, JobRefused
 from pipeline.storage import is_local
-from pipeline.output.layout import LEASE  # noqa: F401 (the lease file, directly in the output folder)
+from pipeline.layout import LEASE  # noqa: F401 (the lease file, directly in the output folder)
 from pipeline.output.lease_backends import (GenericLeaseStore, Holder, LeaseStore, LeaseUnreadable,  # noqa: F401
                                             LocalLeaseStore, S3LeaseStore)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline.config import JobRefused
 from pipeline.output.exclusive import precondition_failed
-from pipeline.output.layout import LEASE
+from pipeline.layout import LEASE
 from pipeline.storage import modified_at, special_kind, timestamp
 
 log = logging.getLogger("specbatch")

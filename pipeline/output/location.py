@@ -1,14 +1,14 @@
 """The output location: one output directory on its filesystem, listing, the manifest
 (read and checked: :mod:`pipeline.output.manifest`), the foreign-file check, orphans, and
 clearing on ``overwrite``.  (The names and which files are the job's:
-:mod:`pipeline.output.layout`; the commit log: :mod:`pipeline.output.commit_log`; the
+:mod:`pipeline.layout`; the commit log: :mod:`pipeline.output.commit_log`; the
 resume plan: :mod:`pipeline.output.resume`; committing units: :mod:`pipeline.output.writer`.)
 
 On local disk, ``_manifest``, ``_staging``, ``_SUCCESS`` and ``_summary.json`` (or anything
 under the two folders) being a symbolic link is refused: the job would write, and delete,
 through it.
 
-Files the job did not write (anything :mod:`pipeline.output.layout` does not name as the
+Files the job did not write (anything :mod:`pipeline.layout` does not name as the
 job's, and data files no committed unit, publish intent or run of the commit log names) are
 *foreign*: the job refuses such a directory (:class:`OutputError`) unless
 ``output.allow_foreign_files: true``, and even then, and with ``overwrite``, never touches
@@ -39,7 +39,7 @@ from typing import Any
 from pipeline.config import JobRefused, OutputConfig
 from pipeline.output import exclusive
 from pipeline.output.commit_log import CommitLog
-from pipeline.output.layout import (DATA_FILE, LEASE, LOG, LOG_RECORD, MANIFEST, STAGING, SUCCESS, SUMMARY,
+from pipeline.layout import (DATA_FILE, LEASE, LOG, LOG_RECORD, MANIFEST, STAGING, SUCCESS, SUMMARY,
                                     TEMP_FILE, data_file_run, owned_layout_file, owned_output_path)
 from pipeline.output.manifest import Manifest, ManifestDamaged, read_manifest
 from pipeline.retry import endpoint_of, open_fs, retrying
@@ -92,7 +92,7 @@ class OutputLocation:
 
         - ``"own"``: a file or folder the job writes there (data files, markers, the lease,
           ``_manifest/``, ``_staging/`` and everything in them; in the folder or a ``date=``
-          partition: :func:`~pipeline.output.layout.owned_output_path`);
+          partition: :func:`~pipeline.layout.owned_output_path`);
         - ``"other"``: the folder itself, or anything else in it (a file beside the output);
         - None: a path outside it.
         """
@@ -515,3 +515,15 @@ class OutputLocation:
             for d in (MANIFEST, STAGING):
                 prune_empty(self.path(d))
         self.intents, self.orphans = {}, []
+
+
+def listing_view(output: Any, retry: Any = None) -> "OutputLocation | None":
+    """The job's output as the input listing asks it (:func:`pipeline.input.resolve_shards`'s
+    ``output``: ``contains(url)`` and ``url()``), from an ``output:`` section; ``None`` when there is
+    none or it cannot be opened (the writer reports a bad output itself)."""
+    if output is None:
+        return None
+    try:
+        return OutputLocation.whole(output, retry)
+    except Exception:  # noqa: BLE001 - the writer reports a bad output itself
+        return None

@@ -9,7 +9,7 @@ Names read back from ``_manifest/`` are never trusted: before any is used (to de
 dead run's files, to clear the output on ``overwrite``, to resume), every committed unit and
 publish intent must name its own part (``part-NNNNN-uNNNNN.parquet`` for the record of that
 unit; ``part-NNNNN.parquet`` for a whole-shard part of the layout before units) and exactly
-that part's data files in this job's naming (:func:`~pipeline.output.layout.data_file_names`:
+that part's data files in this job's naming (:func:`~pipeline.layout.data_file_names`:
 tagged with the run that wrote them, or the untagged names of earlier versions; plain names
 directly in the folder, no separator, no ``..``, not absolute); anything else is refused
 (:class:`ManifestDamaged`, naming the record), and nothing is deleted.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.output.commit_log import CommitLog, LogDamaged, LogState, check_record, replay
-from pipeline.input.units import parse_part, part_name
-from pipeline.output.layout import ENTRY_FILE, INTENT_FILE, MANIFEST, PENDING, data_file_names
+from pipeline.units import parse_part, part_name
+from pipeline.layout import ENTRY_FILE, INTENT_FILE, MANIFEST, PENDING, data_file_names
 
 
 class ManifestDamaged(ValueError):

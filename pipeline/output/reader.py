@@ -35,7 +35,7 @@ Every tool that reads a job's output reads it here (:class:`CommittedOutput`):
 - **Bounded memory**: :meth:`CommittedOutput.batches` streams record batches file by file
   (each file at most ``output.max_rows_per_file`` rows); :meth:`~CommittedOutput.table`
   gathers them for small outputs.  Each row can carry its provenance: its unit's part name
-  (:data:`~pipeline.input.units.UNIT_COLUMN`) and the run that committed it (:data:`RUN_COLUMN`).
+  (:data:`~pipeline.units.UNIT_COLUMN`) and the run that committed it (:data:`RUN_COLUMN`).
 
 A folder that holds ``date=`` partitions and no manifest of its own is read through its
 one partition; with several it is refused, naming them (pass one, or let
@@ -54,8 +54,8 @@ from typing import Any, Callable, Iterator
 import pyarrow as pa
 
 from pipeline.config import JobRefused, OutputConfig
-from pipeline.input.units import UNIT_COLUMN
-from pipeline.output.layout import DATA_FILE, MANIFEST, SUCCESS, SUMMARY, entry_name, log_record
+from pipeline.units import UNIT_COLUMN
+from pipeline.layout import DATA_FILE, MANIFEST, SUCCESS, SUMMARY, entry_name, log_record
 from pipeline.output.location import OutputLocation
 from pipeline.retry import StorageError
 from pipeline.storage import raise_refusal
@@ -287,7 +287,7 @@ class CommittedOutput:
         """
         import hashlib
 
-        from pipeline.input.formats import parquet_file
+        from pipeline.storage import parquet_file
 
         entry = self.entries[part]
         check = (entry.get("checksums") or {}).get(name)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.fingerprint import config_fingerprint, describe_changes
-from pipeline.input.units import parse_part
+from pipeline.units import parse_part
 from pipeline.output.location import OutputError
 
 
@@ -32,7 +32,7 @@ class ResumePlan:
     """What a run does.
 
     Attributes:
-        todo: the units to run (:class:`pipeline.input.units.Unit`), in input order.
+        todo: the units to run (:class:`pipeline.units.Unit`), in input order.
         done: part names committed earlier (skipped: units, and whole-shard parts), sorted.
         entries: part name -> manifest entry of every part committed earlier (unit
             entries, and whole-shard entries of the layout before units).
@@ -53,7 +53,7 @@ def plan_resume(url: str, units: list, entries: dict[str, dict[str, Any]], ident
 
     Args:
         url: the output folder, for messages.
-        units: this run's units (:class:`pipeline.input.units.Unit`), in input order.
+        units: this run's units (:class:`pipeline.units.Unit`), in input order.
         entries: part name -> manifest entry (:meth:`OutputLocation.inspect`); empty after
             ``overwrite`` cleared the output.
         identity: :func:`pipeline.fingerprint.config_identity` of this run's config; None =

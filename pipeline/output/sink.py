@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.input.units import UNIT_COLUMN  # each row's unit, from the read stage
+from pipeline.units import UNIT_COLUMN  # each row's unit, from the read stage
 
 FRAGMENT_SCHEMA = pa.schema([
     ("part", pa.string()), ("path", pa.string()), ("first_row", pa.int64()), ("last_row", pa.int64()),
@@ -58,14 +58,15 @@ def fragment_path(staging: str, part: str, first_row: int, token: str) -> str:
     return posixpath.join(staging, part[: -len(".parquet")], f"{first_row:010d}-{token}.parquet")
 
 
-def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str, Any] | None, staging: str,
+def write_fragments(batch: pa.Table, *, output: Any, retry: dict[str, Any] | None, staging: str,
                     extra_columns: list[str]) -> pa.Table:
     """``map_batches`` function: output rows (OUTPUT_SCHEMA, the partition columns and
     ``_unit``) -> :data:`FRAGMENT_SCHEMA` records of the fragments written to ``staging``.
 
     Args:
-        output: the ``output:`` section (``model_dump()``): its storage options and
-            ``max_rows_per_file``.
+        output: the ``output:`` section, the writer's validated
+            :class:`~pipeline.config.OutputConfig` (validated once, in the driver; a dict of it is
+            validated here): its storage options and ``max_rows_per_file``.
         retry: the ``retry:`` section, for storage calls.
         staging: the run's staging folder (a path on the output's filesystem).
         extra_columns: the partition columns written after OUTPUT_SCHEMA's.
@@ -81,7 +82,7 @@ def write_fragments(batch: pa.Table, *, output: dict[str, Any], retry: dict[str,
 
     if batch.num_rows == 0:
         return FRAGMENT_SCHEMA.empty_table()
-    cfg = OutputConfig.model_validate(output)
+    cfg = output if isinstance(output, OutputConfig) else OutputConfig.model_validate(output)  # the writer's: validated
     fs, _ = open_fs(cfg.location(), cfg.storage_options, retry)
     io = retrying(retry, endpoint_of(fs))
     if "audit" not in batch.column_names:  # an actor of an older schema

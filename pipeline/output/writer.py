@@ -19,7 +19,7 @@ Commit protocol, per unit.  The write stage (on the workers) writes a unit's row
 ``_staging/<run_id>/<part stem>/`` as fragments of at most ``max_rows_per_file`` rows and
 returns one record per fragment.  When the records of a unit cover its rows (every row
 once, in row order: checked), the driver commits it: the fragments are published under
-names carrying the run's id (:func:`~pipeline.output.layout.data_file_names`: two runs
+names carrying the run's id (:func:`~pipeline.layout.data_file_names`: two runs
 never write one name), by a rename on a local filesystem, a copy + delete on S3 (where a
 copy is atomic: the object appears whole or not at all); then the unit's ``unit`` record
 (its manifest entry: its files, the source URL and its fingerprint (size + mtime or ETag),
@@ -58,12 +58,12 @@ import pyarrow as pa
 from pipeline.config import OutputConfig
 from pipeline.fingerprint import config_fingerprint
 from pipeline.output.commit_log import SlotTaken
-from pipeline.output.layout import STAGING, SUCCESS, SUMMARY, data_file_names
+from pipeline.layout import STAGING, SUCCESS, SUMMARY, data_file_names
 from pipeline.output.lease import LeaseLost, OutputLease, holder_name
 from pipeline.output.location import OutputError, OutputLocation
 from pipeline.output.manifest import Manifest
 from pipeline.output.resume import ResumePlan, plan_resume
-from pipeline.input.units import UNIT_COLUMN, Shard, Split, Unit
+from pipeline.units import UNIT_COLUMN, Shard, Split, Unit
 from pipeline.output.sink import write_fragments
 from pipeline.schema import output_schema
 from pipeline.summary import RunTotals
@@ -162,7 +162,7 @@ class OutputWriter:
         Records the config identity every unit this run commits will carry.
 
         Args:
-            units: this run's units (:class:`pipeline.input.units.Unit`; :class:`pipeline.input.units.Shard`
+            units: this run's units (:class:`pipeline.units.Unit`; :class:`pipeline.units.Shard`
                 objects stand for their units); None = no resume check (an output holding
                 committed units is then refused).
             identity: :func:`pipeline.fingerprint.config_identity` of this run's config; None = not checked.
@@ -240,7 +240,7 @@ class OutputWriter:
 
     def sink_kwargs(self) -> dict[str, Any]:
         """The ``fn_kwargs`` of :func:`pipeline.output.sink.write_fragments` for this run."""
-        return {"output": self.cfg.model_dump(), "retry": self.retry, "staging": self.staging,
+        return {"output": self.cfg, "retry": self.retry, "staging": self.staging,  # validated once, here
                 "extra_columns": list(self.extra_columns)}
 
     # ------------------------------------------------------------------ committing units
@@ -324,8 +324,8 @@ class OutputWriter:
 
     def write_part(self, unit: Any, table: pa.Table) -> str:
         """Stage and commit one unit given all its rows, in this process (tools and tests;
-        the job writes on the workers).  ``unit``: a :class:`pipeline.input.units.Unit`, a
-        :class:`pipeline.input.units.Shard` of one unit, or a bare shard index (its unit 0, no
+        the job writes on the workers).  ``unit``: a :class:`pipeline.units.Unit`, a
+        :class:`pipeline.units.Shard` of one unit, or a bare shard index (its unit 0, no
         fingerprint).  Returns the path of its first data file."""
         unit = _as_unit(unit, table.num_rows)
         self._units.setdefault(unit.part, unit)
@@ -445,7 +445,7 @@ def _check_cover(unit: Any, frags: list[dict[str, Any]]) -> None:
 
 
 def _as_unit(unit: Any, rows: int):
-    """A :class:`pipeline.input.units.Unit` from a Unit, a one-unit Shard or a bare shard index."""
+    """A :class:`pipeline.units.Unit` from a Unit, a one-unit Shard or a bare shard index."""
     if isinstance(unit, int):
         return Unit(Shard(index=unit, url=None, format="jsonl", num_rows=rows), 0, Split(0, rows))
     if isinstance(unit, Shard):

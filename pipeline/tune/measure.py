@@ -22,6 +22,7 @@ from pipeline.config import JobConfig
 from pipeline.engine import GenerationResult, GenerationSettings, RowStats
 from pipeline.prompts import PromptBuilder
 from pipeline.input import read_shard, resolve_shards
+from pipeline.output import listing_view
 
 
 @dataclass
@@ -53,7 +54,7 @@ def read_pilot(cfg: JobConfig, tokenizer, rows: int, context: int | None, clock:
         InputError: the input is missing or unreadable (as for the job).
         ValueError: no row among them can make a prompt.
     """
-    shards = resolve_shards(cfg.input, cfg.retry, cfg.output)
+    shards = resolve_shards(cfg.input, cfg.retry, listing_view(cfg.output, cfg.retry))
     out = PilotInput(corpus_rows=sum(s.num_rows for s in shards))
     builder = PromptBuilder(tokenizer, cfg.task)
     seen = 0

@@ -26,7 +26,7 @@ import pipeline.output.writer as writer_mod
 from pipeline.config import OutputConfig
 from pipeline.fingerprint import config_fingerprint
 from pipeline.output import OutputWriter, is_complete
-from pipeline.output.layout import SUMMARY
+from pipeline.layout import SUMMARY
 from pipeline.output.lease import LeaseLost, OutputLease
 from pipeline.input import Shard, units_of
 from pipeline.schema import OUTPUT_SCHEMA

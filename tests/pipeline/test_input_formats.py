@@ -23,7 +23,7 @@ import zstandard
 from pipeline_testkit import TEXTS, write_jsonl
 from pipeline.config import InputConfig, OutputConfig
 from pipeline.input import InputError, file_kind, read_shard, resolve_shards
-from pipeline.output import OutputWriter
+from pipeline.output import OutputWriter, listing_view
 from pipeline.schema import OUTPUT_SCHEMA
 
 ROWS = [{"id": f"r{i}", "text": t} for i, t in enumerate(TEXTS[:3])]
@@ -188,12 +188,12 @@ def test_the_output_inside_the_input_is_left_out(tmp_path, caplog):
     d.mkdir()
     (d / "a.jsonl").write_bytes(PLAIN)
     out = OutputConfig(uri=str(d / "out"), partition_by_date=True, run_date="2026-01-02")
-    _commit_one(out, resolve_shards(InputConfig(uri=str(d)), output=out))
+    _commit_one(out, resolve_shards(InputConfig(uri=str(d)), output=listing_view(out)))
     # another specbatch output below the input (another job's): left out as well
     other = OutputConfig(uri=str(d / "older"))
     _commit_one(other, resolve_shards(InputConfig(uri=str(d / "a.jsonl"))))
     with caplog.at_level(logging.INFO, logger="specbatch"):
-        shards = resolve_shards(InputConfig(uri=str(d)), output=out)
+        shards = resolve_shards(InputConfig(uri=str(d)), output=listing_view(out))
     assert [s.name for s in shards] == ["a.jsonl"]
     info = " ".join(r.getMessage() for r in caplog.records)
     assert f"under {d / 'out'}, the job's output" in info
@@ -201,7 +201,7 @@ def test_the_output_inside_the_input_is_left_out(tmp_path, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     # the output equal to the input folder: its own files are left out, the input is read
     same = OutputConfig(uri=str(d), allow_foreign_files=True)
-    assert [s.name for s in resolve_shards(InputConfig(uri=str(d)), output=same)] == ["a.jsonl"]
+    assert [s.name for s in resolve_shards(InputConfig(uri=str(d)), output=listing_view(same))] == ["a.jsonl"]
     # a specbatch output named as the input itself is read (jobs chain: summarize -> translate)
     chained = resolve_shards(InputConfig(uri=str(d / "older"), text_column="output_text"))
     assert [s.name.split(".")[0] for s in chained] == ["part-00000-u00000"]  # (its data file, tagged with its run)
@@ -214,11 +214,11 @@ def test_an_input_inside_the_outputs_manifest_or_staging_is_refused(tmp_path):
         (tmp_path / "out" / sub / "x.jsonl").write_bytes(PLAIN)
         for uri in (tmp_path / "out" / sub / "x.jsonl", tmp_path / "out" / sub, tmp_path / "out" / sub / "*.jsonl"):
             with pytest.raises(InputError, match=r"lies inside the job's output .*_manifest/ or _staging/"):
-                resolve_shards(InputConfig(uri=str(uri)), output=out)
+                resolve_shards(InputConfig(uri=str(uri)), output=listing_view(out))
     # a data file of the output named as the input: refused too
     (tmp_path / "out" / "part-00000-u00000.parquet").write_bytes(b"")
     with pytest.raises(InputError, match="lies inside the job's output .*one of the files"):
-        resolve_shards(InputConfig(uri=str(tmp_path / "out" / "part-00000-u00000.parquet")), output=out)
+        resolve_shards(InputConfig(uri=str(tmp_path / "out" / "part-00000-u00000.parquet")), output=listing_view(out))
 
 
 def test_another_spelling_of_the_same_input_resumes(tmp_path, monkeypatch):
@@ -229,13 +229,13 @@ def test_another_spelling_of_the_same_input_resumes(tmp_path, monkeypatch):
     (d / "a.jsonl.gz").write_bytes(gzip.compress(PLAIN))
     os.symlink(d, tmp_path / "link")
     out = OutputConfig(uri=str(tmp_path / "out"))
-    first = resolve_shards(InputConfig(uri=str(d / "a.jsonl.gz")), output=out)
+    first = resolve_shards(InputConfig(uri=str(d / "a.jsonl.gz")), output=listing_view(out))
     _commit_one(out, first)
     monkeypatch.chdir(tmp_path)
     spellings = [f"{d}//a.jsonl.gz", f"{d}/x/../a.jsonl.gz", f"{d}/./a.jsonl.gz", "data/a.jsonl.gz",
                  "./data/../data/a.jsonl.gz", str(tmp_path / "link" / "a.jsonl.gz"), f"{d}//", "link/"]
     for uri in spellings:
-        shards = resolve_shards(InputConfig(uri=uri), output=out)
+        shards = resolve_shards(InputConfig(uri=uri), output=listing_view(out))
         assert [(s.url, s.fingerprint) for s in shards] == [(first[0].url, first[0].fingerprint)], uri
         assert OutputWriter(out).prepare(shards).done == ["part-00000-u00000.parquet"], uri  # resumes: nothing to redo
 
@@ -258,7 +258,7 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
     out = OutputConfig(uri=f"s3://{b}/in/out/", storage_options=opts)
     cfg = InputConfig(uri=f"s3://{b}/in/", storage_options=opts)
     with caplog.at_level(logging.INFO, logger="specbatch"):
-        shards = resolve_shards(cfg, output=out)
+        shards = resolve_shards(cfg, output=listing_view(out))
     assert [(s.name, s.compression, s.partitions) for s in shards] == [
         ("a.jsonl.gz", "gzip", None), ("lang=de/b.jsonl.zst", "zstd", {"lang": "de"}),
         ("lang=en/c.jsonl.bz2", "bz2", {"lang": "en"})]
@@ -269,14 +269,14 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
     # rerun: the output under the input prefix is left out, the folder with or without its
     # slash resumes; keys are strings: in/./ and in/x/../ are other (empty) prefixes, not in/
     for uri in (f"s3://{b}/in/", f"s3://{b}/in"):
-        again = resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
+        again = resolve_shards(InputConfig(uri=uri, storage_options=opts), output=listing_view(out))
         assert [s.url for s in again] == [s.url for s in shards], uri
         assert OutputWriter(out).prepare(again).done == ["part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"], uri
     for uri in (f"s3://{b}/in/./", f"s3://{b}/in/x/../"):
         with pytest.raises(InputError, match="input not found"):
-            resolve_shards(InputConfig(uri=uri, storage_options=opts), output=out)
+            resolve_shards(InputConfig(uri=uri, storage_options=opts), output=listing_view(out))
     with pytest.raises(InputError, match=r"lies inside the job's output s3://.*/in/out"):
-        resolve_shards(InputConfig(uri=f"s3://{b}/in/out/_manifest/", storage_options=opts), output=out)
+        resolve_shards(InputConfig(uri=f"s3://{b}/in/out/_manifest/", storage_options=opts), output=listing_view(out))
 
 
 def test_an_input_with_no_text_column_at_all_is_refused_naming_it(tmp_path):

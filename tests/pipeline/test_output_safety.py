@@ -202,7 +202,7 @@ def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(
 def test_an_orphan_is_removed_by_overwrite_and_by_a_run_with_nothing_to_do(store):
     """A data file of the job's own that no committed unit names is never foreign: a rerun with
     nothing to do removes it, and so does --overwrite."""
-    from pipeline.input.units import Shard, Split, Unit
+    from pipeline.units import Shard, Split, Unit
 
     s = store()
     unit = Unit(Shard(index=0, url=None, format="jsonl", num_rows=2), 0, Split(0, 2))

@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.config import OutputConfig, load_config
 from pipeline.fingerprint import config_fingerprint
-from pipeline.input.units import UNIT_COLUMN, Shard, Split, Unit
+from pipeline.units import UNIT_COLUMN, Shard, Split, Unit
 from pipeline.output import OutputWriter, is_complete
 from pipeline.output.reader import RUN_COLUMN, CommittedOutput, OutputReadError, previous_partition
 from pipeline.report import ReportError, load_run, write_report

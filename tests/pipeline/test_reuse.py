@@ -22,7 +22,7 @@ import pytest
 from actors.generate import GenerateActor
 from pipeline.config import ConfigError, OutputConfig, load_config
 from pipeline.fingerprint import reuse_fingerprint
-from pipeline.input.units import Shard, Split, Unit
+from pipeline.units import Shard, Split, Unit
 from pipeline.output import OutputWriter
 from pipeline.output.reader import RUN_COLUMN
 from pipeline.processor import check_generation

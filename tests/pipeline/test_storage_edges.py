@@ -25,7 +25,7 @@ import zstandard
 
 from pipeline.config import ConfigError, InputConfig, OutputConfig, load_config
 from pipeline.output.lease import LEASE, LeaseHeld, LeaseUnreadable, OutputLease
-from pipeline.output import OutputError, is_complete
+from pipeline.output import OutputError, is_complete, listing_view
 from pipeline.input import InputError, read_shard, resolve_shards
 from pipeline.retry import StorageError, open_fs, retrying
 from pipeline.schema import OUTPUT_SCHEMA
@@ -152,7 +152,7 @@ def test_an_output_at_a_literal_double_slash_prefix_is_the_one_left_out(moto_s3)
     w.commit({"rows": 1})
     written = {o["Key"] for o in c.list_objects_v2(Bucket=b, Prefix="in//out/")["Contents"]}
     assert f"in//out/part-00000-u00000.{w.run_id}.parquet" in written and "in//out/_SUCCESS" in written
-    shards = resolve_shards(InputConfig(uri=f"s3://{b}/in/", storage_options=opts), output=out)
+    shards = resolve_shards(InputConfig(uri=f"s3://{b}/in/", storage_options=opts), output=listing_view(out))
     assert [s.name for s in shards] == ["a.jsonl", "out/b.jsonl"]
 
 

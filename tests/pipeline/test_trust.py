@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import OutputConfig
-from pipeline.input.units import Shard, Split, Unit
+from pipeline.units import Shard, Split, Unit
 from pipeline.output import OutputWriter
 from pipeline.output.location import OutputError
 from pipeline.output.reader import RUN_COLUMN, CommittedOutput, DamagedFile

@@ -9,7 +9,7 @@ splits in the driver before any model loads; the read stage reads one unit per t
 
 This module owns the names of units: the part name (:func:`part_name`,
 ``part-<shard>-u<split>.parquet``, which the output's data files and manifest entries are
-named after: :mod:`pipeline.output.layout`) and the column that carries each row's part
+named after: :mod:`pipeline.layout`) and the column that carries each row's part
 name from the read stage to the write stage (:data:`UNIT_COLUMN`).
 """
 

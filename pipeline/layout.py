@@ -16,8 +16,8 @@ Layout of an output directory (``output.uri``, or ``output.uri/date=YYYY-MM-DD``
     <dir>/_lease.json                              the lease of the run writing the folder now (pipeline.output.lease)
 
 A *unit* is one input shard (file) and one split of it (``input.split_rows`` rows:
-:class:`pipeline.input.units.Unit`); its part name is ``part-<shard>-u<split>.parquet``
-(:func:`pipeline.input.units.part_name`, the one owner of the part names), and its data
+:class:`pipeline.units.Unit`); its part name is ``part-<shard>-u<split>.parquet``
+(:func:`pipeline.units.part_name`, the one owner of the part names), and its data
 files carry the id of the run that wrote them (:func:`data_file_names`), so two runs never
 write the same name.  Outputs of earlier versions have untagged data files
 (``part-00000-u00000.parquet``, ``part-00000-u00000-00001.parquet``), one manifest entry per
@@ -42,7 +42,7 @@ import posixpath
 import re
 import uuid
 
-from pipeline.input.units import PART_PATTERN
+from pipeline.units import PART_PATTERN
 
 SUCCESS = "_SUCCESS"
 SUMMARY = "_summary.json"
