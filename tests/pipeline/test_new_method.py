@@ -72,8 +72,11 @@ def test_a_new_method_serves_requests_and_is_a_tuner_candidate(tiny_models, tmp_
     from pipeline.serve import OpenAIServer
     from pipeline.tune import tuner
 
+    # a fixed draft length: under `auto` the controller may rightly find on a loaded machine that the
+    # tiny pair's drafts do not pay, and draft nothing (what this test checks is that the method drafts)
     cfg = job_config(tiny_models, "unused", str(tmp_path / "o"), method=registered,
-                     overrides=["method.num_assistant_tokens=3", "generation.max_new_tokens=10"])
+                     overrides=["method.num_assistant_tokens=3", "generation.max_new_tokens=10",
+                                "compute.draft_length=fixed"])
     server = OpenAIServer.from_config(cfg, device="cpu")
     try:
         prompt = server.tokenizer("the cat sat on the mat")["input_ids"]
