@@ -62,14 +62,11 @@ LEAN_PARTS = {"attention_in_of": "linear", "attention_out_of": "linear", "mlp_of
 
 
 def best_of(run, repeats: int) -> float:
-    """CPU seconds of ``run()``: the best of ``repeats`` calls after one warm-up."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        c = time.process_time()
-        run()
-        best = min(best, time.process_time() - c)
-    return best
+    """CPU seconds of ``run()``: the best of ``repeats`` calls after one warm-up (the engine's
+    :func:`pipeline.engine.cpu.measure.best_of` on the CPU clock)."""
+    from pipeline.engine.cpu.measure import best_of as measured
+
+    return measured(run, repeats, clock=time.process_time)
 
 
 def machine_limits(repeats: int = 5, gemm_size: int = 1024, read_mib: int = 256) -> dict:
