@@ -213,14 +213,18 @@ def _progress(text: str) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- the output
-def log_records(out: Path) -> list[tuple[Path, dict]]:
-    """The output's commit log (``_manifest/log/``): ``(path, record)`` in order."""
-    return [(p, json.loads(p.read_text())) for p in sorted((out / "_manifest" / "log").glob("*.json"))]
+def log_records(out: Path) -> list[tuple[Path, object]]:
+    """The output's commit log (``_manifest/log/``): ``(path, record)`` in order, each
+    decoded (:func:`pipeline.output.records.decode_log_record`)."""
+    from pipeline.output.records import decode_log_record
+
+    return [(p, decode_log_record(int(p.stem), json.loads(p.read_text())))
+            for p in sorted((out / "_manifest" / "log").glob("*.json"))]
 
 
-def manifest_entries(out: Path) -> list[dict]:
+def manifest_entries(out: Path) -> list:
     """The committed units: the ``unit`` records of the commit log."""
-    return [r for _, r in log_records(out) if r.get("kind") == "unit"]
+    return [r for _, r in log_records(out) if r.kind == "unit"]
 
 
 def manifest_bytes(out: Path) -> int:
@@ -240,17 +244,18 @@ def make_99_percent(out: Path) -> int:
     ``_summary.json``: a 99 %-complete output.  Returns the rows removed (0 when the output
     has a single unit)."""
     records = log_records(out)
-    units = [r for _, r in records if r.get("kind") == "unit"]
+    units = [r for _, r in records if r.kind == "unit"]
     if len(units) < 2:
         return 0
-    while records and records[-1][1].get("kind") == "final":
+    while records and records[-1][1].kind == "final":
         records.pop()[0].unlink()
     removed = 0
     for _ in range(max(1, math.ceil(len(units) / 100))):
         path, data = records.pop()  # the tail of the log: the last units committed
-        for name in data.get("files", []):
-            (out / name).unlink()
-        removed += int(data.get("rows") or 0)
+        if data.kind == "unit":  # (an epoch of a resumed run names no file)
+            for name in data.files:
+                (out / name).unlink()
+            removed += data.rows or 0
         path.unlink()
     for name in ("_SUCCESS", "_summary.json"):
         (out / name).unlink(missing_ok=True)

@@ -8,7 +8,7 @@ before Ray starts any actor.  Then it builds the Ray Data dataset::
     units (one item each) --map_batches(read_units_batch)--> one block of rows per unit (INPUT_SCHEMA, _unit)
       --pipeline.processor.Processor (rebatch=False): each unit's block decoded by one actor task,
           rows_per_batch rows per call, in order --> rows (OUTPUT_SCHEMA, _unit)
-      --map_batches(write_fragments, on the workers)--> staged Parquet fragments; one record each
+      --map_batches(OutputWriter.write, on the workers)--> staged Parquet fragments; one record each
 
 (the processor is the public stage users put in their own pipelines: one code path) and
 streams the write stage's *records* back to the driver (never the rows: its memory stays
@@ -132,7 +132,7 @@ def preflight(cfg: JobConfig) -> Preflight:
     reuse.vocab_size = vocab_size
     writer.acquire_lease(config_fingerprint(identity))  # before the manifest is read: one run at a time
     try:
-        plan = writer.prepare(units_of(shards), identity)
+        plan = writer.on_write_start(units_of(shards), identity)
     except BaseException as e:
         writer.abandon_lease() if isinstance(e, StorageError) else writer.release_lease()
         raise
@@ -175,14 +175,12 @@ def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation:
                   embedded: bool = False, partition_columns: list[str] | None = None,
                   reuse: dict[str, Any] | None = None, load_board=None, carry: list[str] | None = None):
     """The lazy Ray Data dataset of the write stage's records (one per staged fragment,
-    :data:`pipeline.output.sink.FRAGMENT_SCHEMA`) for ``units``: the read stage (one
+    :data:`pipeline.output.records.FRAGMENT_SCHEMA`) for ``units``: the read stage (one
     block per unit), the :class:`Processor` (with the run's ``reuse``:
     :func:`pipeline.reuse.share_previous`, and ``load_board``, where its actors post their
-    loads' facts), then the write stage on the workers."""
+    loads' facts), then the write phase on the workers (:meth:`OutputWriter.write`)."""
     import ray
     from ray.data import TaskPoolStrategy
-
-    from pipeline.output.sink import write_fragments
 
     quiet_ray_data_console()
     explain_actor_args_error(cfg)
@@ -205,7 +203,7 @@ def build_dataset(cfg: JobConfig, units: list, writer: OutputWriter, generation:
     # INPUT_SCHEMA's text and id columns; the job's own output columns; one actor task per unit
     ds = Processor(cfg, generation=generation, text_column="text", id_column="id", columns="job",
                    embedded=embedded, rebatch=False, reuse=reuse, load_board=load_board, carry=carry)(ds)
-    return ds.map_batches(write_fragments, fn_kwargs=writer.sink_kwargs(), batch_size=None,
+    return ds.map_batches(OutputWriter.write, fn_kwargs=writer.write_kwargs(), batch_size=None,
                           batch_format="pyarrow", num_cpus=0)
 
 
@@ -314,7 +312,7 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
     try:
         generate_elapsed, first, loads = _decode_and_commit(cfg, pre, total_rows, progress)
         summary = _finish(cfg, pre, started, t0, generate_elapsed, first, loads)
-        writer.commit(summary)
+        writer.on_write_complete(summary)
         log.info("run %s committed: %d rows (%d errors) in %s; this run: %d units, %d skipped", writer.run_id,
                  summary["rows"], summary["errors"], writer.location.url(), len(plan.todo), len(plan.done))
         if summary["audit_rows"]:
@@ -322,11 +320,7 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
                      summary["audit_rows"], summary["audit_mismatches"])
         return summary
     except BaseException as e:
-        # a failing storage would make the clean-up hang too: a later successful run removes it,
-        # and the lease is left to go stale (a rerun in this process takes it over at once)
-        writer.abort(cleanup=not isinstance(e, StorageError))
-        if isinstance(e, StorageError):
-            writer.abandon_lease()
+        writer.on_write_failed(e)  # committed units stay; after a storage failure the lease is left to go stale
         pool = _actor_pool_failure(cfg, e, started)
         if pool is not None:
             raise ActorPoolError(pool) from e
@@ -387,7 +381,7 @@ def _finish(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float, ge
     entries = [writer.entries[k] for k in sorted(writer.entries)]
     overall = RunTotals()  # every committed part: earlier runs' and this run's
     for e in entries:
-        overall.merge(e.get("totals"))
+        overall.merge(e.totals)
     expected = sum(s.num_rows for s in pre.shards)
     if overall.rows != expected:
         raise RunError(f"committed rows {overall.rows} != input rows {expected}")

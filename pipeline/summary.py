@@ -252,12 +252,12 @@ class RunFacts:
     status: str = "succeeded"
 
 
-def run_summary(facts: RunFacts, overall: RunTotals, this: RunTotals, entries: list[dict[str, Any]],
+def run_summary(facts: RunFacts, overall: RunTotals, this: RunTotals, entries: list[Any],
                 units_run: list[str], units_skipped: list[str]) -> dict[str, Any]:
     """The summary of a run that committed units: ``facts``, the totals over every committed
     unit (``overall``: earlier runs' and this run's), this run's own figures (``this``), and
-    the committed units (``entries``, in part order).  ``tokens_per_s`` is this run's new
-    tokens over its ``generate_elapsed_s``."""
+    the committed units (``entries``, their :class:`pipeline.output.records.UnitRecord`, in
+    part order).  ``tokens_per_s`` is this run's new tokens over its ``generate_elapsed_s``."""
     mine = this.to_dict(generate_elapsed_s=facts.generate_elapsed_s)
     return {
         **dataclasses.asdict(facts),
@@ -265,9 +265,9 @@ def run_summary(facts: RunFacts, overall: RunTotals, this: RunTotals, entries: l
         "tokens_per_s": mine["tokens_per_s"],
         "this_run": {"run_id": facts.run_id, "nothing_to_do": False, "units_run": list(units_run),
                      "units_skipped": list(units_skipped), **{k: mine[k] for k in THIS_RUN}},
-        "runs": sorted({e.get("run_id") for e in entries if e.get("run_id")}),
-        "parts": [{k: e.get(k) for k in ("part", "files", "source_file", "start_row", "rows", "errors", "run_id")}
-                  for e in entries],
+        "runs": sorted({e.run_id for e in entries if e.run_id}),
+        "parts": [{"part": e.part, "files": list(e.files), "source_file": e.source_file, "start_row": e.start_row,
+                   "rows": e.rows, "errors": e.errors, "run_id": e.run_id} for e in entries],
     }
 
 

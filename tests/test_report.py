@@ -54,11 +54,11 @@ def _write_run(fs, root, rows, summary=None, split=False):
 
     url = fs.unstrip_protocol(root) if fs.protocol != "file" and "file" not in fs.protocol else root
     w = OutputWriter(OutputConfig(uri=url))
-    w.prepare([])
+    w.on_write_start([])
     chunks = [rows[:1], rows[1:]] if split else [rows]
     for n, chunk in enumerate(chunks):
         w.write_part(n, pa.Table.from_pylist(chunk, schema=OUTPUT_SCHEMA))
-    w.commit(summary or {})
+    w.on_write_complete(summary or {})
     for name in ("_staging/old/part-00000.parquet", f"part-00007-u00000.{w.run_id}.parquet"):
         fs.makedirs(posixpath.dirname(f"{root}/{name}"), exist_ok=True)
         with fs.open(f"{root}/{name}", "wb") as f:

@@ -174,7 +174,7 @@ def read_job_output(uri: str, storage_options: dict, config_path: str | None, ma
             rows.append(row)
     except JobRefused as e:
         raise TrainDrafterError(f"--from: {e}") from None
-    parts = {p: e.get("run_id") for p, e in out.entries.items()}
+    parts = {p: e.run_id for p, e in out.entries.items()}
     return JobOutput(out.url, rows, config, identity, parts, out.uncommitted, generation, out.finished)
 
 

@@ -31,25 +31,22 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from pipeline.output import exclusive
-from pipeline.layout import LOG, LOG_RECORD, MANIFEST, RUN_ID, log_record
-
-KINDS = ("epoch", "unit", "final")
+from pipeline.layout import LOG, LOG_RECORD, MANIFEST, log_record
+from pipeline.output.records import (EpochRecord, FinalRecord, LogRecord, RecordError, UnitRecord,
+                                     decode_log_record)
 
 
 class SlotTaken(RuntimeError):
-    """The record number a run meant to write was taken by another run's record (``record``)."""
+    """The record number a run meant to write was taken by another run's record (``record``:
+    None when it is not one this job writes)."""
 
-    def __init__(self, seq: int, record: Any):
+    def __init__(self, seq: int, record: LogRecord | None):
         super().__init__(f"record {seq} of the commit log was written by run "
-                         f"{record.get('run_id') if isinstance(record, dict) else '?'}")
+                         f"{record.run_id if record is not None else '?'}")
         self.seq, self.record = seq, record
-
-
-class LogDamaged(ValueError):
-    """A record of the log is not one this job writes (its name and content disagree)."""
 
 
 @dataclass
@@ -69,29 +66,30 @@ class LogState:
             which nothing counts (the entries of earlier versions included).
     """
 
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: dict[str, UnitRecord] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
     holder: str | None = None
-    final: dict[str, Any] | None = None
+    final: FinalRecord | None = None
     last_seq: int = -1
     void: list[int] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     overwrite_seq: int | None = None
 
 
-def replay(records: Iterable[tuple[int, dict[str, Any]]]) -> LogState:
-    """The state of a log from its records ``(number, record)`` (checked by :func:`check_record`)."""
+def replay(records: Iterable[tuple[int, LogRecord]]) -> LogState:
+    """The state of a log from its records ``(number, record)``
+    (decoded by :func:`pipeline.output.records.decode_log_record`)."""
     state = LogState()
     counted: dict[str, int] = {}  # part -> record number of its entry
     for seq, rec in sorted(records, key=lambda r: r[0]):
         state.last_seq = max(state.last_seq, seq)
-        kind, run = rec["kind"], rec["run_id"]
-        if kind == "epoch":
+        run = rec.run_id
+        if isinstance(rec, EpochRecord):
             state.holder, state.final = run, None
             state.epochs.append(seq)
             if run not in state.runs:
                 state.runs.append(run)
-            if rec.get("overwrite"):
+            if rec.overwrite:
                 state.overwrite_seq = seq
                 state.void.extend(counted.values())
                 state.entries.clear()
@@ -100,8 +98,8 @@ def replay(records: Iterable[tuple[int, dict[str, Any]]]) -> LogState:
         if run != state.holder:
             state.void.append(seq)  # written by a run that had lost its place
             continue
-        if kind == "unit":
-            part = rec["part"]
+        if isinstance(rec, UnitRecord):
+            part = rec.part
             if part in state.entries:
                 state.void.append(seq)
                 continue
@@ -110,25 +108,6 @@ def replay(records: Iterable[tuple[int, dict[str, Any]]]) -> LogState:
         else:
             state.final = rec
     return state
-
-
-def check_record(seq: int, rec: Any) -> dict[str, Any]:
-    """``rec`` if it is a record of this job numbered ``seq`` (its kind, number and run id);
-    unit records' part and file names are checked by the caller
-    (:func:`pipeline.output.manifest.check_entry`).
-
-    Raises:
-        LogDamaged: saying what is wrong.
-    """
-    if not isinstance(rec, dict):
-        raise LogDamaged(f"holds a {type(rec).__name__}, not a record")
-    if rec.get("kind") not in KINDS:
-        raise LogDamaged(f"is of kind {rec.get('kind')!r}, not one of {', '.join(KINDS)}")
-    if rec.get("seq") != seq:
-        raise LogDamaged(f"says it is record {rec.get('seq')!r}")
-    if not isinstance(rec.get("run_id"), str) or not RUN_ID.fullmatch(rec["run_id"]):
-        raise LogDamaged(f"names the run {rec.get('run_id')!r}")
-    return rec
 
 
 class CommitLog:
@@ -182,9 +161,9 @@ class CommitLog:
         """This run has seen the log up to record ``last_seq``: it appends after it."""
         self.next_seq = max(self.next_seq, last_seq + 1)
 
-    def append(self, record: dict[str, Any]) -> int:
-        """Create ``record`` (``kind`` and its fields; ``seq`` and ``run_id`` are set here) as
-        the next record after the last one this run has seen.  Returns its number.
+    def append(self, record: LogRecord) -> LogRecord:
+        """Create ``record`` (its ``seq`` and ``run_id`` are set here) as the next record after
+        the last one this run has seen.  Returns the record written.
 
         Raises:
             SlotTaken: another run's record holds that number (it wrote since this run last
@@ -192,8 +171,8 @@ class CommitLog:
             StorageError: the storage kept failing.
         """
         seq = self.next_seq
-        rec = dict(record, seq=seq, run_id=self.run_id)
-        data = json.dumps(rec, default=str).encode()
+        rec = record.numbered(seq, self.run_id)
+        data = rec.encode()
         path = self.path(seq)
 
         def create() -> bool:
@@ -201,17 +180,17 @@ class CommitLog:
                 return False
             return exclusive.create(self.fs, path, data)
 
-        created = self.io(create, f"write record {seq} of the commit log ({record['kind']})")
+        created = self.io(create, f"write record {seq} of the commit log ({record.kind})")
         if not created or self.careful:
             got = self.read([path]).get(path)
             if got != data:  # another run's (a create that lost, or a store that ignores the condition)
                 try:
-                    other = json.loads(got)
-                except (TypeError, UnicodeDecodeError, json.JSONDecodeError):
+                    other = decode_log_record(seq, json.loads(got))
+                except (TypeError, UnicodeDecodeError, json.JSONDecodeError, RecordError):
                     other = None
                 raise SlotTaken(seq, other)
         self.next_seq = seq + 1
-        return seq
+        return rec
 
 
-__all__ = ["CommitLog", "LogState", "SlotTaken", "LogDamaged", "replay", "check_record", "KINDS"]
+__all__ = ["CommitLog", "LogState", "SlotTaken", "replay"]

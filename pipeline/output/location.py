@@ -42,6 +42,7 @@ from pipeline.output.commit_log import CommitLog
 from pipeline.layout import (DATA_FILE, LEASE, LOG, LOG_RECORD, MANIFEST, STAGING, SUCCESS, SUMMARY,
                                     TEMP_FILE, data_file_run, owned_layout_file, owned_output_path)
 from pipeline.output.manifest import Manifest, ManifestDamaged, read_manifest
+from pipeline.output.records import Intent, UnitRecord
 from pipeline.retry import endpoint_of, open_fs, retrying
 from pipeline.storage import (is_local, is_object_store, prune_empty, raise_refusal, refuse_special, resolved_location,
                               under, unstrip)
@@ -73,7 +74,7 @@ class OutputLocation:
         self.fs, root = open_fs(self.uri, cfg.storage_options, retry)
         self.root = root.rstrip("/") or "/"
         self.io = retrying(retry, endpoint_of(self.fs))
-        self.intents: dict[str, dict[str, Any]] = {}
+        self.intents: dict[str, Intent] = {}
         self.foreign: list[str] = []
         self.orphans: list[str] = []
         self.local = is_local(self.fs)
@@ -225,7 +226,7 @@ class OutputLocation:
         except ManifestDamaged as e:
             raise OutputError(str(e)) from None
 
-    def read_manifest(self) -> dict[str, dict[str, Any]]:
+    def read_manifest(self) -> dict[str, UnitRecord]:
         """Part name -> manifest entry, for every committed unit of this output.
 
         Raises:
@@ -288,7 +289,7 @@ class OutputLocation:
             with self.fs.open(self.path(SUCCESS), "rb") as f:
                 return f.read()
 
-        return self.io(load, f"read {SUCCESS}").strip() == m.log.final["run_id"].encode()
+        return self.io(load, f"read {SUCCESS}").strip() == m.log.final.run_id.encode()
 
     def quarantine(self, run_id: str) -> None:
         """Remove the staging folders of every run but ``run_id`` (runs that died or lost their
@@ -377,8 +378,9 @@ class OutputLocation:
             return
         have = self.io(sizes, f"list {self.url()}")
         for part, e in sorted(m.entries.items()):
-            for name in e["files"]:
-                want = ((e.get("checksums") or {}).get(name) or {}).get("size")
+            for name in e.files:
+                check = e.check_of(name)
+                want = check.size if check else None
                 got = have.get(name)
                 if got is None:
                     problem = "is missing"
@@ -460,7 +462,7 @@ class OutputLocation:
             foreign.append(rel)
         return foreign, orphans
 
-    def _check_foreign(self, entries: dict[str, dict[str, Any]]) -> None:
+    def _check_foreign(self, entries: dict[str, UnitRecord]) -> None:
         if not self.foreign:
             return
         clashing = [f for f in self.foreign if DATA_FILE.match(f) or f in (SUCCESS, SUMMARY)]

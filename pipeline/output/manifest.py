@@ -23,9 +23,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pipeline.output.commit_log import CommitLog, LogDamaged, LogState, check_record, replay
+from pipeline.output.commit_log import CommitLog, LogState, replay
+from pipeline.output.records import Intent, RecordError, UnitRecord, decode_log_record
 from pipeline.units import parse_part, part_name
-from pipeline.layout import ENTRY_FILE, INTENT_FILE, MANIFEST, PENDING, data_file_names
+from pipeline.layout import ENTRY_FILE, INTENT_FILE, MANIFEST, PENDING
 
 
 class ManifestDamaged(ValueError):
@@ -37,28 +38,28 @@ class Manifest:
     """An output's manifest, checked.
 
     Attributes:
-        entries: part name -> manifest entry of every committed unit (the commit log's, and
-            the per-unit entries of earlier versions).
+        entries: part name -> manifest entry (:class:`~pipeline.output.records.UnitRecord`) of
+            every committed unit (the commit log's, and the per-unit entries of earlier versions).
         log: the commit log's state (:class:`~pipeline.output.commit_log.LogState`).
         legacy: paths of the per-unit entries of earlier versions.
-        intents: path -> publish intent of earlier versions (with ``_path``).
+        intents: path -> publish intent of earlier versions (:class:`~pipeline.output.records.Intent`).
         leftovers: paths of records of earlier versions found empty or cut short (never
             finished: they name nothing).
     """
 
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: dict[str, UnitRecord] = field(default_factory=dict)
     log: LogState = field(default_factory=LogState)
     legacy: list[str] = field(default_factory=list)
-    intents: dict[str, dict[str, Any]] = field(default_factory=dict)
+    intents: dict[str, Intent] = field(default_factory=dict)
     leftovers: list[str] = field(default_factory=list)
 
     def named_files(self) -> set[str]:
         """The data files the committed units and the publish intents name."""
-        return {n for e in list(self.entries.values()) + list(self.intents.values()) for n in e["files"]}
+        return {n for e in list(self.entries.values()) + list(self.intents.values()) for n in e.files}
 
     def committed_files(self) -> set[str]:
         """The data files the committed units name."""
-        return {n for e in self.entries.values() for n in e["files"]}
+        return {n for e in self.entries.values() for n in e.files}
 
     @property
     def runs(self) -> list[str]:
@@ -80,21 +81,19 @@ def read_manifest(fs, root: str, io: Callable, url: str, log: CommitLog) -> Mani
     got = log.read([p for _, p in listed])
     for seq, path in listed:
         rel = path[len(root) + 1:]
+        obj = _json(got[path], rel, url)
         try:
-            rec = check_record(seq, _json(got[path], rel, url))
-        except LogDamaged as e:
-            raise ManifestDamaged(_not_ours(url, rel, str(e))) from None
-        if rec["kind"] == "unit":
-            unit = parse_part(rec.get("part")) if isinstance(rec.get("part"), str) else None
-            if unit is None:
-                raise ManifestDamaged(_not_ours(url, rel, f"names the part {rec.get('part')!r}"))
-            check_entry(url, rel, unit, rec, run_id=rec["run_id"])
-        records.append((seq, rec))
+            records.append((seq, decode_log_record(seq, obj)))
+        except RecordError as e:
+            if e.field not in ("files", "checksums"):
+                raise ManifestDamaged(_not_ours(url, rel, e.problem)) from None
+            raise _not_its_names(url, rel, parse_part(obj["part"]), e.problem, tagged=True) from None
     m.log = replay(records)
     log.seen(m.log.last_seq)
-    for path, rel, unit, entry in _read_files(fs, root, io, url, posixpath.join(MANIFEST, "part-*.json"),
-                                              ENTRY_FILE, m.leftovers):
-        part = check_entry(url, rel, unit, entry)["part"]
+    for path, rel, unit, obj in _read_files(fs, root, io, url, posixpath.join(MANIFEST, "part-*.json"),
+                                            ENTRY_FILE, m.leftovers):
+        entry = check_entry(url, rel, unit, obj)
+        part = entry.part
         m.legacy.append(path)
         if m.log.overwrite_seq is not None:
             continue  # an overwrite started the output afresh after it (and died before removing it)
@@ -103,59 +102,44 @@ def read_manifest(fs, root: str, io: Callable, url: str, log: CommitLog) -> Mani
                                   "and by the commit log; set output.overwrite: true (--overwrite)")
         m.entries[part] = entry
     m.entries.update(m.log.entries)
-    for path, rel, unit, intent in _read_files(fs, root, io, url, posixpath.join(MANIFEST, PENDING, "part-*.json"),
-                                               INTENT_FILE, m.leftovers):
-        m.intents[path] = dict(check_entry(url, rel, unit, intent), _path=path)
+    for path, rel, unit, obj in _read_files(fs, root, io, url, posixpath.join(MANIFEST, PENDING, "part-*.json"),
+                                            INTENT_FILE, m.leftovers):
+        m.intents[path] = check_entry(url, rel, unit, obj, intent_at=path)
     return m
 
 
-def check_entry(url: str, rel: str, unit: tuple[int, int | None], entry: Any,
-                run_id: str | None = None) -> dict[str, Any]:
-    """``entry`` (from the manifest record ``rel`` of the part ``unit`` = ``(shard, split)``)
-    if it names its own part and exactly that part's data files in this job's naming:
-    tagged with ``run_id`` (a record of the commit log), else untagged (earlier versions).
+def check_entry(url: str, rel: str, unit: tuple[int, int | None], obj: Any,
+                intent_at: str | None = None) -> UnitRecord | Intent:
+    """The per-unit entry of an earlier version (or, with ``intent_at``, its publish intent
+    lying there) decoded from ``obj``, read from the manifest record ``rel`` of the part
+    ``unit`` = ``(shard, split)``, if it names its own part and exactly that part's data files
+    in the untagged naming of earlier versions.
 
     Raises:
         ManifestDamaged: naming ``rel`` (a name from ``_manifest/`` is never used before this check).
     """
     expect = part_name(*unit)
-    problem = None
-    if not isinstance(entry, dict):
-        problem = f"holds a {type(entry).__name__}, not a record"
-    elif entry.get("part") != expect:
-        problem = f"names the part {entry.get('part')!r}"
-    else:
-        files = entry.get("files", [expect] if run_id is None else None)
-        if not isinstance(files, list) or not files or files != data_file_names(expect, len(files), run_id):
-            problem = f"names the files {_short_list(files)}"
-        elif "checksums" in entry and not _checksums_ok(entry["checksums"], files):
-            problem = "holds checksums that are not one SHA-256, size and row count per data file it names"
-    if problem is None:
-        entry.setdefault("files", [expect])
-        return entry
+    try:
+        if intent_at is not None:
+            return Intent.from_json(obj, path=intent_at, part=expect)
+        return UnitRecord.from_json(obj, earlier=expect)
+    except RecordError as e:
+        if e.field in (None, "part", "files", "checksums"):
+            raise _not_its_names(url, rel, unit, e.problem, tagged=False) from None
+        raise ManifestDamaged(_not_ours(url, rel, e.problem)) from None
+
+
+def _not_its_names(url: str, rel: str, unit: tuple[int, int | None], problem: str, tagged: bool) -> ManifestDamaged:
+    """The refusal of a record ``rel`` of the part ``unit`` that does not name its own part
+    and that part's data files in this job's naming (``tagged`` with a run id: the commit log's)."""
+    expect = part_name(*unit)
     stem = expect[: -len(".parquet")]
     who = f"shard {unit[0]}" if unit[1] is None else f"unit {unit[1]} of shard {unit[0]}"
-    names = f"{stem}.<run>.parquet or {stem}.<run>.NNNNN.parquet" if run_id else f"{expect}, or {stem}-NNNNN.parquet"
-    raise ManifestDamaged(
+    names = f"{stem}.<run>.parquet or {stem}.<run>.NNNNN.parquet" if tagged else f"{expect}, or {stem}-NNNNN.parquet"
+    return ManifestDamaged(
         f"output {url!r}: {rel} {problem}, which are not the names this job gives {who} ({names}, directly in "
         f"the output folder); the job deletes only files it wrote, so it does nothing: remove {rel} (this job did "
         "not write it), or choose another output.uri")
-
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def _checksums_ok(checksums: Any, files: list[str]) -> bool:
-    """Whether a unit record's ``checksums`` hold, for exactly its ``files``, a SHA-256 (64
-    lower-case hex digits), a size and a row count (integers >= 0)."""
-    if not isinstance(checksums, dict) or set(checksums) != set(files):
-        return False
-    for c in checksums.values():
-        if not isinstance(c, dict) or not isinstance(c.get("sha256"), str) or not _SHA256.fullmatch(c["sha256"]):
-            return False
-        if any(not isinstance(c.get(k), int) or isinstance(c.get(k), bool) or c[k] < 0 for k in ("size", "rows")):
-            return False
-    return True
 
 
 def _not_ours(url: str, rel: str, problem: str) -> str:
@@ -217,11 +201,6 @@ def partial_record(raw: bytes, unit: tuple[int, int | None]) -> bool:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return True
     return False
-
-
-def _short_list(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 120 else r[:117] + "..."
 
 
 __all__ = ["Manifest", "ManifestDamaged", "read_manifest", "check_entry", "partial_record"]

@@ -57,6 +57,7 @@ from pipeline.config import JobRefused, OutputConfig
 from pipeline.units import UNIT_COLUMN
 from pipeline.layout import DATA_FILE, MANIFEST, SUCCESS, SUMMARY, entry_name, log_record
 from pipeline.output.location import OutputLocation
+from pipeline.output.records import UnitRecord
 from pipeline.retry import StorageError
 from pipeline.storage import raise_refusal
 
@@ -105,7 +106,7 @@ class CommittedOutput:
 
     url: str
     location: OutputLocation
-    entries: dict[str, dict[str, Any]]
+    entries: dict[str, UnitRecord]
     finished: bool
     summary: dict[str, Any] | None
     uncommitted: list[str] = field(default_factory=list)
@@ -177,14 +178,14 @@ class CommittedOutput:
     @property
     def rows_committed(self) -> int:
         """Rows the committed units count (error rows included)."""
-        return sum(int(e.get("rows") or 0) for e in self.entries.values())
+        return sum(e.rows or 0 for e in self.entries.values())
 
     @property
     def fingerprints(self) -> dict[str | None, list[str]]:
         """Config fingerprint -> the parts committed under it (None: an entry without one)."""
         out: dict[str | None, list[str]] = {}
         for part, e in self.entries.items():
-            out.setdefault(e.get("config_fingerprint"), []).append(part)
+            out.setdefault(e.config_fingerprint, []).append(part)
         return out
 
     @property
@@ -192,7 +193,7 @@ class CommittedOutput:
         """Run id -> the parts that run committed."""
         out: dict[str | None, list[str]] = {}
         for part, e in self.entries.items():
-            out.setdefault(e.get("run_id"), []).append(part)
+            out.setdefault(e.run_id, []).append(part)
         return out
 
     @property
@@ -222,7 +223,7 @@ class CommittedOutput:
     def config_identity(self) -> dict[str, Any]:
         """The config identity (:func:`pipeline.fingerprint.config_identity`) the units
         were committed with (the first entry's; one config: :attr:`config_fingerprint`)."""
-        return next(iter(self.entries.values())).get("config_identity") or {}
+        return next(iter(self.entries.values())).config_identity or {}
 
     def describe(self) -> str:
         """One line: where, how many units and rows by how many runs, finished or not, and
@@ -240,13 +241,13 @@ class CommittedOutput:
     def record_of(self, part: str) -> str:
         """The record committing ``part``, relative to the output folder: its commit log
         record (``_manifest/log/NNNNNNNNNN.json``), or the per-unit entry of an earlier version."""
-        seq = self.entries[part].get("seq")
-        return log_record(seq) if isinstance(seq, int) else f"{MANIFEST}/{entry_name(part)}"
+        seq = self.entries[part].seq
+        return log_record(seq) if seq is not None else f"{MANIFEST}/{entry_name(part)}"
 
     # ------------------------------------------------------------------ rows
     def files(self) -> list[tuple[str, str, str | None]]:
         """``(part, data file, run id)`` of every committed data file, in part and row order."""
-        return [(part, name, e.get("run_id")) for part, e in self.entries.items() for name in e["files"]]
+        return [(part, name, e.run_id) for part, e in self.entries.items() for name in e.files]
 
     def batches(self, columns: list[str] | None = None, batch_size: int = 8192,
                 provenance: bool = True, on_damaged: Callable[[DamagedFile], None] | None = None
@@ -290,8 +291,8 @@ class CommittedOutput:
         from pipeline.storage import parquet_file
 
         entry = self.entries[part]
-        check = (entry.get("checksums") or {}).get(name)
-        rows = check["rows"] if check else (entry.get("rows") if len(entry["files"]) == 1 else None)
+        check = entry.check_of(name)
+        rows = check.rows if check else (entry.rows if len(entry.files) == 1 else None)
         path = self.location.path(name)
 
         def damaged(reason: str) -> DamagedFile:
@@ -305,9 +306,9 @@ class CommittedOutput:
                 raise damaged("is missing") from None
             raise
         if check is not None:
-            if len(data) != check["size"]:
-                raise damaged(f"is {len(data)} bytes, not the {check['size']} its record says (cut short or replaced)")
-            if hashlib.sha256(data).hexdigest() != check["sha256"]:
+            if len(data) != check.size:
+                raise damaged(f"is {len(data)} bytes, not the {check.size} its record says (cut short or replaced)")
+            if hashlib.sha256(data).hexdigest() != check.sha256:
                 raise damaged("does not hash to the SHA-256 its record says (its content was changed)")
         try:
             pf = parquet_file(pa.BufferReader(data))

@@ -25,6 +25,7 @@ from typing import Any
 from pipeline.fingerprint import config_fingerprint, describe_changes
 from pipeline.units import parse_part
 from pipeline.output.location import OutputError
+from pipeline.output.records import UnitRecord
 
 
 @dataclass
@@ -42,12 +43,12 @@ class ResumePlan:
 
     todo: list = field(default_factory=list)
     done: list[str] = field(default_factory=list)
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: dict[str, UnitRecord] = field(default_factory=dict)
     whole_shard: list[str] = field(default_factory=list)
     nothing_to_do: bool = False
 
 
-def plan_resume(url: str, units: list, entries: dict[str, dict[str, Any]], identity: dict[str, Any] | None,
+def plan_resume(url: str, units: list, entries: dict[str, UnitRecord], identity: dict[str, Any] | None,
                 complete: bool = False) -> ResumePlan:
     """The resume plan of a run over ``units`` on an output whose checked manifest is ``entries``.
 
@@ -70,10 +71,10 @@ def plan_resume(url: str, units: list, entries: dict[str, dict[str, Any]], ident
     if identity is not None:
         expected = config_fingerprint(identity)
         for part, entry in sorted(entries.items()):
-            if entry.get("config_fingerprint") != expected:
+            if entry.config_fingerprint != expected:
                 raise OutputError(
                     f"output {url!r}: {part} was committed under another config "
-                    f"({describe_changes(entry.get('config_identity'), identity)}); resuming would mix "
+                    f"({describe_changes(entry.config_identity, identity)}); resuming would mix "
                     "outputs of two configs: rerun with --overwrite (output.overwrite: true) to redo the "
                     "output from scratch, or choose another output.uri"
                 )
@@ -86,30 +87,30 @@ def plan_resume(url: str, units: list, entries: dict[str, dict[str, Any]], ident
         shard = shards.get(shard_index)
         if shard is None:
             raise OutputError(
-                f"output {url!r}: {part} was committed from {entry.get('source_file')!r}, but the input "
+                f"output {url!r}: {part} was committed from {entry.source_file!r}, but the input "
                 f"has only {len(shards)} shards now; set output.overwrite: true (--overwrite) to start afresh"
             )
-        if entry.get("source_file") != shard.url or entry.get("fingerprint") != shard.fingerprint:
+        if entry.source_file != shard.url or entry.fingerprint != shard.fingerprint:
             raise OutputError(
-                f"output {url!r}: {part} was committed from {entry.get('source_file')!r} "
-                f"({entry.get('fingerprint')}), but input shard {shard.index} is now {shard.url!r} "
+                f"output {url!r}: {part} was committed from {entry.source_file!r} "
+                f"({entry.fingerprint}), but input shard {shard.index} is now {shard.url!r} "
                 f"({shard.fingerprint}): the input changed since; set output.overwrite: true (--overwrite) "
                 "to start afresh, or choose another output.uri"
             )
         if split is None:
-            if entry.get("rows") is not None and entry.get("rows") != shard.num_rows:
-                raise OutputError(f"output {url!r}: {part} holds {entry.get('rows')} rows, but input shard "
+            if entry.rows is not None and entry.rows != shard.num_rows:
+                raise OutputError(f"output {url!r}: {part} holds {entry.rows} rows, but input shard "
                                   f"{shard.url!r} has {shard.num_rows}: set output.overwrite: true (--overwrite)")
             whole[shard_index] = part
             continue
         split_parts.setdefault(shard_index, []).append(part)
         unit = by_part.get(part)
-        if (unit is None or entry.get("start_row") != unit.split.start or entry.get("rows") != unit.num_rows):
-            was = entry.get("split_rows")
+        if (unit is None or entry.start_row != unit.split.start or entry.rows != unit.num_rows):
+            was = entry.split_rows
             back = f"set input.split_rows: {was} to resume, or " if was is not None else ""
             raise OutputError(
-                f"output {url!r}: {part} holds {entry.get('rows')} rows of {shard.url!r} from row "
-                f"{entry.get('start_row')}, committed in units of {was if was is not None else 'another size'} "
+                f"output {url!r}: {part} holds {entry.rows} rows of {shard.url!r} from row "
+                f"{entry.start_row}, committed in units of {was if was is not None else 'another size'} "
                 f"(input.split_rows), but this run's unit {part} of that file differs; {back}set "
                 "output.overwrite: true (--overwrite) to start afresh")
     both = sorted(set(whole) & set(split_parts))

@@ -1,4 +1,5 @@
-"""The write stage, on the workers: a unit's output rows -> Parquet files in staging.
+"""The write stage, on the workers: a unit's output rows -> Parquet files in staging
+(:meth:`pipeline.output.writer.OutputWriter.write`, the commit protocol's write phase).
 
 :func:`write_fragments` is a Ray Data ``map_batches`` function (tasks asking for no CPU)
 after the actor pool.  Each block it gets holds the rows of one or more units (column
@@ -6,7 +7,8 @@ after the actor pool.  Each block it gets holds the rows of one or more units (c
 pool decodes each unit's block in one task, in order).  For each unit in the block it
 writes the rows, sorted by ``source_row``, as *fragments* of at most
 ``output.max_rows_per_file`` rows to ``_staging/<run_id>/<part stem>/<first row>-<token>.parquet``
-and returns one small record per fragment (:data:`FRAGMENT_SCHEMA`): the part, the staged
+and returns one small record per fragment (:class:`~pipeline.output.records.Fragment`,
+a row of :data:`~pipeline.output.records.FRAGMENT_SCHEMA`): the part, the staged
 path, the first and last ``source_row``, its rows, error rows and totals, the pid and
 host that wrote it, whether its rows are consecutive (each once, no gap), and the SHA-256
 and size of the bytes written (:func:`parquet_bytes`: the unit's record carries them, and
@@ -33,12 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.units import UNIT_COLUMN  # each row's unit, from the read stage
-
-FRAGMENT_SCHEMA = pa.schema([
-    ("part", pa.string()), ("path", pa.string()), ("first_row", pa.int64()), ("last_row", pa.int64()),
-    ("rows", pa.int64()), ("errors", pa.int64()), ("totals", pa.string()), ("pid", pa.int64()),
-    ("host", pa.string()), ("consecutive", pa.bool_()), ("sha256", pa.string()), ("size", pa.int64()),
-])
+from pipeline.output.records import FRAGMENT_SCHEMA, Fragment, fragment_table  # noqa: F401 (the records own it)
 
 
 def parquet_bytes(table: pa.Table) -> tuple[bytes, str, int]:
@@ -115,8 +112,7 @@ def write_fragments(batch: pa.Table, *, output: Any, retry: dict[str, Any] | Non
             io(write, f"write {part} (rows {first}..{last}) to staging")
             totals = RunTotals()
             totals.add(chunk)
-            records.append({"part": part, "path": path, "first_row": first, "last_row": last,
-                            "rows": chunk.num_rows, "errors": totals.errors, "totals": json.dumps(totals.state()),
-                            "pid": os.getpid(), "host": socket.gethostname(), "consecutive": bool(consecutive),
-                            "sha256": sha256, "size": size})
-    return pa.Table.from_pylist(records, schema=FRAGMENT_SCHEMA)
+            records.append(Fragment(part=part, path=path, first_row=first, last_row=last, rows=chunk.num_rows,
+                                    errors=totals.errors, totals=json.dumps(totals.state()), pid=os.getpid(),
+                                    host=socket.gethostname(), consecutive=bool(consecutive), sha256=sha256, size=size))
+    return fragment_table(records)

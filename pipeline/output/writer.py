@@ -1,6 +1,17 @@
-"""Committing a run's units into an :class:`~pipeline.output.location.OutputLocation`,
-in the driver, from the write stage's records (:mod:`pipeline.output.sink`): no output
-row passes through here.
+"""The commit protocol: one class, :class:`OutputWriter`, owns its phases, named after Ray
+Data's ``Datasink`` hooks where they fit:
+
+- :meth:`~OutputWriter.on_write_start` (driver, once): read the manifest, plan the resume, begin the run;
+- :meth:`~OutputWriter.write` (the workers, per block: a ``map_batches`` function, with
+  :meth:`~OutputWriter.write_kwargs`): a unit's rows -> staged Parquet fragments, one
+  :class:`~pipeline.output.records.Fragment` record each (:mod:`pipeline.output.sink`);
+- :meth:`~OutputWriter.add_fragments` (driver, as records stream back; no Datasink hook: a
+  Datasink commits once, this protocol per unit): commit every unit the records complete;
+- :meth:`~OutputWriter.on_write_complete` (driver, once): the ``final`` record, ``_SUCCESS``;
+- :meth:`~OutputWriter.on_write_failed` (driver): drop what is in flight; committed units stay.
+
+Its records are typed (:mod:`pipeline.output.records`).  No output row passes through the
+driver: it commits from the write stage's records.
 
 The run holds the output's lease (:meth:`OutputWriter.acquire_lease`, :mod:`pipeline.output.lease`)
 from before it reads the manifest to its end.  Every commit is a record of the output's
@@ -10,7 +21,7 @@ create-exclusive write after the last record the run has seen: a run that lost i
 taker's ``epoch`` record, and its commit fails (:class:`~pipeline.output.lease.LeaseLost`),
 whatever the timing.  The lease is also checked before each unit, to stop early.
 
-Begin (:meth:`OutputWriter.prepare`): read the manifest, plan the resume; unless there is
+Begin (:meth:`OutputWriter.on_write_start`): read the manifest, plan the resume; unless there is
 nothing to do, append this run's ``epoch`` record (from now on no other run can commit),
 then quarantine the staging of every other run (a run that lost its lease can then publish
 none of its files: they are gone), and on ``overwrite`` clear the output.
@@ -58,6 +69,7 @@ import pyarrow as pa
 from pipeline.config import OutputConfig
 from pipeline.fingerprint import config_fingerprint
 from pipeline.output.commit_log import SlotTaken
+from pipeline.output.records import EpochRecord, FinalRecord, Fragment, LogRecord, UnitRecord, fragment_table, fragments_of
 from pipeline.layout import STAGING, SUCCESS, SUMMARY, data_file_names
 from pipeline.output.lease import LeaseLost, OutputLease, holder_name
 from pipeline.output.location import OutputError, OutputLocation
@@ -65,6 +77,7 @@ from pipeline.output.manifest import Manifest
 from pipeline.output.resume import ResumePlan, plan_resume
 from pipeline.units import UNIT_COLUMN, Shard, Split, Unit
 from pipeline.output.sink import write_fragments
+from pipeline.retry import StorageError
 from pipeline.schema import output_schema
 from pipeline.summary import RunTotals
 
@@ -77,11 +90,12 @@ class OutputWriter:
     """Commits one run's units into its :class:`~pipeline.output.location.OutputLocation`
     (``location``), with a manifest entry per committed unit.
 
-    Use: ``plan = prepare(units, identity)`` (driver, before models load: the resume plan)
-    -> the write stage writes fragments on the workers (:meth:`sink_kwargs`) -> ``add_fragments(records)``
-    for each batch of records, which commits every unit they complete -> ``commit(summary)``;
-    on failure ``abort()``.  :meth:`write_part` stages and commits a unit given its rows
-    in this process (tools and tests; the job's data path never does).
+    Use: ``plan = on_write_start(units, identity)`` (driver, before models load: the resume
+    plan) -> :meth:`write` writes fragments on the workers (``map_batches(OutputWriter.write,
+    fn_kwargs=writer.write_kwargs())``) -> ``add_fragments(records)`` for each batch of
+    records, which commits every unit they complete -> ``on_write_complete(summary)``; on
+    failure ``on_write_failed(error)``.  :meth:`write_part` stages and commits a unit given
+    its rows in this process (tools and tests; the job's data path never does).
 
     Args:
         cfg: the output section; the directory is ``cfg.location()``.
@@ -103,16 +117,16 @@ class OutputWriter:
         self.extra_columns = list(extra_columns)
         self.split_rows = split_rows
         self.written: list[str] = []  # final paths of the files this run published
-        self.entries: dict[str, dict[str, Any]] = {}  # part name -> manifest entry (committed)
+        self.entries: dict[str, UnitRecord] = {}  # part name -> manifest entry (committed)
         self.identity: dict[str, Any] | None = None
         self.config_fingerprint: str | None = None
         self.totals = RunTotals()  # this run's rows (from the fragments' records)
         self._units: dict[str, Any] = {}  # part name -> Unit of this run
-        self._fragments: dict[str, list[dict[str, Any]]] = {}  # part -> records of a unit in flight
+        self._fragments: dict[str, list[Fragment]] = {}  # part -> records of a unit in flight
         self._rows: dict[str, int] = {}
         self.lease: OutputLease | None = None
         self.log = self.location.commit_log(self.run_id)  # where this run's commits go
-        self.manifest: Manifest | None = None  # as read by prepare
+        self.manifest: Manifest | None = None  # as read by on_write_start
 
     def acquire_lease(self, config_fingerprint: str | None = None) -> OutputLease:
         """Take the output's lease for this run (``output.lease_timeout_s``; see
@@ -125,8 +139,6 @@ class OutputWriter:
             OutputError: the location is not writable.
             StorageError: the storage kept failing with transient errors.
         """
-        from pipeline.retry import StorageError
-
         loc = self.location
         lease = OutputLease(loc.fs, loc.root, self.run_id, url=loc.url(), io=loc.io,
                             timeout_s=self.cfg.lease_timeout_s, config_fingerprint=config_fingerprint)
@@ -153,7 +165,7 @@ class OutputWriter:
         if self.lease is not None:
             self.lease.check()
 
-    def prepare(self, units: list | None = None, identity: dict[str, Any] | None = None) -> ResumePlan:
+    def on_write_start(self, units: list | None = None, identity: dict[str, Any] | None = None) -> ResumePlan:
         """Check the location for this run (:meth:`OutputLocation.inspect`: foreign files,
         names, orphans), plan the resume (:func:`pipeline.output.resume.plan_resume`), and
         unless there is nothing to do begin the run: its ``epoch`` record in the commit log
@@ -214,20 +226,20 @@ class OutputWriter:
     def _begin(self) -> int | None:
         """Append this run's ``epoch`` record; None when another run wrote there first."""
         try:
-            return self.log.append({"kind": "epoch", "overwrite": bool(self.cfg.overwrite),
-                                    "config_fingerprint": self.config_fingerprint, "owner": holder_name(),
-                                    "pid": os.getpid(), "at": _now()})
+            return self.log.append(EpochRecord(overwrite=bool(self.cfg.overwrite),
+                                               config_fingerprint=self.config_fingerprint, owner=holder_name(),
+                                               pid=os.getpid(), at=_now())).seq
         except SlotTaken:
             return None
 
-    def _append(self, record: dict[str, Any], what: str) -> int:
-        """Append a ``unit`` or ``final`` record; a place taken means another run took the
-        output over: :class:`LeaseLost`, and the lease is given up."""
+    def _append(self, record: LogRecord, what: str) -> LogRecord:
+        """Append a ``unit`` or ``final`` record (returned as written); a place taken means
+        another run took the output over: :class:`LeaseLost`, and the lease is given up."""
         try:
             return self.log.append(record)
         except SlotTaken as e:
             taken = e
-        taker = taken.record.get("run_id") if isinstance(taken.record, dict) else None
+        taker = taken.record.run_id if taken.record is not None else None
         raise self._lost(f"record {taken.seq} of its commit log, where {what} was to go, was written by run "
                          f"{taker or 'another run'}, which took the output over")
 
@@ -238,8 +250,13 @@ class OutputWriter:
             self.lease.lose(message)
         return LeaseLost(message)
 
-    def sink_kwargs(self) -> dict[str, Any]:
-        """The ``fn_kwargs`` of :func:`pipeline.output.sink.write_fragments` for this run."""
+    #: the write phase, on the workers: a ``map_batches`` function (:func:`pipeline.output.sink.write_fragments`),
+    #: its keyword arguments :meth:`write_kwargs`; returns the :data:`~pipeline.output.records.FRAGMENT_SCHEMA`
+    #: records :meth:`add_fragments` takes
+    write = staticmethod(write_fragments)
+
+    def write_kwargs(self) -> dict[str, Any]:
+        """The ``fn_kwargs`` of :meth:`write` for this run."""
         return {"output": self.cfg, "retry": self.retry, "staging": self.staging,  # validated once, here
                 "extra_columns": list(self.extra_columns)}
 
@@ -253,14 +270,14 @@ class OutputWriter:
             LeaseLost, StorageError: from the commit.
         """
         done = []
-        for rec in records.to_pylist():
-            part = rec["part"]
+        for frag in fragments_of(records):
+            part = frag.part
             unit = self._units.get(part)
             if unit is None:
                 raise RunError(f"the write stage returned rows of {part}, which this run does not do")
-            self._fragments.setdefault(part, []).append(rec)
-            self._rows[part] = self._rows.get(part, 0) + rec["rows"]
-            self.totals.merge(json.loads(rec["totals"]))
+            self._fragments.setdefault(part, []).append(frag)
+            self._rows[part] = self._rows.get(part, 0) + frag.rows
+            self.totals.merge(json.loads(frag.totals))
             if self._rows[part] > unit.num_rows:
                 raise RunError(f"{part} ({unit.shard.url!r} rows {unit.split.start}..): more output rows "
                                f"({self._rows[part]}) than its {unit.num_rows} input rows")
@@ -276,7 +293,7 @@ class OutputWriter:
         """Units of this run not committed: part -> (rows received, rows expected)."""
         return {p: (self._rows.get(p, 0), u.num_rows) for p, u in self._units.items() if p not in self.entries}
 
-    def commit_unit(self, unit: Any, fragments: list[dict[str, Any]]) -> list[str]:
+    def commit_unit(self, unit: Any, fragments: list[Fragment]) -> list[str]:
         """Commit one unit from the records of its staged fragments (in row order once sorted
         by their first row): publish the files under their final names (carrying this run's
         id), then append the unit's record to the commit log (the commit point).  Returns the
@@ -286,40 +303,26 @@ class OutputWriter:
             LeaseLost: this run lost the output (its lease, its staging or its place in the log).
             StorageError: the storage kept failing.
         """
-        frags = sorted(fragments, key=lambda r: r["first_row"])
+        frags = sorted(fragments, key=lambda r: r.first_row)
         self._check_lease()  # stop early; the commit log is what fences
         name = unit.part
         names = data_file_names(name, len(frags), self.run_id)
         totals = RunTotals()
         for r in frags:
-            totals.merge(json.loads(r["totals"]))
+            totals.merge(json.loads(r.totals))
         finals = [self.location.path(n) for n in names]
         for r, dst, n in zip(frags, finals, names):
-            self._publish(r["path"], dst, n)
+            self._publish(r.path, dst, n)
         shard = unit.shard
-        entry = {
-            "kind": "unit",
-            "part": name,
-            "files": names,
-            "source_file": shard.url,
-            "fingerprint": shard.fingerprint,
-            "shard": shard.index,
-            "split": unit.split_index,
-            "start_row": unit.split.start,
-            "rows": totals.rows,
-            "split_rows": self.split_rows,
-            "config_fingerprint": self.config_fingerprint,
-            "config_identity": self.identity,
-            "errors": totals.errors,
-            "committed_at": _now(),
-            "totals": totals.state(),
+        entry = UnitRecord(
+            part=name, files=tuple(names), source_file=shard.url, fingerprint=shard.fingerprint, shard=shard.index,
+            split=unit.split_index, start_row=unit.split.start, rows=totals.rows, split_rows=self.split_rows,
+            config_fingerprint=self.config_fingerprint, config_identity=self.identity, errors=totals.errors,
+            committed_at=_now(), totals=totals.state(),
             # each data file's SHA-256, size and rows: every reader of committed output checks them
-            "checksums": {n: {"sha256": r["sha256"], "size": r["size"], "rows": r["rows"]}
-                          for r, n in zip(frags, names)},
-        }
-        seq = self._append(entry, f"the commit of {name}")
+            checksums={n: r.check for r, n in zip(frags, names)})
+        self.entries[name] = self._append(entry, f"the commit of {name}")
         self.written.extend(finals)
-        self.entries[name] = dict(entry, seq=seq, run_id=self.run_id)
         return finals
 
     def write_part(self, unit: Any, table: pa.Table) -> str:
@@ -331,7 +334,7 @@ class OutputWriter:
         self._units.setdefault(unit.part, unit)
         rows = table.append_column(UNIT_COLUMN, pa.array([unit.part] * table.num_rows, pa.string()))
         if rows.num_rows == 0:
-            from pipeline.output.sink import FRAGMENT_SCHEMA, fragment_path, parquet_bytes
+            from pipeline.output.sink import fragment_path, parquet_bytes
 
             path = fragment_path(self.staging, unit.part, unit.split.start, uuid.uuid4().hex[:12])
             data, sha256, size = parquet_bytes(output_schema(self.extra_columns).empty_table())
@@ -342,13 +345,13 @@ class OutputWriter:
                     f.write(data)
 
             self.io(write, f"write {unit.part} to staging")
-            rec = {"part": unit.part, "path": path, "first_row": unit.split.start, "last_row": unit.split.start - 1,
-                   "rows": 0, "errors": 0, "totals": json.dumps(RunTotals().state()), "pid": 0, "host": "",
-                   "consecutive": True, "sha256": sha256, "size": size}
-            records = pa.Table.from_pylist([rec], schema=FRAGMENT_SCHEMA)
+            records = fragment_table([Fragment(
+                part=unit.part, path=path, first_row=unit.split.start, last_row=unit.split.start - 1, rows=0,
+                errors=0, totals=json.dumps(RunTotals().state()), pid=0, host="", consecutive=True, sha256=sha256,
+                size=size)])
         else:
-            records = write_fragments(rows, **self.sink_kwargs())
-        return self.commit_unit(unit, records.to_pylist())[0]
+            records = self.write(rows, **self.write_kwargs())
+        return self.commit_unit(unit, fragments_of(records))[0]
 
     def _publish(self, src: str, dst: str, what: str) -> None:
         """Move a staged file of this run to its final name (a rename; on an object store an
@@ -376,7 +379,7 @@ class OutputWriter:
         if not self.location.local:
             self.location.remove(src, f"remove staged {what}")
 
-    def commit(self, summary: dict[str, Any]) -> None:
+    def on_write_complete(self, summary: dict[str, Any]) -> None:
         """Finish the output: check that every committed unit carries this run's config
         fingerprint, remove orphans, append the ``final`` record, then publish
         ``_summary.json`` and ``_SUCCESS`` from staging and remove the staging.
@@ -391,7 +394,7 @@ class OutputWriter:
         m = loc.manifest(self.log)
         if m.log.holder not in (None, self.run_id):
             raise self._lost(f"its commit log's last run is {m.log.holder}")
-        fingerprints = sorted({str(e.get("config_fingerprint")) for e in m.entries.values()})
+        fingerprints = sorted({str(e.config_fingerprint) for e in m.entries.values()})
         if len(fingerprints) > 1 or (m.entries and self.config_fingerprint is not None
                                      and fingerprints != [self.config_fingerprint]):
             raise RunError(f"output {loc.url()!r}: its committed units carry {len(fingerprints)} config fingerprints "
@@ -405,19 +408,23 @@ class OutputWriter:
         staged = {name: posixpath.join(self.staging, name) for name in (SUMMARY, SUCCESS)}
         loc.put_atomic(staged[SUMMARY], json.dumps(summary, indent=2, default=str).encode(), f"stage {SUMMARY}")
         loc.put_atomic(staged[SUCCESS], (self.run_id + "\n").encode(), f"stage {SUCCESS}")
-        self._append({"kind": "final", "config_fingerprint": self.config_fingerprint, "units": len(m.entries),
-                      "rows": sum(e.get("rows") or 0 for e in m.entries.values()), "at": _now()}, "its final record")
+        self._append(FinalRecord(config_fingerprint=self.config_fingerprint, units=len(m.entries),
+                                 rows=sum(e.rows or 0 for e in m.entries.values()), at=_now()), "its final record")
         self._publish(staged[SUMMARY], loc.path(SUMMARY), SUMMARY)
         self._publish(staged[SUCCESS], loc.path(SUCCESS), SUCCESS)  # last: the output is complete
         loc.remove_owned(posixpath.join(STAGING, self.run_id))  # (other runs' went at the start: quarantine)
 
-    def abort(self, cleanup: bool = True) -> None:
-        """Drop this run's units in flight and (with ``cleanup``, best effort, no retries) its staging
-        folder; never writes a marker.  Shards committed so far stay committed: a rerun
-        resumes after them, and a later successful run removes any staging left behind."""
+    def on_write_failed(self, error: BaseException | None = None) -> None:
+        """The run failed with ``error``: drop this run's units in flight and (best effort, no
+        retries) its staging folder; never writes a marker.  Shards committed so far stay
+        committed: a rerun resumes after them, and a later successful run removes any staging
+        left behind.  After a :class:`~pipeline.retry.StorageError` the storage is left alone
+        (its clean-up would hang too) and the lease abandoned, to go stale (a rerun in this
+        process takes it over at once)."""
         self._fragments.clear()
         self._rows.clear()
-        if not cleanup:
+        if isinstance(error, StorageError):
+            self.abandon_lease()
             return
         try:
             self.location.remove_owned(posixpath.join(STAGING, self.run_id), retry=False)
@@ -429,17 +436,17 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat()
 
 
-def _check_cover(unit: Any, frags: list[dict[str, Any]]) -> None:
+def _check_cover(unit: Any, frags: list[Fragment]) -> None:
     """Raise :class:`RunError` unless the fragments ``frags`` of ``unit`` hold each of its
     rows once, in row order (sorted by their first row, each a run of consecutive rows)."""
-    frags = sorted(frags, key=lambda r: r["first_row"])
+    frags = sorted(frags, key=lambda r: r.first_row)
     at = unit.split.start
     for r in frags:
-        if r["first_row"] != at or not r.get("consecutive", False):
+        if r.first_row != at or not r.consecutive:
             raise RunError(f"{unit.part} ({unit.shard.url!r}): its output rows do not cover rows "
                            f"{unit.split.start}..{unit.split.start + unit.num_rows - 1} once each, in order "
-                           f"(a fragment holds rows {r['first_row']}..{r['last_row']}, {r['rows']} rows)")
-        at += r["rows"]
+                           f"(a fragment holds rows {r.first_row}..{r.last_row}, {r.rows} rows)")
+        at += r.rows
     if at != unit.split.start + unit.num_rows:
         raise RunError(f"{unit.part}: {at - unit.split.start} of its {unit.num_rows} rows came back")
 

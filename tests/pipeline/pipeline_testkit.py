@@ -230,7 +230,7 @@ def killed_inside_commit(writer, unit, rows) -> None:
     append = writer.log.append
 
     def dies_before_the_record(record):
-        if record["kind"] == "unit":
+        if record.kind == "unit":
             raise KeyboardInterrupt("killed between the files and the unit's record")
         return append(record)
 

@@ -103,7 +103,7 @@ def test_listing_input_at_a_silent_endpoint_fails_within_the_bound(silent_endpoi
 def test_preparing_output_at_a_silent_endpoint_fails_within_the_bound(silent_endpoint):
     t0 = time.monotonic()
     with pytest.raises(StorageError) as e:
-        OutputWriter(OutputConfig(uri="s3://bucket/out", storage_options=_opts(silent_endpoint)), retry=FAST).prepare()
+        OutputWriter(OutputConfig(uri="s3://bucket/out", storage_options=_opts(silent_endpoint)), retry=FAST).on_write_start()
     assert time.monotonic() - t0 < BOUND + 2
     assert f"(endpoint {silent_endpoint})" in str(e.value) and "failed after" in str(e.value)
 

@@ -68,8 +68,8 @@ def _entirely_one_config(out: Path, summary_run_id: str, method: str):
     assert summary["run_id"] == summary_run_id and (out / "_SUCCESS").read_text().strip() == summary_run_id
     assert summary["config"]["method"]["name"] == method
     entries = list(committed(out).values())
-    assert entries and {e["config_fingerprint"] for e in entries} == {summary["config_fingerprint"]}
-    assert {e["run_id"] for e in entries} == {summary_run_id}
+    assert entries and {e.config_fingerprint for e in entries} == {summary["config_fingerprint"]}
+    assert {e.run_id for e in entries} == {summary_run_id}
     table = pq.read_table(out)
     assert set(table.column("method").to_pylist()) == {method}
     ids = table.column("id").to_pylist()

@@ -161,9 +161,9 @@ def test_failed_run_publishes_nothing(ray_local, tiny_models, inputs, tmp_path):
     out = tmp_path / "out"
     # an earlier complete run in the same place
     old = OutputWriter(OutputConfig(uri=str(out)))
-    old.prepare()
+    old.on_write_start()
     old.write_part(0, pa.Table.from_pylist([{"id": "old", "source_row": 0}], schema=OUTPUT_SCHEMA))
-    old.commit({"rows": 1})
+    old.on_write_complete({"rows": 1})
     assert is_complete(str(out))
     cfg = job_config(dict(tiny_models, target=str(broken)), str(inputs / "s2.parquet"), str(out),
                      overrides=["output.overwrite=true"])

@@ -89,13 +89,13 @@ def _run(w, config, units=None, stop_after=None) -> None:
     """Prepare and commit every unit of the plan (or ``stop_after`` of them, then stop as a
     failing run does), then the final commit."""
     try:
-        plan = w.prepare(UNITS, IDENTITY[config])
+        plan = w.on_write_start(UNITS, IDENTITY[config])
         for n, unit in enumerate(plan.todo):
             if stop_after is not None and n == stop_after:
-                w.abort()
+                w.on_write_failed()
                 return
             w.write_part(unit, _rows(unit, config))
-        w.commit({"rows": SHARDS * ROWS})
+        w.on_write_complete({"rows": SHARDS * ROWS})
     finally:
         w.release_lease()
 
@@ -141,7 +141,7 @@ def _pause_at(a: OutputWriter, point: str, on_pause) -> None:
             pause()
 
     def appended(record):
-        if (point, record["kind"]) in (("before_entry", "unit"), ("before_final", "final")):
+        if (point, record.kind) in (("before_entry", "unit"), ("before_final", "final")):
             pause()
         return append(record)
 
@@ -153,7 +153,7 @@ def _committed_data(place) -> tuple[dict, list[str]]:
     entries = OutputWriter(place.cfg()).location.read_manifest()
     files = place.files()
     data = [n for n in files if n.startswith("part-")]
-    assert sorted(data) == sorted(f for e in entries.values() for f in e["files"])  # no orphan left
+    assert sorted(data) == sorted(f for e in entries.values() for f in e.files)  # no orphan left
     ids = [i for n in data for i in pq.read_table(io.BytesIO(files[n])).column("id").to_pylist()]
     return entries, ids
 
@@ -188,7 +188,7 @@ def test_a_run_paused_past_its_lease_publishes_nothing_and_the_output_stays_one_
         _run(_writer(place, "B"), "B")
     assert is_complete(place.uri, place.options)
     entries, ids = _committed_data(place)
-    assert {e["config_fingerprint"] for e in entries.values()} == {config_fingerprint(IDENTITY["B"])}
+    assert {e.config_fingerprint for e in entries.values()} == {config_fingerprint(IDENTITY["B"])}
     assert sorted(ids) == sorted(f"{s}-{r}" for s in range(SHARDS) for r in range(ROWS))  # every row exactly once
     summary = json.loads(place.files()["_summary.json"])
     assert summary == {"rows": SHARDS * ROWS}
@@ -196,7 +196,7 @@ def test_a_run_paused_past_its_lease_publishes_nothing_and_the_output_stays_one_
     before = place.files()
     again = _writer(place, "B")
     try:
-        assert again.prepare(UNITS, IDENTITY["B"]).nothing_to_do
+        assert again.on_write_start(UNITS, IDENTITY["B"]).nothing_to_do
     finally:
         again.release_lease()
     assert {k: v for k, v in place.files().items() if k != "_lease.json"} == before
@@ -207,13 +207,13 @@ def test_a_unit_committed_by_another_run_is_never_committed_over(place):
     first to append after what both saw wins; the other's commit fails, naming the run that
     wrote in its place, and the manifest keeps the winner's entry."""
     a, b = OutputWriter(place.cfg()), OutputWriter(place.cfg())
-    a.prepare(UNITS, IDENTITY["A"])
+    a.on_write_start(UNITS, IDENTITY["A"])
     b.log.next_seq = a.log.next_seq - 1  # b read the log when a had not begun: it appends where a's epoch is
     a.write_part(UNITS[0], _rows(UNITS[0], "A"))
     with pytest.raises(LeaseLost, match=f"written by run {a.run_id}"):
         b.write_part(UNITS[0], _rows(UNITS[0], "B"))
     entries = OutputWriter(place.cfg()).location.read_manifest()
-    assert entries["part-00000-u00000.parquet"]["run_id"] == a.run_id
+    assert entries["part-00000-u00000.parquet"].run_id == a.run_id
 
 
 def test_the_success_marker_of_a_run_that_lost_the_output_does_not_make_it_complete(place):

@@ -176,10 +176,10 @@ def test_a_folder_with_no_readable_file_names_them(tmp_path):
 
 def _commit_one(out_cfg: OutputConfig, shards) -> None:
     w = OutputWriter(out_cfg)
-    w.prepare(shards)
+    w.on_write_start(shards)
     for s in shards:
         w.write_part(s, pa.Table.from_pylist([{"id": "x", "source_row": i} for i in range(s.num_rows)], schema=OUTPUT_SCHEMA))
-    w.commit({"rows": 1})
+    w.on_write_complete({"rows": 1})
 
 
 def test_the_output_inside_the_input_is_left_out(tmp_path, caplog):
@@ -237,7 +237,7 @@ def test_another_spelling_of_the_same_input_resumes(tmp_path, monkeypatch):
     for uri in spellings:
         shards = resolve_shards(InputConfig(uri=uri), output=listing_view(out))
         assert [(s.url, s.fingerprint) for s in shards] == [(first[0].url, first[0].fingerprint)], uri
-        assert OutputWriter(out).prepare(shards).done == ["part-00000-u00000.parquet"], uri  # resumes: nothing to redo
+        assert OutputWriter(out).on_write_start(shards).done == ["part-00000-u00000.parquet"], uri  # resumes: nothing to redo
 
 
 # ------------------------------------------------------------------ moto S3
@@ -271,7 +271,7 @@ def test_s3_compressed_folder_partitions_spellings_and_output_exclusion(moto_s3,
     for uri in (f"s3://{b}/in/", f"s3://{b}/in"):
         again = resolve_shards(InputConfig(uri=uri, storage_options=opts), output=listing_view(out))
         assert [s.url for s in again] == [s.url for s in shards], uri
-        assert OutputWriter(out).prepare(again).done == ["part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"], uri
+        assert OutputWriter(out).on_write_start(again).done == ["part-00000-u00000.parquet", "part-00001-u00000.parquet", "part-00002-u00000.parquet"], uri
     for uri in (f"s3://{b}/in/./", f"s3://{b}/in/x/../"):
         with pytest.raises(InputError, match="input not found"):
             resolve_shards(InputConfig(uri=uri, storage_options=opts), output=listing_view(out))

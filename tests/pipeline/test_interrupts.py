@@ -79,7 +79,7 @@ def test_an_interrupted_run_says_so_in_one_line_keeps_its_commits_and_resumes(
         assert noise not in err
     files = out.files()
     entries = out.committed()
-    assert entries and all(n in files for e in entries.values() for n in e["files"])
+    assert entries and all(n in files for e in entries.values() for n in e.files)
     assert "_SUCCESS" not in files and not any(f.startswith("_staging") for f in files)
     assert len(entries) < 4  # interrupted before the end
 

@@ -101,19 +101,19 @@ def test_a_folder_with_foreign_files_is_refused_and_they_are_never_deleted(store
     for kw in ({}, {"overwrite": True}):
         with pytest.raises(OutputError, match="3 file\\(s\\) this job did not write: nested/old.parquet, notes.txt, "
                                               "part-archive.parquet.*allow_foreign_files"):
-            OutputWriter(s.cfg(**kw)).prepare()
+            OutputWriter(s.cfg(**kw)).on_write_start()
     assert s.files() == FOREIGN  # refused before touching anything
 
     # allowed: the job writes beside them, and neither commit nor --overwrite touches them
     for run in range(2):
         w = OutputWriter(s.cfg(allow_foreign_files=True, overwrite=run > 0))
-        w.prepare()
+        w.on_write_start()
         w.write_part(0, _rows(3))
-        w.commit({"rows": 3})
+        w.on_write_complete({"rows": 3})
         files = s.files()
         assert {k: files[k] for k in FOREIGN} == FOREIGN
         assert sorted(_ours(files)) == ["_SUCCESS", "_summary.json", f"part-00000-u00000.{w.run_id}.parquet"]
-        assert _committed(s)["part-00000-u00000.parquet"]["run_id"] == w.run_id
+        assert _committed(s)["part-00000-u00000.parquet"].run_id == w.run_id
     assert is_complete(s.base, s.options)
 
 
@@ -125,7 +125,7 @@ def test_a_foreign_file_with_a_name_the_job_writes_is_always_refused(store, clas
     s.put(clash, b"not ours")
     for kw in ({}, {"allow_foreign_files": True}, {"allow_foreign_files": True, "overwrite": True}):
         with pytest.raises(OutputError, match=clash.replace(".", "\\.")):
-            OutputWriter(s.cfg(**kw)).prepare()
+            OutputWriter(s.cfg(**kw)).on_write_start()
     assert s.files() == {clash: b"not ours"}
 
 
@@ -135,14 +135,14 @@ def test_an_output_of_another_tool_is_refused(store):
     s.put("_SUCCESS", b"")
     s.put("part-00000-u00000.parquet", _parquet_bytes())
     with pytest.raises(OutputError, match="without a manifest"):
-        OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True)).prepare()
+        OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True)).on_write_start()
     assert sorted(s.files()) == ["_SUCCESS", "part-00000-u00000.parquet"]
 
 
 def test_a_large_unit_is_written_in_files_of_max_rows_per_file(store):
     s = store()
     w = OutputWriter(s.cfg(max_rows_per_file=10))
-    w.prepare()
+    w.on_write_start()
     # rows given out of order (batches of odd sizes, last first); 3 error rows
     batches, start = [], 0
     for n in (3, 7, 1, 9, 5):
@@ -150,7 +150,7 @@ def test_a_large_unit_is_written_in_files_of_max_rows_per_file(store):
         start += n
     w.write_part(0, pa.concat_tables(batches[::-1]))
     w.write_part(1, _rows(4))
-    w.commit({"rows": 29})
+    w.on_write_complete({"rows": 29})
     files = s.files()
     names = [f"part-00000-u00000.{w.run_id}.{i:05d}.parquet" for i in range(3)]
     assert sorted(k for k in files if k.startswith("part-")) == names + [f"part-00001-u00000.{w.run_id}.parquet"]
@@ -159,9 +159,9 @@ def test_a_large_unit_is_written_in_files_of_max_rows_per_file(store):
     ids = [i for n in names for i in pq.read_table(io.BytesIO(files[n])).column("id").to_pylist()]
     assert ids == [str(i) for i in range(25)]  # in row order across the files
     entries = _committed(s)
-    assert entries["part-00000-u00000.parquet"]["files"] == names
-    assert entries["part-00000-u00000.parquet"]["rows"] == 25 and entries["part-00000-u00000.parquet"]["errors"] == 3
-    assert entries["part-00001-u00000.parquet"]["files"] == [f"part-00001-u00000.{w.run_id}.parquet"]
+    assert list(entries["part-00000-u00000.parquet"].files) == names
+    assert entries["part-00000-u00000.parquet"].rows == 25 and entries["part-00000-u00000.parquet"].errors == 3
+    assert list(entries["part-00001-u00000.parquet"].files) == [f"part-00001-u00000.{w.run_id}.parquet"]
     assert [r["kind"] for r in _log(files)] == ["epoch", "unit", "unit", "final"]
     assert not any(k.startswith(("_staging", "_manifest/pending")) for k in files)
 
@@ -176,13 +176,13 @@ def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(
     original = CommitLog.append
 
     def die_at_the_unit_record(self, record):
-        if record["kind"] == "unit":
+        if record.kind == "unit":
             raise RuntimeError("killed")
         return original(self, record)
 
     monkeypatch.setattr(CommitLog, "append", die_at_the_unit_record)
     w1 = OutputWriter(s.cfg(allow_foreign_files=True, max_rows_per_file=2))
-    w1.prepare()
+    w1.on_write_start()
     with pytest.raises(RuntimeError, match="killed"):
         w1.write_part(0, _rows(5))
     monkeypatch.setattr(CommitLog, "append", original)
@@ -191,9 +191,9 @@ def test_files_of_a_run_that_died_mid_publish_are_removed_and_foreign_ones_kept(
     assert set(dead) <= set(s.files()) and _committed(s) == {}
 
     w2 = OutputWriter(s.cfg(allow_foreign_files=True))  # not refused: those files are ours
-    assert w2.prepare([]).done == [] and w2.location.foreign == ["notes.txt"] and w2.location.orphans == dead
+    assert w2.on_write_start([]).done == [] and w2.location.foreign == ["notes.txt"] and w2.location.orphans == dead
     w2.write_part(0, _rows(5))
-    w2.commit({"rows": 5})
+    w2.on_write_complete({"rows": 5})
     files = s.files()
     assert sorted(_ours(files)) == ["_SUCCESS", "_summary.json", f"part-00000-u00000.{w2.run_id}.parquet"]
     assert files["notes.txt"] == b"keep me"
@@ -207,15 +207,15 @@ def test_an_orphan_is_removed_by_overwrite_and_by_a_run_with_nothing_to_do(store
     s = store()
     unit = Unit(Shard(index=0, url=None, format="jsonl", num_rows=2), 0, Split(0, 2))
     w = OutputWriter(s.cfg())
-    w.prepare([unit])
+    w.on_write_start([unit])
     w.write_part(unit, _rows(2))
-    w.commit({"rows": 2})
+    w.on_write_complete({"rows": 2})
     committed = f"part-00000-u00000.{w.run_id}.parquet"
     for kw in ({}, {"overwrite": True}):
         orphan = f"part-00000-u00000.{w.run_id}.00007.parquet"  # as a run that lost its lease leaves them
         s.put(orphan, s.files()[committed])
         again = OutputWriter(s.cfg(**kw))
-        plan = again.prepare([unit])
+        plan = again.on_write_start([unit])
         assert again.location.foreign == [] and orphan not in s.files()
         if kw:
             assert plan.done == [] and committed not in s.files()
@@ -282,7 +282,7 @@ def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is
     victim = Victim(s, tmp_path, request.getfixturevalue("moto_s3") if s.kind == "s3" else None)
     name = getattr(victim, forged, forged)
     w = OutputWriter(s.cfg())
-    w.prepare()
+    w.on_write_start()
     w.write_part(0, _rows(2))  # a real committed shard beside the forged record
     if where == "intent":  # of an earlier version
         rel = "_manifest/pending/part-00000-u00000.0123456789ab.json"
@@ -298,12 +298,12 @@ def test_a_forged_name_in_the_manifest_is_refused_naming_the_file_and_nothing_is
     for kw in ({}, {"overwrite": True}, {"overwrite": True, "allow_foreign_files": True}):
         with pytest.raises(OutputError, match=f"{rel.replace('.', '[.]')} names the files .*not the names this job "
                                               "gives unit 0 of shard 0 .*does nothing"):
-            OutputWriter(s.cfg(**kw)).prepare([])
+            OutputWriter(s.cfg(**kw)).on_write_start([])
         assert s.files() == before and victim.intact()
     # and a commit that meets the forged intent (written while the run ran) deletes nothing either
     if where == "intent":
         with pytest.raises(OutputError, match=rel.replace(".", "[.]")):
-            w.commit({"rows": 2})
+            w.on_write_complete({"rows": 2})
         assert victim.intact() and f"part-00000-u00000.{w.run_id}.parquet" in s.files()
 
 
@@ -314,7 +314,7 @@ def test_a_manifest_entry_for_another_shard_or_of_another_shape_is_refused(store
     s.put("_manifest/part-00000-u00000.json", json.dumps(record).encode())
     for kw in ({}, {"overwrite": True}):
         with pytest.raises(OutputError, match="_manifest/part-00000-u00000.json"):
-            OutputWriter(s.cfg(**kw)).prepare([])
+            OutputWriter(s.cfg(**kw)).on_write_start([])
     assert list(s.files()) == ["_manifest/part-00000-u00000.json"]
 
 
@@ -330,12 +330,12 @@ def test_foreign_files_under_manifest_and_staging_are_foreign_and_survive_overwr
     s = store()
     s.put(rel, b'{"id": "x", "text": "keep me"}\n')
     with pytest.raises(OutputError, match=f"1 file\\(s\\) this job did not write: {rel.replace('.', '[.]')}"):
-        OutputWriter(s.cfg(overwrite=True)).prepare()
+        OutputWriter(s.cfg(overwrite=True)).on_write_start()
     for run in range(2):
         w = OutputWriter(s.cfg(overwrite=True, allow_foreign_files=True))
-        assert w.prepare().done == [] and w.location.foreign == [rel]
+        assert w.on_write_start().done == [] and w.location.foreign == [rel]
         w.write_part(0, _rows(1))
-        w.commit({"rows": 1})
+        w.on_write_complete({"rows": 1})
         files = s.files()
         assert files[rel] == b'{"id": "x", "text": "keep me"}\n'
         assert sorted(set(_ours(files)) - {rel}) == ["_SUCCESS", "_summary.json",
@@ -353,7 +353,7 @@ def test_a_symlink_where_the_job_writes_its_own_files_is_refused(tmp_path, link)
     (out / link).symlink_to(elsewhere if not link.startswith("_S") and "summary" not in link else elsewhere / "data.txt")
     for kw in ({}, {"overwrite": True, "allow_foreign_files": True}):
         with pytest.raises(OutputError, match=f"{link.replace('.', '[.]')} is a symbolic link .*never through a link"):
-            OutputWriter(OutputConfig(uri=str(out), **kw)).prepare()
+            OutputWriter(OutputConfig(uri=str(out), **kw)).on_write_start()
     assert (elsewhere / "data.txt").read_text() == "not the job's" and sorted(p.name for p in elsewhere.iterdir()) == [
         "data.txt"]
 
@@ -363,7 +363,7 @@ def test_a_symlink_where_the_job_writes_its_own_files_is_refused(tmp_path, link)
 def test_a_record_of_the_commit_log_that_is_not_the_job_s_is_refused_and_nothing_is_deleted(store, forge):
     s = store()
     w = OutputWriter(s.cfg())
-    w.prepare([])
+    w.on_write_start([])
     w.write_part(0, _rows(2))
     rel = "_manifest/log/0000000001.json"
     unit = json.loads(s.files()[rel])
@@ -377,5 +377,5 @@ def test_a_record_of_the_commit_log_that_is_not_the_job_s_is_refused_and_nothing
     before = s.files()
     for kw in ({}, {"overwrite": True}):
         with pytest.raises(OutputError, match=rel.replace(".", "[.]")):
-            OutputWriter(s.cfg(**kw)).prepare([])
+            OutputWriter(s.cfg(**kw)).on_write_start([])
         assert s.files() == before

@@ -90,7 +90,7 @@ def _table(n):
 def test_commit_protocol(tmp_path):
     out = tmp_path / "out"
     w = OutputWriter(OutputConfig(uri=str(out)))
-    w.prepare()
+    w.on_write_start()
     w.write_part(0, _table(3))
     # a unit is published as soon as it is written: its files (named with the run's id), then its
     # record in the commit log (the run's epoch is record 0)
@@ -98,7 +98,7 @@ def test_commit_protocol(tmp_path):
     assert (out / part0).exists() and (out / "_manifest" / "log" / "0000000001.json").exists()
     assert not is_complete(str(out))
     w.write_part(1, _table(2))
-    w.commit({"rows": 5})
+    w.on_write_complete({"rows": 5})
     assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS", "_manifest", "_summary.json", part0, part1]
     assert pq.read_table(out).num_rows == 5  # pyarrow skips _-prefixed files
     assert json.loads((out / "_summary.json").read_text()) == {"rows": 5}
@@ -112,22 +112,22 @@ def test_commit_protocol(tmp_path):
     old.mkdir()
     (old / "_SUCCESS").write_text("x")
     with pytest.raises(OutputError, match="without a manifest"):
-        OutputWriter(OutputConfig(uri=str(old))).prepare()
+        OutputWriter(OutputConfig(uri=str(old))).on_write_start()
 
     # An overwriting run that fails: the old run no longer looks complete, no staging left.
     w2 = OutputWriter(OutputConfig(uri=str(out), overwrite=True))
-    w2.prepare()
+    w2.on_write_start()
     assert not is_complete(str(out)) and not list(out.glob("part-*"))
     assert OutputWriter(OutputConfig(uri=str(out))).location.read_manifest() == {}
     w2.write_part(0, _table(1))
-    w2.abort()
+    w2.on_write_failed()
     assert not (out / "_staging").exists() and not is_complete(str(out))
 
     # An overwriting run that succeeds replaces the parts.
     w3 = OutputWriter(OutputConfig(uri=str(out), overwrite=True))
-    w3.prepare()
+    w3.on_write_start()
     w3.write_part(0, _table(4))
-    w3.commit({"rows": 4})
+    w3.on_write_complete({"rows": 4})
     assert pq.read_table(out).num_rows == 4 and is_complete(str(out))
     assert [p.name for p in out.glob("part-*")] == [f"part-00000-u00000.{w3.run_id}.parquet"]
 
@@ -136,4 +136,4 @@ def test_unwritable_output(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OutputError, match="not writable"):
-        OutputWriter(OutputConfig(uri=str(blocker / "out"))).prepare()
+        OutputWriter(OutputConfig(uri=str(blocker / "out"))).on_write_start()

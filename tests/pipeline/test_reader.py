@@ -43,7 +43,7 @@ def _killed(out, identity=IDENTITY, so=None) -> str:
     """A run that committed unit 0, then was killed inside unit 1's commit: its data file
     published, its ``unit`` record never appended.  Returns the run's id."""
     w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
-    w.prepare(UNITS, identity)
+    w.on_write_start(UNITS, identity)
     w.write_part(UNITS[0], _rows(UNITS[0]))
     killed_inside_commit(w, UNITS[1], _rows(UNITS[1]))
     return w.run_id
@@ -51,10 +51,10 @@ def _killed(out, identity=IDENTITY, so=None) -> str:
 
 def _resume(out, identity=IDENTITY, summary=None, so=None) -> str:
     w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
-    plan = w.prepare(UNITS, identity)
+    plan = w.on_write_start(UNITS, identity)
     for unit in plan.todo:
         w.write_part(unit, _rows(unit))
-    w.commit(summary or {"rows": 6})
+    w.on_write_complete(summary or {"rows": 6})
     return w.run_id
 
 
@@ -212,10 +212,10 @@ def test_the_report_and_train_drafter_agree_on_a_killed_then_resumed_output(tmp_
 # ------------------------------------------------------------------ date partitions, --previous auto
 def _night(root, day: str, finished: bool = True, so=None) -> None:
     w = OutputWriter(OutputConfig(uri=str(root), partition_by_date=True, run_date=day, storage_options=so or {}))
-    w.prepare(UNITS[:1], IDENTITY)
+    w.on_write_start(UNITS[:1], IDENTITY)
     w.write_part(UNITS[0], _rows(UNITS[0]))
     if finished:
-        w.commit({"rows": 2, "day": day})
+        w.on_write_complete({"rows": 2, "day": day})
 
 
 LATE_SUCCESS = b"0123456789ab\n"  # a _SUCCESS another run published late (it had lost its lease): does not count

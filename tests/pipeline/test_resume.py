@@ -69,8 +69,8 @@ def test_resume_after_a_failure_runs_only_the_missing_shards(ray_local, tiny_mod
     assert not is_complete(str(day)) and not (day / "_staging").exists()
     entries = committed(day)
     assert sorted(entries) == done
-    first_run = entries[done[0]]["run_id"]
-    kept = {n: (day / n).read_bytes() for p in done for n in entries[p]["files"]}
+    first_run = entries[done[0]].run_id
+    kept = {n: (day / n).read_bytes() for p in done for n in entries[p].files}
 
     # Run 2 (same job, same output) resumes: only the missing unit runs; committed parts untouched.
     summary = run_job(_cfg(tiny_models, inputs, out), progress=False)
@@ -122,18 +122,18 @@ def test_changed_input_is_refused_without_overwrite(tiny_models, inputs, tmp_pat
     cfg = _cfg(tiny_models, src, tmp_path / "out")
     shards = resolve_shards(cfg.input)
     w = OutputWriter(cfg.output)
-    assert w.prepare(shards, config_identity(cfg)).done == []
+    assert w.on_write_start(shards, config_identity(cfg)).done == []
     w.write_part(shards[0], pa.Table.from_pylist([{"id": f"x{i}", "source_row": i} for i in range(shards[0].num_rows)],
                                                 schema=OUTPUT_SCHEMA))
     # same input: shard 0 is committed and would be skipped
-    assert OutputWriter(cfg.output).prepare(resolve_shards(cfg.input)).done == ["part-00000-u00000.parquet"]
+    assert OutputWriter(cfg.output).on_write_start(resolve_shards(cfg.input)).done == ["part-00000-u00000.parquet"]
     write_jsonl(src / "s0.jsonl", [{"id": "new", "text": TEXTS[0]}] * 3)
     with pytest.raises(OutputError, match="input changed"):
         run_job(_cfg(tiny_models, src, tmp_path / "out"), progress=False)
     (src / "s2.jsonl").unlink()
     (src / "s0.jsonl").unlink()
     with pytest.raises(OutputError, match="s0.jsonl"):
-        OutputWriter(cfg.output).prepare(resolve_shards(cfg.input))
+        OutputWriter(cfg.output).on_write_start(resolve_shards(cfg.input))
 
 
 def test_run_date_flag_partitions_the_output(tmp_path):

@@ -32,14 +32,14 @@ def inputs(tmp_path):
 def _commit_shard0(cfg):
     w = OutputWriter(cfg.output, retry=cfg.retry)
     shards = resolve_shards(cfg.input)
-    assert w.prepare(shards, config_identity(cfg)).done == []
+    assert w.on_write_start(shards, config_identity(cfg)).done == []
     w.write_part(shards[0], pa.Table.from_pylist([{"id": f"0{i}", "source_row": i} for i in range(shards[0].num_rows)],
                                                 schema=OUTPUT_SCHEMA))
-    w.commit({"rows": 1})
+    w.on_write_complete({"rows": 1})
 
 
 def _resume(cfg):
-    return OutputWriter(cfg.output, retry=cfg.retry).prepare(resolve_shards(cfg.input), config_identity(cfg))
+    return OutputWriter(cfg.output, retry=cfg.retry).on_write_start(resolve_shards(cfg.input), config_identity(cfg))
 
 
 CHANGES = [  # (override, what the refusal names)
@@ -67,7 +67,7 @@ def test_resume_under_another_config_is_refused_naming_the_change(tiny_models, i
     assert named in str(e.value) and "--overwrite" in str(e.value)
     # --overwrite redoes it from scratch under the new config
     assert OutputWriter(job_config(tiny_models, str(inputs), out, overrides=[override, "output.overwrite=true"]).output
-                        ).prepare(resolve_shards(job_config(tiny_models, str(inputs), out).input)).done == []
+                        ).on_write_start(resolve_shards(job_config(tiny_models, str(inputs), out).input)).done == []
 
 
 @pytest.mark.parametrize("override", ["compute.num_actors=2", "compute.rows_per_batch=1", "retry.attempts=2",
@@ -275,14 +275,14 @@ def test_resume_under_another_config_is_refused_on_s3(tiny_models, moto_s3, tmp_
         f"input.storage_options={opts}", f"output.storage_options={opts}", *o])
     w = OutputWriter(cfg().output)
     shards = resolve_shards(cfg().input)
-    w.prepare(shards, config_identity(cfg()))
+    w.on_write_start(shards, config_identity(cfg()))
     w.write_part(shards[0], pa.Table.from_pylist([{"id": f"1{i}", "source_row": i} for i in range(shards[0].num_rows)],
                                                 schema=OUTPUT_SCHEMA))
     entry = committed("s3://fingerprints/out", opts)["part-00000-u00000.parquet"]
-    assert entry["config_fingerprint"] == config_fingerprint(config_identity(cfg()))
-    assert OutputWriter(cfg().output).prepare(resolve_shards(cfg().input), config_identity(cfg())).done == ["part-00000-u00000.parquet"]
+    assert entry.config_fingerprint == config_fingerprint(config_identity(cfg()))
+    assert OutputWriter(cfg().output).on_write_start(resolve_shards(cfg().input), config_identity(cfg())).done == ["part-00000-u00000.parquet"]
     with pytest.raises(OutputError, match="generation.max_new_tokens: 12 -> 5"):
-        OutputWriter(cfg().output).prepare(resolve_shards(cfg().input),
+        OutputWriter(cfg().output).on_write_start(resolve_shards(cfg().input),
                                            config_identity(cfg("generation.max_new_tokens=5")))
 
 
@@ -298,14 +298,14 @@ def _run_identity(cfg):
 def _commit_as_run(cfg):
     w = OutputWriter(cfg.output, retry=cfg.retry)
     shards = resolve_shards(cfg.input)
-    assert w.prepare(units_of(shards), _run_identity(cfg)).done == []
+    assert w.on_write_start(units_of(shards), _run_identity(cfg)).done == []
     rows = [{"id": str(i), "source_row": i} for i in range(shards[0].num_rows)]
     w.write_part(shards[0], pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA))
-    w.commit({"rows": len(rows)})
+    w.on_write_complete({"rows": len(rows)})
 
 
 def _resume_as_run(cfg):
-    return OutputWriter(cfg.output, retry=cfg.retry).prepare(units_of(resolve_shards(cfg.input)), _run_identity(cfg))
+    return OutputWriter(cfg.output, retry=cfg.retry).on_write_start(units_of(resolve_shards(cfg.input)), _run_identity(cfg))
 
 
 SAME_OUTPUT = [  # (the first run's settings, the resumed run's): nothing that decides an output changed

@@ -263,13 +263,13 @@ def _night(cfg, root, day: str, *, finished: bool = True, killed: bool = False) 
     or unit 0 committed and, ``killed``, unit 1's data file published but its record never
     appended (the seam test_reader.py kills a run at).  Returns the run id."""
     w = OutputWriter(OutputConfig(uri=str(root), partition_by_date=True, run_date=day))
-    w.prepare(UNITS, _identity(cfg))
+    w.on_write_start(UNITS, _identity(cfg))
     w.write_part(UNITS[0], _committed_rows(UNITS[0]))
     if killed:
         killed_inside_commit(w, UNITS[1], _committed_rows(UNITS[1]))
     elif finished:
         w.write_part(UNITS[1], _committed_rows(UNITS[1]))
-        w.commit({"rows": 4})
+        w.on_write_complete({"rows": 4})
     return w.run_id
 
 

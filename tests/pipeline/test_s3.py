@@ -96,8 +96,8 @@ def test_s3_credentials_and_endpoint_from_the_standard_chain(s3_server, bucket, 
     assert [s.url for s in shards] == ["s3://prompts/in/shard-0.jsonl", "s3://prompts/in/shard-1.jsonl"]
     assert read_shard(shards[0], InputConfig(uri="s3://prompts/in/")).num_rows == 3
     w = OutputWriter(OutputConfig(uri="s3://prompts/out/chain"))
-    w.prepare()
+    w.on_write_start()
     w.write_part(0, pa.Table.from_pylist([{"id": "a"}], schema=OUTPUT_SCHEMA))
     assert not is_complete("s3://prompts/out/chain")
-    w.commit({"rows": 1})
+    w.on_write_complete({"rows": 1})
     assert is_complete("s3://prompts/out/chain")

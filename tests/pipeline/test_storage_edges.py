@@ -147,9 +147,9 @@ def test_an_output_at_a_literal_double_slash_prefix_is_the_one_left_out(moto_s3)
     c.put_object(Bucket=b, Key="in/out/b.jsonl", Body=SMALL)  # input, not the output
     out = OutputConfig(uri=f"s3://{b}/in//out/", storage_options=opts)
     w = OutputWriter(out)
-    w.prepare()
+    w.on_write_start()
     w.write_part(0, pa.Table.from_pylist([{"id": "x", "source_row": 0}], schema=OUTPUT_SCHEMA))
-    w.commit({"rows": 1})
+    w.on_write_complete({"rows": 1})
     written = {o["Key"] for o in c.list_objects_v2(Bucket=b, Prefix="in//out/")["Contents"]}
     assert f"in//out/part-00000-u00000.{w.run_id}.parquet" in written and "in//out/_SUCCESS" in written
     shards = resolve_shards(InputConfig(uri=f"s3://{b}/in/", storage_options=opts), output=listing_view(out))
@@ -207,7 +207,7 @@ def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_on
     rows = {0: _rows(5), 1: _rows(3, 5)}
     cfg = OutputConfig(uri=str(out), max_rows_per_file=5)
     w = OutputWriter(cfg)
-    w.prepare(units)
+    w.on_write_start(units)
     if when in ("unit", "record"):
         if when == "record":  # the disk fills between the unit's files and its record in the commit log
             from pipeline.output.commit_log import CommitLog
@@ -224,17 +224,17 @@ def test_a_full_disk_leaves_no_partial_record_and_a_rerun_completes_every_row_on
         w.write_part(units[1], rows[1])
         fill()
         with pytest.raises((OSError, StorageError), match="No space left"):
-            w.commit({"rows": 8})
-    w.abort()
+            w.on_write_complete({"rows": 8})
+    w.on_write_failed()
     _no_partial_records(out)
     assert not is_complete(str(out))
     os.unlink(disk / "filler")  # the space comes back
     w2 = OutputWriter(cfg)
-    plan = w2.prepare(units)  # not wedged
+    plan = w2.on_write_start(units)  # not wedged
     assert [u.part for u in plan.todo] == ([u.part for u in units] if when != "summary" else [])
     for u in plan.todo:
         w2.write_part(u, rows[u.shard.index])
-    w2.commit({"rows": 8})
+    w2.on_write_complete({"rows": 8})
     assert is_complete(str(out))
     assert sorted(pq.read_table(str(out)).column("id").to_pylist(), key=int) == [str(i) for i in range(8)]
     assert not os.path.exists(out / "_manifest" / "pending")
@@ -280,17 +280,17 @@ def test_records_a_run_began_and_never_finished_are_its_own_and_foreign_ones_are
     put("_manifest/part-00002-u00000.json", b'{"pa')  # cut inside its first key
     put(f"._SUCCESS.{uuid.uuid4().hex}.tmp", b"dead")
     w = OutputWriter(cfg)
-    assert w.prepare([]).done == []
+    assert w.on_write_start([]).done == []
     assert sorted(files()) == ["_manifest/log/0000000000.json"]  # all four removed (they named no published file)
     w.write_part(0, _rows(2))
     w.write_part(1, _rows(2, 2))
-    w.commit({"rows": 4})
+    w.on_write_complete({"rows": 4})
     assert sorted(files()) == ["_SUCCESS"] + [f"_manifest/log/{i:010d}.json" for i in range(4)] + [
         "_summary.json", f"part-00000-u00000.{w.run_id}.parquet", f"part-00001-u00000.{w.run_id}.parquet"]
     foreign = b'{"partial": true, "note": "not the job\'s"'
     put("_manifest/pending/part-00002-u00000.other.json", foreign)
     with pytest.raises(OutputError, match=r"part-00002-u00000\.other\.json is not a manifest record of this job"):
-        OutputWriter(cfg).prepare([])
+        OutputWriter(cfg).on_write_start([])
     assert files()["_manifest/pending/part-00002-u00000.other.json"] == foreign
 
 
@@ -343,7 +343,7 @@ def test_a_fifo_at_the_lease_or_in_the_manifest_is_refused_not_waited_on(tmp_pat
     (out / "_manifest").mkdir()
     os.mkfifo(out / "_manifest" / "part-00000.json")
     with pytest.raises(OutputError, match=r"_manifest/part-00000\.json is a named pipe"):
-        _bounded(lambda: OutputWriter(OutputConfig(uri=str(out))).prepare([]))
+        _bounded(lambda: OutputWriter(OutputConfig(uri=str(out))).on_write_start([]))
     assert (out / "_manifest" / "part-00000.json").exists()  # not the job's: left as it is
 
 

@@ -50,11 +50,11 @@ def _rows(unit: Unit, **changed) -> pa.Table:
 def _write(uri, identity=None, storage_options=None, finished=True) -> OutputWriter:
     """Both units committed (and the run finished) into the output ``uri``."""
     w = OutputWriter(OutputConfig(uri=str(uri), storage_options=storage_options or {}))
-    w.prepare(UNITS, identity)
+    w.on_write_start(UNITS, identity)
     for u in UNITS:
         w.write_part(u, _rows(u))
     if finished:
-        w.commit({"rows": 4})
+        w.on_write_complete({"rows": 4})
     return w
 
 
@@ -68,10 +68,10 @@ def test_each_unit_record_carries_each_files_sha256_size_and_rows(tmp_path):
     _write(tmp_path / "out")
     out = CommittedOutput.open(str(tmp_path / "out"))
     for part, e in out.entries.items():
-        assert set(e["checksums"]) == set(e["files"])
-        for name, c in e["checksums"].items():
+        assert set(e.checksums) == set(e.files)
+        for name, c in e.checksums.items():
             data = (tmp_path / "out" / name).read_bytes()
-            assert c == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "rows": 2}
+            assert c.to_json() == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "rows": 2}
     assert out.table().num_rows == 4 and out.unverified == []
 
 
@@ -193,12 +193,12 @@ def test_a_resume_over_a_damaged_committed_file_is_refused_before_it_writes_and_
     before = sorted(os.listdir(tmp_path / "out" / "_manifest" / "log"))
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "out")))
     with pytest.raises(OutputError, match=damaged.name) as e:
-        w.prepare(UNITS, None)
+        w.on_write_start(UNITS, None)
     assert "--overwrite" in str(e.value) and "nothing was written" in str(e.value)
     assert sorted(os.listdir(tmp_path / "out" / "_manifest" / "log")) == before  # no epoch record
     # the advice works: with overwrite the run starts afresh
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "out"), overwrite=True))
-    plan = w.prepare(UNITS, None)
+    plan = w.on_write_start(UNITS, None)
     assert [u.part for u in plan.todo] == [u.part for u in UNITS] and not damaged.exists()
 
 
@@ -278,7 +278,7 @@ def test_a_previous_night_that_did_not_finish_is_read_as_far_as_committed(tiny_m
     cfg = job_config(tiny_models, "unused", str(tmp_path / "next"), overrides=[f"output.previous={tmp_path / 'prev'}"])
     identity = run_identity(cfg, check_generation(cfg), [])
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "prev")))
-    w.prepare(UNITS, identity)
+    w.on_write_start(UNITS, identity)
     w.write_part(UNITS[0], _rows(UNITS[0]))  # unit 1 never committed, no final record
     plan = plan_reuse(cfg, identity, greedy=True, own_url=str(tmp_path / "next"))
     assert plan.previous == str(tmp_path / "prev") and plan.finished is False and "unfinished" in plan.note

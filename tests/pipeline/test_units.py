@@ -153,23 +153,23 @@ def test_an_output_of_the_layout_before_units_is_resumed_and_units_of_another_si
         out.put("_manifest/part-00000.json", json.dumps(_legacy_entry(shards[0], identity)).encode())
 
         w = OutputWriter(cfg.output, retry=cfg.retry, split_rows=3)
-        plan = w.prepare(units_of(shards), identity)
+        plan = w.on_write_start(units_of(shards), identity)
         assert plan.whole_shard == ["part-00000.parquet"] and plan.done == ["part-00000.parquet"]
         assert [u.part for u in plan.todo] == [f"part-00001-u{k:05d}.parquet" for k in range(3)]  # 7 rows: 3 + 3 + 1
         for u in plan.todo[:2]:  # a run that commits two of shard 1's units, then stops
             w.write_part(u, _rows_of(u))
-        w.abort()
+        w.on_write_failed()
 
         with pytest.raises(OutputError, match=r"units of 3 \(input.split_rows\).*set input.split_rows: 3 to resume"):
-            OutputWriter(cfg.output, retry=cfg.retry).prepare(
+            OutputWriter(cfg.output, retry=cfg.retry).on_write_start(
                 units_of(resolve_shards(cfg.input.model_copy(update={"split_rows": 2}))), identity)
 
         w = OutputWriter(cfg.output, retry=cfg.retry, split_rows=3)
-        plan = w.prepare(units_of(shards), identity)
+        plan = w.on_write_start(units_of(shards), identity)
         assert [u.part for u in plan.todo] == ["part-00001-u00002.parquet"]
         assert plan.done == ["part-00000.parquet", "part-00001-u00000.parquet", "part-00001-u00001.parquet"]
         w.write_part(plan.todo[0], _rows_of(plan.todo[0]))
-        w.commit({"rows": 12})
+        w.on_write_complete({"rows": 12})
         assert out.ids() == sorted([f"a.jsonl:{i}" for i in range(5)] + [f"b.jsonl:{i}" for i in range(7)])
 
 
@@ -180,12 +180,12 @@ def test_a_shard_committed_both_whole_and_by_units_is_refused(tiny_models, tmp_p
     identity = config_identity(cfg)
     shards = resolve_shards(cfg.input)
     w = OutputWriter(cfg.output, split_rows=2)
-    w.prepare(units_of(shards), identity)
+    w.on_write_start(units_of(shards), identity)
     w.write_part(shards[0].units()[0], _rows_of(shards[0].units()[0]))
     (tmp_path / "out" / "_manifest" / "part-00000.json").write_text(json.dumps(_legacy_entry(shards[0], identity)))
     pq.write_table(_rows_of(shards[0].units()[0]), tmp_path / "out" / "part-00000.parquet")
     with pytest.raises(OutputError, match="committed both whole .*and by units"):
-        OutputWriter(cfg.output).prepare(units_of(shards), identity)
+        OutputWriter(cfg.output).on_write_start(units_of(shards), identity)
 
 
 def test_a_unit_whose_rows_do_not_come_back_once_each_is_not_committed(tmp_path):
@@ -195,7 +195,7 @@ def test_a_unit_whose_rows_do_not_come_back_once_each_is_not_committed(tmp_path)
 
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "out")))
     unit = Unit(Shard(index=0, url="/x.jsonl", format="jsonl", num_rows=4), 0, Split(0, 4))
-    w.prepare([unit])
+    w.on_write_start([unit])
     rec = lambda first, last, rows, ok=True: {"part": unit.part, "path": "/nowhere", "first_row": first,  # noqa: E731
                                               "last_row": last, "rows": rows, "errors": 0, "totals": "{}",
                                               "pid": 1, "host": "h", "consecutive": ok}
@@ -204,7 +204,7 @@ def test_a_unit_whose_rows_do_not_come_back_once_each_is_not_committed(tmp_path)
     with pytest.raises(RunError, match="do not cover rows 0..3 once each"):
         w.add_fragments(pa.Table.from_pylist([rec(0, 1, 2), rec(1, 2, 2)], schema=FRAGMENT_SCHEMA))
     w = OutputWriter(OutputConfig(uri=str(tmp_path / "out2")))
-    w.prepare([unit])
+    w.on_write_start([unit])
     with pytest.raises(RunError, match="more output rows"):
         w.add_fragments(pa.Table.from_pylist([rec(0, 2, 3), rec(3, 4, 2)], schema=FRAGMENT_SCHEMA))
     assert committed(tmp_path / "out2") == {}
@@ -233,7 +233,7 @@ def test_the_driver_receives_no_output_row_and_a_min_max_pool_runs_the_job(ray_l
     original = writer_mod.OutputWriter.commit_unit
 
     def spy(self, unit, fragments):
-        writers.extend(f["pid"] for f in fragments)
+        writers.extend(f.pid for f in fragments)
         return original(self, unit, fragments)
 
     monkeypatch.setattr(writer_mod.OutputWriter, "commit_unit", spy)
@@ -331,7 +331,7 @@ def test_an_interrupt_inside_one_large_file_keeps_its_committed_units_and_the_re
     entries = out.committed()
     committed = sorted(entries)
     assert 1 <= len(committed) < 8, committed  # an interrupt loses at most the units in flight
-    kept = {n: out.get(n) for entry in entries.values() for n in entry["files"]}
+    kept = {n: out.get(n) for entry in entries.values() for n in entry.files}
     if signame == "SIGKILL":
         time.sleep(5)  # the killed run's lease goes stale
     capsys.readouterr()
