@@ -87,7 +87,7 @@ def read_manifest(fs, root: str, io: Callable, url: str, log: CommitLog) -> Mani
         except RecordError as e:
             if e.field not in ("files", "checksums"):
                 raise ManifestDamaged(_not_ours(url, rel, e.problem)) from None
-            raise _not_its_names(url, rel, parse_part(obj["part"]), e.problem, tagged=True) from None
+            raise _not_its_names(url, rel, parse_part(e.part), e.problem, tagged=True) from None
     m.log = replay(records)
     log.seen(m.log.last_seq)
     for path, rel, unit, obj in _read_files(fs, root, io, url, posixpath.join(MANIFEST, "part-*.json"),

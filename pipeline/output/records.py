@@ -45,11 +45,12 @@ class RecordError(ValueError):
     Attributes:
         field: the key at fault (None: the record as a whole, e.g. not a JSON object).
         problem: what is wrong, a phrase that follows the record's name (``names the run 'x'``).
+        part: the part a unit record names, once checked (None: not yet, or not a unit record).
     """
 
-    def __init__(self, field: str | None, problem: str):
+    def __init__(self, field: str | None, problem: str, part: str | None = None):
         super().__init__(problem)
-        self.field, self.problem = field, problem
+        self.field, self.problem, self.part = field, problem, part
 
 
 # ----------------------------------------------------------------------------- validation
@@ -238,12 +239,15 @@ class UnitRecord(LogRecord):
         files = obj.get("files", [part] if earlier is not None else None)
         if (not isinstance(files, list) or not files
                 or files != data_file_names(part, len(files), None if earlier is not None else run_id)):
-            raise RecordError("files", f"names the files {_short(files)}")
+            raise RecordError("files", f"names the files {_short(files)}", part)
         checksums = obj.get("checksums")
         if checksums is not None:
             if not isinstance(checksums, dict) or set(checksums) != set(files):
-                raise RecordError("checksums", _BAD_CHECKSUMS)
-            checksums = {n: FileCheck.from_json(c) for n, c in checksums.items()}
+                raise RecordError("checksums", _BAD_CHECKSUMS, part)
+            try:
+                checksums = {n: FileCheck.from_json(c) for n, c in checksums.items()}
+            except RecordError as e:
+                raise RecordError(e.field, e.problem, part) from None
         if run_id is not None and not isinstance(run_id, str):
             raise RecordError("run_id", f"names the run {run_id!r}")
         return cls(seq=obj.get("seq") if earlier is None else None, run_id=run_id, part=part, files=tuple(files),

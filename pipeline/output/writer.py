@@ -41,7 +41,7 @@ appended to the commit log: the unit's commit point.  Files published by a run t
 died or lost its lease are *orphans* (its run id is in the log, no committed unit names
 them): the next run removes them.  Units commit in the order they complete.
 
-The run ends with :meth:`OutputWriter.commit`: the manifest is read again and every entry
+The run ends with :meth:`OutputWriter.on_write_complete`: the manifest is read again and every entry
 must carry this run's config fingerprint; orphans are removed; ``_summary.json`` and
 ``_SUCCESS`` are staged; the ``final`` record is appended (the run's own commit point);
 then ``_summary.json`` and ``_SUCCESS`` are published from staging (so a run that lost its
@@ -69,7 +69,8 @@ import pyarrow as pa
 from pipeline.config import OutputConfig
 from pipeline.fingerprint import config_fingerprint
 from pipeline.output.commit_log import SlotTaken
-from pipeline.output.records import EpochRecord, FinalRecord, Fragment, LogRecord, UnitRecord, fragment_table, fragments_of
+from pipeline.output.records import (EpochRecord, FinalRecord, Fragment, LogRecord, UnitRecord, fragment_table,
+                                     fragments_of)
 from pipeline.layout import STAGING, SUCCESS, SUMMARY, data_file_names
 from pipeline.output.lease import LeaseLost, OutputLease, holder_name
 from pipeline.output.location import OutputError, OutputLocation
