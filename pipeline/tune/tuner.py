@@ -210,7 +210,7 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
         if params is None:
             continue
         fixed = {k: v for k, v in FIXED_DRAFT_LENGTH.items()
-                 if (k == SCHEDULE_FIELD and method.adaptive) or k in method.params}
+                 if (k == SCHEDULE_FIELD and method.adaptive) or k in method.param_names}
         k_max = 0
         if method.k_param is not None:
             k_max = options.max_draft or max(method.tune_k_max or 0, getattr(spec, method.k_param))
