@@ -262,9 +262,9 @@ class MethodConfig(BaseModel):
                 raise ValueError(f"method.{key}: {str(value).lower()} is a boolean, not a number")
         try:
             self.speculation_settings()
-            foreign = {k: v for k, v in self.params.items() if k in foreign_method_params(self.name)}
-            for name, spec in METHODS.items():  # another method's settings kept here: their values still checked
-                theirs = {k: v for k, v in foreign.items() if k in spec.param_names}
+            foreign = foreign_params(METHODS, self.name)
+            for name in METHODS:  # another method's settings kept here: their values still checked
+                theirs = {k: v for k, v in self.params.items() if name in foreign.get(k, ())}
                 if theirs:
                     try:
                         SpeculationSettings(method=name, **theirs).validate()
@@ -293,7 +293,7 @@ class MethodConfig(BaseModel):
 def foreign_method_params(method: str) -> frozenset[str]:
     """SpeculationSettings fields that belong to other methods of the table and not to
     ``method`` (:func:`pipeline.engine.methods.foreign_params` of the table)."""
-    return foreign_params(METHODS, method)
+    return frozenset(foreign_params(METHODS, method))
 
 
 def _dataclass_fields(cls) -> dict[str, Any]:

@@ -263,13 +263,22 @@ class MethodSpec:
         return None if extra is None else {**self.config_params(settings), **extra}
 
 
-def foreign_params(methods: dict[str, MethodSpec], name: str) -> frozenset[str]:
+def param_owners(methods: dict[str, MethodSpec]) -> dict[str, tuple[str, ...]]:
+    """``{setting: the methods of methods (the table) that take it}``, for every method's own
+    parameters (:attr:`MethodSpec.param_names`): the one map of settings to methods."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for m in methods.values():
+        for p in m.param_names:
+            owners[p] = owners.get(p, ()) + (m.name,)
+    return owners
+
+
+def foreign_params(methods: dict[str, MethodSpec], name: str) -> dict[str, tuple[str, ...]]:
     """The parameters of the other methods of ``methods`` (the table) that method ``name``
-    does not take: refused by the settings when set (those defaulting to ``None``), dropped
-    from the engine's settings by the job config, which may keep them."""
-    spec = methods.get(name)
-    own = set(spec.param_names) if spec is not None else set()
-    return frozenset(p for m in methods.values() for p in m.param_names if p not in own)
+    does not take, with the methods that take each: refused by the settings when set (those
+    defaulting to ``None``), dropped from the engine's settings by the job config, which may
+    keep them."""
+    return {p: owners for p, owners in param_owners(methods).items() if name not in owners}
 
 
 def always_tried(settings, models) -> dict[str, Any]:

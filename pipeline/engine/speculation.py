@@ -69,6 +69,11 @@ class _Speculation:
         if method is None:
             raise ValueError(f"method must be one of {tuple(METHODS)}, got {self.method!r}")
         fields = dataclasses.fields(self)
+        foreign = foreign_params(METHODS, self.method)
+        for f in fields:  # a method's own settings (default None): refused on another method
+            if f.name in foreign and f.default is None and getattr(self, f.name) is not None:
+                raise ValueError(f"{f.name} is a setting of method {' / '.join(map(repr, foreign[f.name]))}, "
+                                 f"not of {self.method!r}")
         for f in fields:
             check_param(f, getattr(self, f.name))
         n = self.num_candidates
@@ -79,19 +84,11 @@ class _Speculation:
         if self.assistant_ensemble_weight is not None and not method.draft_logits:
             raise ValueError(f"{ENSEMBLE_FIELD} needs draft logits in the target's vocabulary; method "
                              f"{self.method!r} has none")
-        foreign = foreign_params(METHODS, self.method)
-        for f in fields:  # a method's own settings: unset (None) unless it takes them
-            if f.default is not None or getattr(self, f.name) is not None:
-                continue
-            if f.name in method.required:
+        for f in fields:
+            if f.name in method.required and getattr(self, f.name) is None:
                 what = f.metadata.get("what")
                 raise ValueError(f"{f.name}{f' ({what})' if what else ''} must be set for method {self.method!r}, "
                                  "got None")
-        for f in fields:
-            if f.name in foreign and f.default is None and getattr(self, f.name) is not None:
-                owners = [m for m, spec in METHODS.items() if f.name in spec.param_names]
-                raise ValueError(f"{f.name} is a setting of method {' / '.join(map(repr, owners))}, "
-                                 f"not of {self.method!r}")
         return self
 
     @property
