@@ -8,16 +8,20 @@ What is traced (``sys.setprofile``, Python frames of this repository only):
 
 1. ``jobs/summarize.py --print-config --set compute.draft_length=fixed`` (the command line
    parsed, the config loaded, checked and printed: :func:`pipeline.cli.main`);
-2. the crossing to an actor (``JobConfig.model_validate(cfg.model_dump())``, as the
+2. the driver's preflight (:func:`pipeline.run.preflight`: the input listed, the models'
+   configs checked, the run's identity, the nightly-reuse plan, the output's lease), on the
+   config's input and model, into a temporary output folder;
+3. the crossing to an actor (``JobConfig.model_validate(cfg.model_dump())``, as the
    processor hands the config to :class:`actors.generate.GenerateActor`) and the engine's
    construction there (:func:`pipeline.loading.load_engine`, on a tiny random Llama in place
    of the configured models, ``cpu.kernels`` off: nothing loaded or compiled).
 
 A frame *holds* the value when one of its arguments or locals (or the value it returns) is
 the ``compute`` section (a ``ComputeConfig``), the string ``"fixed"``, a string naming
-``draft_length``, or a mapping or sequence directly holding one of those.  A *stay* is a
-function whose frame held it at its call or its return; a *room* the module of a stay; a
-*return* a stay that handed it back to its caller.  The whole :class:`JobConfig` is not
+``draft_length``, or a mapping or sequence holding one of those within two levels (the
+config's resolved dict holds its ``compute`` section).  A *stay* is a function whose frame
+held it at its call or its return; a *room* the module of a stay; a *return* a stay that
+handed it back to its caller.  The whole :class:`JobConfig` object is not
 counted (every function given the config would be a stay).
 """
 
@@ -27,6 +31,7 @@ import argparse
 import contextlib
 import io
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +41,7 @@ ARGS = ["--print-config", "--set", f"compute.draft_length={VALUE}", "--set", "me
         "--set", "cpu.kernels=false"]
 
 
-def _holds(x, depth: int = 1) -> bool:
+def _holds(x, depth: int = 2) -> bool:
     from pipeline.config import ComputeConfig
 
     if isinstance(x, ComputeConfig):
@@ -44,9 +49,9 @@ def _holds(x, depth: int = 1) -> bool:
     if isinstance(x, str):
         return x == VALUE or "draft_length" in x
     if depth and isinstance(x, dict):
-        return any(_holds(k, 0) or _holds(v, 0) for k, v in list(x.items())[:200])
+        return any(_holds(k, 0) or _holds(v, depth - 1) for k, v in list(x.items())[:200])
     if depth and isinstance(x, (list, tuple)):
-        return any(_holds(v, 0) for v in list(x)[:200])
+        return any(_holds(v, depth - 1) for v in list(x)[:200])
     return False
 
 
@@ -66,7 +71,7 @@ class Walk:
         name = f"{Path(file).relative_to(ROOT)}:{frame.f_code.co_qualname}"
         try:
             held = any(_holds(v) for k, v in frame.f_locals.items() if k != "self")
-            if event == "return" and _holds(arg, 0):
+            if event == "return" and _holds(arg):
                 self.returns.add(name)
                 held = True
         except Exception:  # noqa: BLE001 - a half-built object's repr or comparison
@@ -105,8 +110,18 @@ def walk() -> Walk:
     finally:
         sys.setprofile(None)
     assert code == 0, "jobs/summarize.py --print-config failed"
-    cfg = load_config(str(ROOT / "configs" / "summarize.yaml"), [a for a in ARGS[1:] if a != "--set"])
-    assert cfg.compute.draft_length == VALUE
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(str(ROOT / "configs" / "summarize.yaml"),
+                          [a for a in ARGS[1:] if a != "--set"] + [f"output.uri={out}"])
+        assert cfg.compute.draft_length == VALUE
+        from pipeline.run import preflight
+
+        sys.setprofile(w)
+        try:
+            pre = preflight(cfg)
+        finally:
+            sys.setprofile(None)
+        pre.writer.release_lease()
     with mock.patch.object(pipeline.loading, "load_job_models", lambda cfg, device=None: models):
         sys.setprofile(w)
         try:
