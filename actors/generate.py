@@ -111,11 +111,14 @@ class GenerateActor:
             copied; ``pool`` of its rows seed the job-wide draft pool; None: no keys.
         load_board: the driver's load board (:func:`pipeline.ray_setup.open_load_board`), where
             the actor posts what its load did for the CPU; ``None`` posts nothing.
+        generation: the job's generation settings as the driver resolved them once
+            (:func:`pipeline.loading.resolve_job_generation`, a ``GenerationSettings``); ``None``
+            (an actor built on its own): resolved here, by the same function.
     """
 
     def __init__(self, config: dict[str, Any] | JobConfig, device: str | None = None, columns: str = "job",
                  text_column: str = "text", id_column: str = "id", reuse: dict[str, Any] | None = None,
-                 load_board=None, carry: list[str] | None = None):
+                 load_board=None, carry: list[str] | None = None, generation=None):
         if columns not in ("job", "processor"):
             raise ValueError(f"columns must be 'job' or 'processor', got {columns!r}")
         self.columns, self.text_column, self.id_column = columns, text_column, id_column
@@ -124,7 +127,7 @@ class GenerateActor:
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
         compute = self.cfg.compute
         limit_cpu_threads(process_cpus(self.cfg))
-        loaded = load_engine(self.cfg, device, compute.max_batch_size)
+        loaded = load_engine(self.cfg, device, compute.max_batch_size, generation)
         self.models, self.engine, self.settings = loaded.models, loaded.engine, loaded.settings
         self.load_time_s = loaded.load_time_s
         #: what the load did for the CPU, by model role (pipeline.engine.cpu.CpuPlan.describe), posted to the driver

@@ -112,23 +112,12 @@ _SETS = ("stop_strings", "suppress_tokens", "bad_words_ids", "eos_token_id")
 
 
 def method_fields(name: str) -> frozenset[str]:
-    """The SpeculationSettings fields method ``name`` reads, from its
-    :class:`~pipeline.engine.methods.MethodSpec`: its draft length, its ``params``, the
-    schedule of an adaptive method, the ensemble weight of one with draft logits."""
+    """The SpeculationSettings fields method ``name`` reads: its
+    :attr:`MethodSpec.reads <pipeline.engine.methods.MethodSpec.reads>`."""
     from pipeline.engine import METHODS
-    from pipeline.engine.methods import SCHEDULE_FIELD
 
     spec = METHODS.get(name)
-    if spec is None:
-        return frozenset()
-    used = set(spec.params)
-    if spec.k_param:
-        used.add(spec.k_param)
-    if spec.adaptive:
-        used.add(SCHEDULE_FIELD)
-    if spec.draft_logits:
-        used.add("assistant_ensemble_weight")
-    return frozenset(used)
+    return spec.reads if spec is not None else frozenset()
 
 
 def _method_identity(section: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,9 @@ measures and what a replica serves is what the job runs.
   ``generation:`` resolved against the target checkpoint (:class:`LoadedEngine`);
 - :func:`load_job_models` and :func:`build_engine` -- the two halves, for a caller that
   builds several engines on one model pair (the tuner, the actor's plain audit engine);
-- :func:`generation_settings` -- the job's ``generation:`` with the checkpoint's defaults;
+- :func:`resolve_job_generation` -- the job's ``generation:`` with the checkpoint's defaults,
+  resolved once per job, in the driver (the processor hands the result to its actors; a
+  replica or the tuner, which have no driver, resolve it the same way);
 - :func:`row_key`, :func:`row_seed`, :func:`row_settings` -- a row's own sampling seed,
   derived from ``generation.seed`` and the row's id, so a row's output does not depend on
   which actor, batch or batch position it lands in;
@@ -39,8 +41,8 @@ class LoadedEngine:
     Attributes:
         models: the loaded :class:`pipeline.models.LoadedModels`.
         engine: the :class:`pipeline.engine.SpeculativeEngine` of ``method:``.
-        settings: the job's ``generation:`` with the target checkpoint's defaults filled in,
-            as the engine resolves them (:func:`generation_settings`).
+        settings: the job's ``generation:`` with the target checkpoint's defaults filled in
+            (:func:`resolve_job_generation`; the driver's, when it handed them over).
         load_time_s: seconds spent loading the weights.
     """
 
@@ -99,25 +101,37 @@ def build_engine(models: LoadedModels, spec: SpeculationSettings | None = None, 
     )
 
 
-def generation_settings(cfg: JobConfig, target) -> GenerationSettings:
-    """The job's ``generation:`` with unset fields taken from ``target``'s
-    ``generation_config`` (:func:`pipeline.engine.settings.resolve_generation_settings`).
+def resolve_job_generation(cfg: JobConfig, target_config) -> GenerationSettings:
+    """``generation:`` with the target checkpoint's ``generation_config`` defaults filled in
+    (:func:`pipeline.engine.settings.resolve_generation_settings`; read from the checkpoint's
+    files, no weights: ``target_config`` is its ``config.json``).  The one resolution of a
+    job's generation settings: the driver's preflight calls it once and hands the result to
+    the actors (:class:`actors.generate.GenerateActor`'s ``generation``).
 
     Raises:
-        ValueError: a setting out of range (naming it).
+        ConfigError: a bad value, from the config or the checkpoint (naming the setting).
     """
-    from pipeline.engine.runner import text_config
+    from pipeline.config import ConfigError
     from pipeline.engine.settings import resolve_generation_settings
+    from pipeline.models import checkpoint_generation_config
 
-    return resolve_generation_settings(cfg.generation.generation_settings(), target.generation_config,
-                                       text_config(target).vocab_size)
+    checkpoint = checkpoint_generation_config(cfg.models.target, target_config, cfg.models.trust_remote_code)
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    try:
+        return resolve_generation_settings(cfg.generation.generation_settings(), checkpoint,
+                                           getattr(text, "vocab_size", None))
+    except ValueError as e:
+        raise ConfigError(f"generation: {e}") from None
 
 
-def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int | None = None) -> LoadedEngine:
+def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int | None = None,
+                generation: GenerationSettings | None = None) -> LoadedEngine:
     """Load ``cfg.models`` (on ``device``; default ``cuda`` when visible, else ``cpu``) and
     build the engine of ``cfg.method`` with ``max_batch_size`` rows in flight (default
     ``compute.max_batch_size``), ``compute.draft_length`` and the ``cpu:`` options (the
     models are prepared for the CPU here, once: the engine's ``cpu_plans`` say what was chosen).
+    ``generation``: the job's resolved generation settings (the driver's); ``None``: resolved
+    here (:func:`resolve_job_generation`), for a process without a driver (a replica, the tuner).
 
     Raises:
         ValueError: the engine refuses the model pair or a setting (the message names it).
@@ -127,7 +141,9 @@ def load_engine(cfg: JobConfig, device: str | None = None, max_batch_size: int |
     load_time_s = time.perf_counter() - t0
     engine = build_engine(models, cfg.method.speculation_settings(), max_batch_size or cfg.compute.max_batch_size,
                           cfg.compute.draft_length, cpu=cfg.cpu.cpu_options())
-    return LoadedEngine(models, engine, generation_settings(cfg, models.target), load_time_s)
+    if generation is None:
+        generation = resolve_job_generation(cfg, models.target.config)
+    return LoadedEngine(models, engine, generation, load_time_s)
 
 
 # ---------------------------------------------------------------------------- rows

@@ -77,6 +77,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from pipeline.config import ConfigError, JobConfig, load_config
+from pipeline.loading import resolve_job_generation
 
 log = logging.getLogger("specbatch")
 
@@ -165,21 +166,6 @@ def check_response_format(generation, tokenizer, target_config) -> None:
         compile_grammar(rf, tokenizer, vocab)
     except GrammarError as e:
         raise ConfigError(f"generation.response_format: {e}") from None
-
-
-def resolve_job_generation(cfg: JobConfig, target_config):
-    """``generation:`` with the target checkpoint's ``generation_config`` defaults filled in
-    (logged once); raises ConfigError naming the setting for a bad value from either."""
-    from pipeline.engine.settings import resolve_generation_settings
-    from pipeline.models import checkpoint_generation_config
-
-    checkpoint = checkpoint_generation_config(cfg.models.target, target_config, cfg.models.trust_remote_code)
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    try:
-        return resolve_generation_settings(cfg.generation.generation_settings(), checkpoint,
-                                           getattr(text, "vocab_size", None))
-    except ValueError as e:
-        raise ConfigError(f"generation: {e}") from None
 
 
 def build_processor(config: JobConfig | str | os.PathLike | dict[str, Any], preprocess: RowFn | None = None,
@@ -279,7 +265,7 @@ class Processor:
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
             ds = ds.map_batches(
                 GenerateActor,
-                fn_constructor_kwargs={"config": cfg.model_dump(), "columns": self.columns,
+                fn_constructor_kwargs={"config": cfg.model_dump(), "generation": self.generation, "columns": self.columns,
                                        "text_column": self.text_column, "id_column": self.id_column,
                                        "load_board": board, "carry": self.carry,
                                        **({"reuse": self.reuse} if self.reuse is not None else {})},

@@ -49,7 +49,8 @@ of reused rows with plain decoding and compares the token ids, as for decoded ro
 The persisted draft pool.  The previous output is also the job-wide draft pool a method that
 learns from finished outputs keeps (suffix decoding's tree of earlier outputs,
 :attr:`~pipeline.engine.methods.MethodSpec.learns_from_outputs`): each actor seeds it, after
-its warm-up's reset, with the output token ids of up to ``suffix_decoding_max_cached_requests``
+its warm-up's reset, with the output token ids of up to the pool's bound
+(:meth:`~pipeline.engine.methods.MethodSpec.pool_size`, from the method's ``Params``) of
 previous rows (:meth:`RowReuse.pool_documents`, :meth:`pipeline.engine.loop.StepEngine.seed_pool`;
 counted in the summary's ``previous.pool_seeded_rows``).  It is keyed to the model and the
 tokenizer (:func:`pipeline.fingerprint.model_and_tokenizer`), not to the whole config: a
@@ -341,7 +342,8 @@ class ReusePlan:
         pool_from: the previous output whose rows seed each actor's job-wide draft pool (its
             model and tokenizer are this run's; None: no pool to seed, or it was refused).
         pool_size: how many previous rows may seed the pool (the method's bound on it,
-            ``suffix_decoding_max_cached_requests``; 0: the method learns nothing from outputs).
+            :meth:`MethodSpec.pool_size <pipeline.engine.methods.MethodSpec.pool_size>`; 0: the
+            method learns nothing from outputs).
         vocab_size: the target's vocabulary size: a previous row holding an id outside it is
             rejected (None: ids must fit ``int32``).
     """
@@ -432,16 +434,12 @@ def _same_folder(prev: Any, own_url: str, storage_options: dict[str, Any], retry
 
 def pool_size(cfg: JobConfig) -> int:
     """How many previous rows seed an actor's job-wide draft pool: the method's bound on the
-    pool (``method.suffix_decoding_max_cached_requests``, vLLM's default where unset) when it
-    learns from finished outputs (:attr:`~pipeline.engine.methods.MethodSpec.learns_from_outputs`), else 0."""
+    pool when it learns from finished outputs, else 0
+    (:meth:`MethodSpec.pool_size <pipeline.engine.methods.MethodSpec.pool_size>`)."""
     from pipeline.engine import METHODS
-    from pipeline.engine.proposers.suffix import DEFAULT_MAX_CACHED_REQUESTS
 
     spec = METHODS.get(cfg.method.name)
-    if spec is None or not spec.learns_from_outputs:
-        return 0
-    size = getattr(cfg.method, "suffix_decoding_max_cached_requests", None)
-    return DEFAULT_MAX_CACHED_REQUESTS if size is None else int(size)
+    return spec.pool_size(cfg.method.speculation_settings()) if spec is not None else 0
 
 
 def _pool_source(plan: ReusePlan, prev: Any, identity: dict[str, Any]) -> str | None:

@@ -107,7 +107,7 @@ def preflight(cfg: JobConfig) -> Preflight:
 
     The writer holds the output's lease: the caller releases it with
     ``writer.release_lease()``.  The generation settings are the job's ``generation:``
-    with the target checkpoint's defaults filled in (the actors' engines resolve the same).
+    with the target checkpoint's defaults filled in, resolved here once and handed to the actors.
 
     Raises:
         InputError, ModelError, OutputError, ConfigError (all :class:`JobRefused`): a bad

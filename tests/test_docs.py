@@ -271,9 +271,13 @@ def test_job_commands_in_the_docs_resolve(monkeypatch):
 
 
 def test_the_new_method_of_the_docs_is_the_one_the_test_runs():
+    """Every code block of the page on adding a method is the toy method that
+    tests/engine/test_adding_a_method.py builds and runs (none is an unchecked copy)."""
     page = REPO / "docs" / "adding-a-method.md"
-    first = next(body for lang, body, _, _ in blocks(page) if lang == "python")
-    assert first in (REPO / "tests" / "pipeline" / "fake_method.py").read_text()
+    python = [(marker or "", line) for lang, _, marker, line in blocks(page) if lang == "python"]
+    assert len(python) == 3, python  # the file, the registry line, its tests
+    stray = [line for marker, line in python if "run by: tests/engine/test_adding_a_method.py::" not in marker]
+    assert not stray, f"{_rel(page)}: blocks at lines {stray} are not run by tests/engine/test_adding_a_method.py"
 
 
 # ---------------------------------------------------------------------------- generated parts

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from pipeline.engine import METHODS, GenerationSettings, SpeculationSettings
+from pipeline.engine.methods import foreign_params
 from pipeline.engine.cpu import CpuOptions
 
 DEFAULT_TEMPLATES = {
@@ -261,9 +262,9 @@ class MethodConfig(BaseModel):
                 raise ValueError(f"method.{key}: {str(value).lower()} is a boolean, not a number")
         try:
             self.speculation_settings()
-            foreign = {k: v for k, v in self.params.items() if k in foreign_method_params(self.name)}
-            for name, spec in METHODS.items():  # another method's settings kept here: their values still checked
-                theirs = {k: v for k, v in foreign.items() if k in spec.params}
+            foreign = foreign_params(METHODS, self.name)
+            for name in METHODS:  # another method's settings kept here: their values still checked
+                theirs = {k: v for k, v in self.params.items() if name in foreign.get(k, ())}
                 if theirs:
                     try:
                         SpeculationSettings(method=name, **theirs).validate()
@@ -280,8 +281,8 @@ class MethodConfig(BaseModel):
 
     def speculation_settings(self) -> SpeculationSettings:
         """The engine's settings: the method's own parameters (a parameter only other
-        methods take, :attr:`MethodSpec.params <pipeline.engine.methods.MethodSpec>`, is
-        left out); raises ValueError naming a bad value."""
+        methods take, :func:`~pipeline.engine.methods.foreign_params`, is left out); raises
+        ValueError naming a bad value."""
         return SpeculationSettings(method=self.name, **self.own_params()).validate()
 
     def own_params(self) -> dict[str, Any]:
@@ -291,10 +292,8 @@ class MethodConfig(BaseModel):
 
 def foreign_method_params(method: str) -> frozenset[str]:
     """SpeculationSettings fields that belong to other methods of the table and not to
-    ``method`` (from each :class:`~pipeline.engine.methods.MethodSpec`'s ``params``)."""
-    spec = METHODS.get(method)
-    own = set(spec.params) if spec is not None else set()
-    return frozenset(p for m in METHODS.values() for p in m.params if p not in own)
+    ``method`` (:func:`pipeline.engine.methods.foreign_params` of the table)."""
+    return frozenset(foreign_params(METHODS, method))
 
 
 def _dataclass_fields(cls) -> dict[str, Any]:

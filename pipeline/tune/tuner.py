@@ -49,7 +49,7 @@ from pipeline.engine.methods import CONFIDENCE_FIELD, PLAIN, SCHEDULE_FIELD
 from pipeline.engine.cost_model import reach_from_counts
 from pipeline.engine.profile import EngineProfile, profile_engine
 from pipeline.engine.cpu import prepare
-from pipeline.loading import build_engine, generation_settings, limit_cpu_threads, load_job_models, process_cpus
+from pipeline.loading import build_engine, limit_cpu_threads, load_job_models, process_cpus, resolve_job_generation
 from pipeline.paths import resolve_config_paths
 from pipeline.tune.confirm import TREE_CANDIDATES, VARIANT_MARGIN, Confirmation, keep_variant, tree_variant
 from pipeline.tune.measure import PilotInput, PilotRun, read_pilot, row_settings, run_pilot
@@ -210,7 +210,7 @@ def allowed_methods(cfg: JobConfig, loaded, options: TuneOptions) -> tuple[list[
         if params is None:
             continue
         fixed = {k: v for k, v in FIXED_DRAFT_LENGTH.items()
-                 if (k == SCHEDULE_FIELD and method.adaptive) or k in method.params}
+                 if (k == SCHEDULE_FIELD and method.adaptive) or k in method.param_names}
         k_max = 0
         if method.k_param is not None:
             k_max = options.max_draft or max(method.tune_k_max or 0, getattr(spec, method.k_param))
@@ -342,7 +342,7 @@ def tune(cfg: JobConfig, options: TuneOptions | None = None, *, raw_config: dict
     clocks = _Clocks(clock)
     machine = {"cpu_count": os.cpu_count(), "load_average_start": _load(), "clock": options.clock}
     loaded, choices, notes, plain_engine = _load_models(cfg, options, clock, machine)
-    generation = generation_settings(cfg, loaded.target)
+    generation = resolve_job_generation(cfg, loaded.target.config)
     clocks.stage("load")
     run = _pilot_phase(cfg, options, loaded, choices, plain_engine, generation, clock, notes, log)
     clocks.stage("pilot")
@@ -386,7 +386,7 @@ def _load_models(cfg: JobConfig, options: TuneOptions, clock, machine: dict[str,
     machine.update(device=loaded.device, torch_threads=torch.get_num_threads(), torch=torch.__version__)
     choices, notes = allowed_methods(cfg, loaded, options)
     plain_engine = _engine(MethodChoice(PLAIN), 0, max(options.batch_sizes), loaded, clock)
-    _warmed(plain_engine, max(options.batch_sizes), generation_settings(cfg, loaded.target))
+    _warmed(plain_engine, max(options.batch_sizes), resolve_job_generation(cfg, loaded.target.config))
     return loaded, choices, notes, plain_engine
 
 

@@ -160,3 +160,33 @@ def test_every_methods_declared_capabilities_are_its_proposers_hooks():
         assert isinstance(m.adaptive, bool) and (m.max_rows is None or m.max_rows >= 1), name
         assert not any(hasattr(cls, a) for a in ("adaptive", "max_rows", "proposes_trees")), name  # one owner
     assert not hasattr(NoState, "max_rows") and NoState().models() == []
+
+
+def test_the_settings_are_composed_from_each_methods_params():
+    """SpeculationSettings holds each method's Params fields once; a setting two methods
+    declare each on their own is refused when the table is composed; the pool a method keeps
+    for the nightly reuse is its Params' to say."""
+    import dataclasses
+
+    from pipeline.engine import METHODS
+    from pipeline.engine.methods import MethodParams, MethodSpec, param, param_owners
+    from pipeline.engine.speculation import compose
+
+    names = [f.name for f in dataclasses.fields(SpeculationSettings)]
+    assert len(names) == len(set(names))
+    for name, spec in METHODS.items():
+        assert set(spec.param_names) <= set(names), name
+        assert all(name in param_owners(METHODS)[p] for p in spec.param_names), name
+    assert param_owners(METHODS)["assistant_confidence_threshold"] == ("draft_model", "early_exit")
+
+    @dataclasses.dataclass
+    class Twice(MethodParams):
+        max_matching_ngram_size: int = param(3, "the same name as prompt_lookup's, declared again")
+
+    with pytest.raises(TypeError, match="max_matching_ngram_size is declared twice"):
+        compose({**METHODS, "twice": MethodSpec("twice", params=Twice)})
+
+    suffix, draft = METHODS["suffix"], METHODS["draft_model"]
+    assert suffix.pool_size(SpeculationSettings(method="suffix", suffix_decoding_max_cached_requests=7)) == 7
+    assert suffix.pool_size(SpeculationSettings(method="suffix")) == 10_000  # vLLM's default
+    assert draft.pool_size(SpeculationSettings(method="draft_model")) == 0  # it learns nothing from outputs

@@ -12,7 +12,7 @@ import pytest
 from actors.generate import GenerateActor
 from pipeline_testkit import job_config
 from pipeline.engine import GenerationSettings
-from pipeline.loading import build_engine, generation_settings, load_engine, load_job_models, row_key, row_settings
+from pipeline.loading import build_engine, load_engine, load_job_models, resolve_job_generation, row_key, row_settings
 from pipeline.tune import measure, tuner
 
 
@@ -39,7 +39,7 @@ def test_the_actor_the_replica_and_the_tuner_build_the_same_engine(tiny_models, 
         # a method that does not draft with a model never gets the drafter, even when it is loaded
         assert models.drafter is not None
         assert (actor.models.drafter is None) == (method == "prompt_lookup")
-        settings = generation_settings(cfg, models.target)
+        settings = resolve_job_generation(cfg, models.target.config)
         assert actor.settings == server.defaults == settings
         assert settings.do_sample and settings.seed == 7 and settings.temperature == 0.7
     finally:
@@ -74,3 +74,22 @@ def test_a_row_is_seeded_from_the_job_seed_and_its_key():
         assert all(row_settings(s, k) is s for k in keys)
     # the tuner's pilot seeds its rows as the actor does
     assert [s.seed for s in measure.row_settings(sampled, keys)] == seeds
+
+
+def test_the_driver_resolves_the_generation_settings_once(tiny_models, tmp_path, monkeypatch):
+    """An actor given the driver's resolved generation settings decodes on them as they are:
+    nothing resolves them again in the actor's process."""
+    import dataclasses
+
+    import pipeline.loading
+
+    cfg = job_config(tiny_models, "unused", str(tmp_path / "o"), method="prompt_lookup")
+    resolved = pipeline.loading.resolve_job_generation(cfg, load_job_models(cfg, "cpu").target.config)
+    given = dataclasses.replace(resolved, max_new_tokens=3)  # what the driver resolved, marked
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the generation settings were resolved again")
+
+    monkeypatch.setattr(pipeline.loading, "resolve_job_generation", refuse)
+    loaded = load_engine(cfg, "cpu", 2, generation=given)
+    assert loaded.settings is given

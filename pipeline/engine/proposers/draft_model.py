@@ -35,10 +35,45 @@ and the drafter's cache follows it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..methods import MethodParams, number_in, param, POSITIVE_INT, Rule
 from ..runner import ModelRunner, model_layout, prefill, text_config
 from .base import Draft, DraftedTokens, DraftRequest, Drafting, draft_tokens, with_leaves
+
+
+# --------------------------------------------------------------------------- parameters
+@dataclass
+class ConfidenceParams(MethodParams):
+    """The drafter-confidence stop, a parameter of every method whose drafter runs a
+    distribution token by token (``draft_model``, ``early_exit``)."""
+
+    assistant_confidence_threshold: float = param(
+        0.0, "the draft model stops drafting early when its top probability falls below this (0 disables; "
+        "transformers' default is 0.4).", number_in(0, 1, high_open=True))
+
+
+@dataclass
+class VocabSizeParams(MethodParams):
+    """The size of a reduced draft vocabulary (``draft_model`` with ``draft_vocab``, ``eagle``)."""
+
+    draft_vocab_size: int | None = param(
+        None, "methods ``draft_model`` (with ``draft_vocab``) and ``eagle``: use only the first ``N`` ids of the "
+        "draft vocabulary (``None``: all of them).", POSITIVE_INT, what="draft-vocabulary ids kept")
+
+
+@dataclass
+class Params(VocabSizeParams, ConfidenceParams):
+    """Method ``draft_model``'s parameters (its draft length is ``num_assistant_tokens``)."""
+
+    draft_vocab: str | None = param(
+        None, "method ``draft_model``: a reduced draft vocabulary (FR-Spec, Zhao et al. 2025) -- a draft-head "
+        "folder (its ``draft_vocab``) or a JSON file holding a list of token ids, most frequent first.  The "
+        "drafter computes only those rows of its LM head and ``q`` is zero elsewhere; the target verifies over "
+        "its full vocabulary, so greedy output is unchanged and sampling stays exact.",
+        Rule("a path (a draft-head folder or a JSON list of token ids)", lambda v: isinstance(v, str) and v.strip()))
 
 
 class _Logits:
@@ -249,12 +284,12 @@ def build(inputs) -> DraftModelProposer:
     from .vocab import check_shared_vocabulary, read_draft_vocab
 
     check_shared_vocabulary(inputs.target, inputs.drafter, inputs.tokenizer, inputs.drafter_tokenizer)
-    spec = inputs.spec
-    if spec.draft_vocab_size is not None and spec.draft_vocab is None:
+    p = Params.of(inputs.spec)
+    if p.draft_vocab_size is not None and p.draft_vocab is None:
         raise ValueError("draft_vocab_size needs draft_vocab (the ids, most frequent first) for method 'draft_model'")
-    ids = read_draft_vocab(spec.draft_vocab, spec.draft_vocab_size) if spec.draft_vocab is not None else None
+    ids = read_draft_vocab(p.draft_vocab, p.draft_vocab_size) if p.draft_vocab is not None else None
     return DraftModelProposer(inputs.drafter, text_config(inputs.target).vocab_size,
-                              spec.assistant_confidence_threshold, draft_vocab=ids)
+                              p.assistant_confidence_threshold, draft_vocab=ids)
 
 
 def check_pair(target_config, drafter_config, tokenizer, drafter_tokenizer) -> None:

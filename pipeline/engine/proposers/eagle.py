@@ -42,7 +42,11 @@ from ..draft_head import MODEL_TYPE, WEIGHTS_NAME, DraftHead, DraftHeadConfig, c
 from ..cpu import attention_implementation
 from ..runner import ModelLayout, ModelRunner, text_config
 from .base import CATCH_UP_WINDOW, Draft, DraftRequest, Drafting, draft_tokens, top_probability, with_leaves
+from .draft_model import VocabSizeParams
 from .mtp import Positions, rows_with_state, store_hidden
+
+#: method ``eagle``'s parameters: the size of its head's draft vocabulary (shared with ``draft_model``)
+Params = VocabSizeParams
 
 
 # --------------------------------------------------------------------------- drafting
@@ -212,7 +216,7 @@ def build(inputs) -> EagleProposer:
     if not isinstance(head, DraftHead):
         raise ValueError(f"method 'eagle' drafts with a draft head (DraftHead, load_draft_head); got "
                          f"{type(head).__name__} (a causal LM drafts with method 'draft_model')")
-    return EagleProposer(inputs.target, head, inputs.spec.draft_vocab_size)
+    return EagleProposer(inputs.target, head, Params.of(inputs.spec).draft_vocab_size)
 
 
 def check_drafter(path: str, target_config) -> DraftHeadConfig:

@@ -41,12 +41,24 @@ and is refused.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
+from ..methods import param, POSITIVE_INT
 from ..runner import ModelRunner, text_config
 from .base import DraftedTokens, DraftRequest
-from .draft_model import DraftModelProposer
+from .draft_model import ConfidenceParams, DraftModelProposer
+
+
+@dataclass
+class Params(ConfidenceParams):
+    """Method ``early_exit``'s parameters: the exit layer, and the confidence stop of a drafter."""
+
+    assistant_early_exit: int | None = param(
+        None, "method ``early_exit`` only: the number ``L`` of the target's first layers that draft (with its "
+        "final norm and LM head); must be in ``1 .. num_hidden_layers - 1`` (checked when the engine is built).",
+        POSITIVE_INT, what="layers that draft", required=True)
 
 
 def _decoder(target):
@@ -280,7 +292,8 @@ def build(inputs) -> EarlyExitProposer:
         ValueError: ``assistant_early_exit`` outside ``1 .. num_hidden_layers - 1``, or a
             target whose layers the engine cannot split.
     """
-    return EarlyExitProposer(inputs.target, inputs.spec.assistant_early_exit, inputs.spec.assistant_confidence_threshold)
+    p = Params.of(inputs.spec)
+    return EarlyExitProposer(inputs.target, p.assistant_early_exit, p.assistant_confidence_threshold)
 
 
 def tune_candidate(settings, models) -> dict | None:

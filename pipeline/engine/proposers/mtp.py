@@ -41,11 +41,24 @@ import contextlib
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
+from ..methods import MethodParams, param, POSITIVE_INT
 from ..runner import ModelLayout, ModelRunner
 from .base import Draft, DraftedTokens, DraftRequest, Drafting, draft_tokens
+
+
+@dataclass
+class Params(MethodParams):
+    """Method ``mtp``'s parameters."""
+
+    num_mtp_layers: int | None = param(
+        None, "method ``mtp`` only: how many of the checkpoint's MTP layers to chain (a draft of that many tokens, "
+        "capped by ``num_assistant_tokens``); ``None``: all of them.  transformers' switch for these layers is "
+        "``generate(use_mtp=True)``; the count is ``config.num_mtp_layers`` (``num_nextn_predict_layers`` in "
+        "DeepSeek-V3 / GLM-4.5 configs).", POSITIVE_INT, what="MTP layers to chain")
 
 
 # --------------------------------------------------------------------------- loading
@@ -380,4 +393,4 @@ def build(inputs) -> MTPProposer:
             f"(or their MtpModel), got {type(inputs.drafter).__name__}"
         )
     mtp = inputs.drafter if inputs.drafter is not None else load_mtp(inputs.target)
-    return MTPProposer(inputs.target, mtp, inputs.spec.num_mtp_layers)
+    return MTPProposer(inputs.target, mtp, Params.of(inputs.spec).num_mtp_layers)

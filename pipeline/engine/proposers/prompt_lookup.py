@@ -21,9 +21,20 @@ branch, so it never accepts less than the linear draft.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..methods import MethodParams, param, POSITIVE_INT
 from .base import Draft, DraftRequest, NoState, empty_draft, tree_from_branches
+
+
+@dataclass
+class Params(MethodParams):
+    """Method ``prompt_lookup``'s parameters, named as transformers' ``generate()`` names them."""
+
+    prompt_lookup_num_tokens: int = param(10, "tokens copied after an n-gram match.", POSITIVE_INT)
+    max_matching_ngram_size: int = param(2, "longest n-gram searched for (tried from longest to 1).", POSITIVE_INT)
 
 
 def lookup(seq: torch.Tensor, k: int, max_ngram: int) -> torch.Tensor:
@@ -108,4 +119,4 @@ class PromptLookupProposer(NoState):
 
 def build(inputs) -> PromptLookupProposer:
     """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`)."""
-    return PromptLookupProposer(inputs.spec.max_matching_ngram_size)
+    return PromptLookupProposer(Params.of(inputs.spec).max_matching_ngram_size)

@@ -53,12 +53,14 @@ SuffixDecoding's speculation trees).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from ..methods import int_at_least, MethodParams, number_in, param, Rule
 from .base import Draft, DraftRequest, empty_draft, tree_from_branches
 from .prompt_lookup import lookup_with_confidence
 
@@ -412,17 +414,42 @@ def _draft(spec: Speculation, source: str, device) -> Draft:
                  confidence=torch.tensor(spec.probs, dtype=torch.float64), source=source)
 
 
+@dataclass
+class Params(MethodParams):
+    """Method ``suffix``'s parameters: vLLM's ``suffix_decoding_*`` options, vLLM's defaults
+    where unset (``None``)."""
+
+    suffix_decoding_max_tree_depth: int | None = param(
+        None, "method ``suffix``: the longest substring (match plus draft, in tokens) its suffix trees count, >= 2; "
+        f"``None``: {DEFAULT_MAX_TREE_DEPTH} (vLLM's default).", int_at_least(2), what="tokens of match plus draft")
+    suffix_decoding_max_cached_requests: int | None = param(
+        None, "method ``suffix``: completed outputs kept in the engine's job-wide suffix tree (the oldest leaves "
+        f"first; 0: no job-wide tree); ``None``: {DEFAULT_MAX_CACHED_REQUESTS} (vLLM's default).", int_at_least(0),
+        what="outputs kept")
+    suffix_decoding_max_spec_factor: float | None = param(
+        None, "method ``suffix``: a match of ``m`` tokens drafts at most ``floor(factor * m)`` tokens (and "
+        f"``num_assistant_tokens``), > 0; ``None``: {DEFAULT_MAX_SPEC_FACTOR} (vLLM's default).",
+        Rule("a finite number > 0", number_in(0, math.inf, low_open=True, high_open=True).ok))
+    suffix_decoding_min_token_prob: float | None = param(
+        None, "method ``suffix``: a draft stops before the token whose estimated chance of being reached (the "
+        "product of the observed frequencies along the draft) is below this, in [0, 1]; ``None``: "
+        f"{DEFAULT_MIN_TOKEN_PROB} (vLLM's default).", number_in(0, 1))
+
+    def resolved(self) -> tuple[int, int, float, float]:
+        """``(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob)``, vLLM's
+        defaults where unset: :class:`SuffixProposer`'s arguments."""
+        pick = lambda v, d: d if v is None else v
+        return (pick(self.suffix_decoding_max_tree_depth, DEFAULT_MAX_TREE_DEPTH),
+                pick(self.suffix_decoding_max_cached_requests, DEFAULT_MAX_CACHED_REQUESTS),
+                pick(self.suffix_decoding_max_spec_factor, DEFAULT_MAX_SPEC_FACTOR),
+                pick(self.suffix_decoding_min_token_prob, DEFAULT_MIN_TOKEN_PROB))
+
+    def pool_size(self) -> int:
+        """The job-wide tree's bound: the outputs it keeps (what the nightly reuse seeds it with)."""
+        return int(self.resolved()[1])
+
+
 def build(inputs) -> SuffixProposer:
     """The method's factory (:class:`~pipeline.engine.proposers.base.ProposerInputs`): the
     ``suffix_decoding_*`` settings, vLLM's defaults where unset."""
-    s = inputs.spec
-    pick = lambda v, d: d if v is None else v
-    return SuffixProposer(pick(s.suffix_decoding_max_tree_depth, DEFAULT_MAX_TREE_DEPTH),
-                          pick(s.suffix_decoding_max_cached_requests, DEFAULT_MAX_CACHED_REQUESTS),
-                          pick(s.suffix_decoding_max_spec_factor, DEFAULT_MAX_SPEC_FACTOR),
-                          pick(s.suffix_decoding_min_token_prob, DEFAULT_MIN_TOKEN_PROB))
-
-
-#: the method's own SpeculationSettings fields (vLLM's ``suffix_decoding_*`` options)
-PARAMS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
-          "suffix_decoding_min_token_prob")
+    return SuffixProposer(*Params.of(inputs.spec).resolved())
