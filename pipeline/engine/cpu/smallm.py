@@ -1,0 +1,143 @@
+"""The small-M linear kernel (``csrc/smallm.c``): ``y = x @ W^T (+ bias)`` in float32 for a few rows
+of input, reading each weight once per call, built with gcc at first use and loaded with ctypes.
+
+Why.  At 3-8 rows of input every library kernel on offer (oneDNN packed, MKL, ``x @ W^T``,
+inductor's row-dot loop) turns compute-inefficient: a verification pass of a few tokens costs
+2-3 one-token steps although it reads the same weights (``docs/benchmarks.md``, "The roofline of
+a pass").  This kernel keeps a panel of 32 output columns of the weight, packed once K-major
+(:func:`Library.pack`), in the cache while it multiplies every row of input with it, so the
+weight comes from memory once whatever the row count (AVX2 + FMA; AVX-512 where the CPU has it).
+
+Each output element is one FMA lane summing over the input features in order, so the result is
+bitwise the same for every row count (row ``i`` of an ``M``-row call equals row ``i`` alone):
+batch-invariant where every row count of a shape takes this kernel.
+
+Where it is offered: an x86-64 CPU with AVX2 and FMA (torch's CPU capability), gcc on the path,
+and the C source compiled into ``<compile cache>/smallm/<hash of source and flags>.so`` (the
+node's cache folder, :func:`.options.compile_cache_dir`, shared by its processes; compiled once,
+about a second).  Anywhere else :func:`library` returns ``None``, logged at INFO with the reason,
+and the other kernels serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: the C source, shipped as package data
+SOURCE = Path(__file__).with_name("csrc") / "smallm.c"
+#: how the source is compiled (part of the library's cache key)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+#: the C ABI version the loader expects (``smallm_abi()``)
+ABI = 1
+
+_LOADED: dict[str, "Library | None"] = {}
+
+
+class Library:
+    """The loaded kernel: :meth:`pack` a weight once, then :meth:`linear` per call.
+
+    Args:
+        path: the compiled shared library.
+    """
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        if lib.smallm_abi() != ABI:
+            raise OSError(f"{path}: ABI {lib.smallm_abi()}, expected {ABI}")
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        lib.smallm_packed_size.restype = i64
+        lib.smallm_packed_size.argtypes = (i64, i64)
+        lib.smallm_pack.restype = None
+        lib.smallm_pack.argtypes = (p, i64, i64, i64, p)
+        lib.smallm_linear.restype = None
+        lib.smallm_linear.argtypes = (p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int)
+        self._lib, self.path = lib, path
+        #: the AVX-512 path (else AVX2)
+        self.wide = bool(lib.smallm_has_avx512())
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """The ``(out, in)`` float32 weight ``w`` packed for :meth:`linear`: a flat float32 tensor
+        of ``ceil(out / 32) * 32 * in`` elements (a new tensor; ``w`` is read, not kept)."""
+        if w.dtype != torch.float32 or w.dim() != 2 or w.stride(1) != 1:
+            raise ValueError(f"smallm packs a float32 (out, in) weight with unit column stride, got {w.dtype} {tuple(w.shape)}")
+        n, k = w.shape
+        out = torch.empty(self._lib.smallm_packed_size(n, k), dtype=torch.float32)
+        self._lib.smallm_pack(w.data_ptr(), w.stride(0), n, k, out.data_ptr())
+        return out
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """``x @ W^T (+ bias)``: ``(M, in)`` float32 ``x`` with unit column stride, ``packed`` from
+        :meth:`pack` of the ``(out_features, in)`` ``W``, ``bias`` ``(out_features,)`` contiguous or
+        ``None`` -> a new ``(M, out_features)`` float32 tensor.  Nothing is checked here (the
+        caller, :class:`.linear.PackedLinear`, holds the shapes): wrong shapes read out of bounds."""
+        m, k = x.shape
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        self._lib.smallm_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), out_features, m, out_features, k, int(self.wide))
+        return y
+
+
+def why_unavailable() -> str | None:
+    """Why this machine cannot run the kernel (``None``: it may): not x86-64, no AVX2 in
+    torch's CPU capability, or no gcc."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return f"the CPU has no AVX2 (torch's CPU capability: {capability})"
+    if shutil.which("gcc") is None:
+        return "no gcc on the path"
+    return None
+
+
+def _build(folder: str) -> str:
+    """The path of the compiled library in ``folder``, compiling it there first if missing
+    (written under a temporary name and renamed: processes of a node may race)."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + "\0".join(FLAGS).encode()).hexdigest()[:16]
+    path = os.path.join(folder, f"smallm-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(["gcc", *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise OSError(f"gcc failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def library(folder: str) -> Library | None:
+    """The kernel compiled into (or found in) ``folder/smallm``, loaded once per process and
+    folder, or ``None`` where this machine cannot build or run it (the reason logged at INFO)."""
+    if folder in _LOADED:
+        return _LOADED[folder]
+    lib = None
+    why = why_unavailable()
+    if why is None:
+        try:
+            lib = Library(_build(os.path.join(folder, "smallm")))
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = str(exc)
+    if lib is None:
+        log.info("no small-M linear kernel: %s (the other kernels serve)", why)
+    _LOADED[folder] = lib
+    return lib
