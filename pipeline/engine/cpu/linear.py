@@ -34,7 +34,6 @@ changes (:func:`weight_version`); the model's own weights are kept, so tied embe
 
 from __future__ import annotations
 
-import time
 import weakref
 
 from typing import Iterable
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from .compiling import INDUCTOR_MIN_ELEMENTS, compile_graph, products
 from . import smallm
 from .measure import Costs, best_of, fastest
-from .options import CpuOptions, compile_cache_dir
+from .options import CpuOptions
 
 
 def _bf16_packable() -> bool:
@@ -233,7 +232,7 @@ def measure_kernels(layers: list[torch.nn.Linear], options: CpuOptions, costs: C
     if w0.dtype == torch.float32 and options.part_on("transposed"):
         offered.append("transposed")
     if w0.dtype == torch.float32 and options.part_on("smallm") and all(m.weight.stride(1) == 1 for m in layers):
-        k.lib = _small_m_library(options, costs)
+        k.lib = smallm.library_for(options, costs)
         if k.lib is not None:
             offered.append("smallm")
     rowdot = (w0.dtype == torch.float32 and options.part_on("rowdot") and w0.numel() >= INDUCTOR_MIN_ELEMENTS
@@ -261,17 +260,6 @@ def measure_kernels(layers: list[torch.nn.Linear], options: CpuOptions, costs: C
     if "smallm" not in k.choice:
         k.lib = None
     return k
-
-
-def _small_m_library(options: CpuOptions, costs: Costs | None) -> smallm.Library | None:
-    """The small-M kernel, compiled into the node's cache folder at its first use (the seconds
-    added to ``costs.compile_s``), or ``None`` where this machine cannot have it."""
-    start = time.perf_counter()
-    try:
-        return smallm.library(compile_cache_dir(options))
-    finally:
-        if costs is not None:
-            costs.compile_s += time.perf_counter() - start
 
 
 def shape_key(w: torch.Tensor) -> tuple:

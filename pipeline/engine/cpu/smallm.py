@@ -31,7 +31,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import time
+
 import torch
+
+from .measure import Costs
+from .options import CpuOptions, compile_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,11 @@ SOURCE = Path(__file__).with_name("csrc") / "smallm.c"
 #: how the source is compiled (part of the library's cache key)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 #: the C ABI version the loader expects (``smallm_abi()``)
-ABI = 1
+ABI = 2
+#: head sizes :meth:`Library.attention` serves
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+#: the most query vectors per row and key/value head it serves (query heads per KV head x tokens)
+ATTENTION_MAX_QUERIES = 64
 
 _LOADED: dict[str, "Library | None"] = {}
 
@@ -63,6 +72,9 @@ class Library:
         lib.smallm_pack.argtypes = (p, i64, i64, i64, p)
         lib.smallm_linear.restype = None
         lib.smallm_linear.argtypes = (p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int)
+        lib.smallq_attention.restype = ctypes.c_int
+        lib.smallq_attention.argtypes = (p, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, i64, i64, p,
+                                         i64, i64, i64, i64, i64, i64, ctypes.c_float, p)
         self._lib, self.path = lib, path
         #: the AVX-512 path (else AVX2)
         self.wide = bool(lib.smallm_has_avx512())
@@ -90,7 +102,48 @@ class Library:
         return y
 
 
+    def serves_attention(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        """Whether :meth:`attention` takes these ``(b, Hq, Q, d)`` queries, ``(b, Hkv, S, d)`` keys and
+        additive mask: float32 throughout, a head size of :data:`ATTENTION_HEAD_DIMS`, grouped heads of
+        at most :data:`ATTENTION_MAX_QUERIES` query vectors, unit last strides, a ``(b or 1, 1, Q, >= S)``
+        mask (or ``None``, every position visible)."""
+        b, hq, nq, d = q.shape
+        hkv = k.shape[1]
+        return (q.dtype == k.dtype == torch.float32 and d in ATTENTION_HEAD_DIMS and hkv > 0 and hq % hkv == 0
+                and hq // hkv * nq <= ATTENTION_MAX_QUERIES and q.stride(3) == 1 and k.stride(3) == 1
+                and k.shape[0] == b and k.shape[2] > 0
+                and (mask is None or (mask.dtype == torch.float32 and mask.dim() == 4 and mask.shape[0] in (1, b)
+                                      and mask.shape[1] == 1 and mask.shape[2] == nq and mask.shape[3] >= k.shape[2]
+                                      and mask.stride(3) == 1)))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+        """Softmax attention of ``(b, Hq, Q, d)`` float32 queries over ``(b, Hkv, S, d)`` keys and values
+        (grouped heads: query head ``h`` reads KV head ``h // (Hq / Hkv)``), ``scale`` on the scores, the
+        additive ``mask`` ``(b or 1, 1, Q, >= S)`` (its first ``S`` positions) or ``None``: a new
+        contiguous ``(b, Hq, Q, d)`` tensor, SDPA's result within float32 rounding.  Each row's keys
+        and values are read once for all its query heads and tokens.  Only shapes
+        :meth:`serves_attention` accepts (``ValueError`` otherwise)."""
+        if not self.serves_attention(q, k, mask) or v.shape != k.shape or v.stride(3) != 1:
+            raise ValueError(f"attention shapes not served: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        b, hq, nq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        out = torch.empty(b, hq, nq, d, dtype=torch.float32)
+        scratch = torch.empty(hq // hkv * nq * s, dtype=torch.float32)
+        m_ptr, m_sb, m_sq = (None, 0, 0) if mask is None else (
+            mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2))
+        rc = self._lib.smallq_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+                                        k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                                        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+                                        m_ptr, m_sb, m_sq, out.data_ptr(), b, hq, hkv, nq, s, d, scale,
+                                        scratch.data_ptr())
+        if rc:
+            raise ValueError(f"attention shapes not served: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        return out
+
+
 def why_unavailable() -> str | None:
+
     """Why this machine cannot run the kernel (``None``: it may): not x86-64, no AVX2 in
     torch's CPU capability, or no gcc."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -141,3 +194,18 @@ def library(folder: str) -> Library | None:
         log.info("no small-M linear kernel: %s (the other kernels serve)", why)
     _LOADED[folder] = lib
     return lib
+
+
+def library_for(options: CpuOptions, costs: Costs | None = None) -> Library | None:
+    """:func:`library` in the node's cache folder of ``options`` (:func:`.options.compile_cache_dir`),
+    ``None`` where the ``smallm`` part is off; the seconds spent (a compile at first use) are added
+    to ``costs.compile_s``."""
+    if not options.part_on("smallm"):
+        return None
+    start = time.perf_counter()
+    try:
+        return library(compile_cache_dir(options))
+    finally:
+        if costs is not None:
+            costs.compile_s += time.perf_counter() - start
+
