@@ -17,9 +17,8 @@ and the shape, so it is measured at load over the model's own weights of that sh
   :data:`.compiling.INDUCTOR_MIN_ELEMENTS` or more; 1 .. :data:`ROWDOT_MAX_ROWS` rows, one
   compiled graph per row count), where ``smallm`` is not offered (it was as fast or faster at
   every shape and row count measured, without a graph to compile per shape and row count);
-
-- ``smallm``: :mod:`.smallm`'s C kernel on a copy of the weight packed once into panels of 32
-  output columns, which reads the weight once for 8 rows and more (float32, a CPU with AVX2
+- ``smallm``: :mod:`.smallm`'s C kernel on a copy of the weight packed once into K-major panels
+  of 16 output columns, which reads the weight once for 8 rows and more (float32, a CPU with AVX2
   and FMA, gcc at hand; its sums are bitwise the same whatever the row count).
 
 Where oneDNN cannot pack bfloat16 (a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT), ``F.linear``
@@ -35,14 +34,13 @@ changes (:func:`weight_version`); the model's own weights are kept, so tied embe
 from __future__ import annotations
 
 import weakref
-
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
-from .compiling import INDUCTOR_MIN_ELEMENTS, compile_graph, products
 from . import smallm
+from .compiling import INDUCTOR_MIN_ELEMENTS, compile_graph, products
 from .measure import Costs, best_of, fastest
 from .options import CpuOptions
 

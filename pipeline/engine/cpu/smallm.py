@@ -1,21 +1,26 @@
-"""The small-M linear kernel (``csrc/smallm.c``): ``y = x @ W^T (+ bias)`` in float32 for a few rows
-of input, reading each weight once per call, built with gcc at first use and loaded with ctypes.
+"""The small-M kernels (``csrc/smallm.c``), built with gcc at first use and loaded with ctypes:
+``y = x @ W^T (+ bias)`` in float32 for a few rows of input, reading each weight once per call
+(:meth:`Library.linear`), and the attention of a short query block over a KV cache, reading each
+row's keys and values once (:meth:`Library.attention`).
 
 Why.  At 3-8 rows of input every library kernel on offer (oneDNN packed, MKL, ``x @ W^T``,
 inductor's row-dot loop) turns compute-inefficient: a verification pass of a few tokens costs
 2-3 one-token steps although it reads the same weights (``docs/benchmarks.md``, "The roofline of
-a pass").  This kernel keeps a panel of 32 output columns of the weight, packed once K-major
-(:func:`Library.pack`), in the cache while it multiplies every row of input with it, so the
-weight comes from memory once whatever the row count (AVX2 + FMA; AVX-512 where the CPU has it).
+a pass").  The linear kernel keeps two panels of 16 output columns of the weight (one on the AVX2
+path), packed once K-major (:meth:`Library.pack`), in the cache while it multiplies every row of
+input with them, so the weight comes from memory once whatever the row count (AVX2 + FMA;
+AVX-512 where the CPU has it).  SDPA at 1-8 query tokens spends several times the cache's read
+on per-call work; the attention kernel scores a block of keys against all the query heads of a
+KV head, then sums the values the same way.
 
-Each output element is one FMA lane summing over the input features in order, so the result is
-bitwise the same for every row count (row ``i`` of an ``M``-row call equals row ``i`` alone):
-batch-invariant where every row count of a shape takes this kernel.
+Each output element of the linear kernel is one FMA lane summing over the input features in
+order, so the result is bitwise the same for every row count (row ``i`` of an ``M``-row call
+equals row ``i`` alone): batch-invariant where every row count of a shape takes this kernel.
 
-Where it is offered: an x86-64 CPU with AVX2 and FMA (torch's CPU capability), gcc on the path,
-and the C source compiled into ``<compile cache>/smallm/<hash of source and flags>.so`` (the
+Where they are offered: an x86-64 CPU with AVX2 and FMA (torch's CPU capability), gcc on the path,
+and the C source compiled into ``<compile cache>/smallm/smallm-<hash of source and flags>.so`` (the
 node's cache folder, :func:`.options.compile_cache_dir`, shared by its processes; compiled once,
-about a second).  Anywhere else :func:`library` returns ``None``, logged at INFO with the reason,
+a second or two).  Anywhere else :func:`library` returns ``None``, logged at INFO with the reason,
 and the other kernels serve.
 """
 
