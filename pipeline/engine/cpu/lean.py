@@ -103,9 +103,11 @@ class LeanPass:
         self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.modules = list(model.modules())[1:]  # not the model itself: the plan must not keep it alive
         self.options, self.kernels = options, kernels
-        #: the small-M library whose attention kernel serves short query blocks (:func:`attend`), or None
+        #: the small-M library whose attention kernel serves short query blocks (:func:`attend`), or None:
+        #: float32, one torch thread (the kernel runs on one; SDPA would use the others)
         self.attention_kernel = (smallm.library_for(options, costs)
-                                 if model.lm_head.weight.dtype == torch.float32 else None)
+                                 if model.lm_head.weight.dtype == torch.float32 and torch.get_num_threads() == 1
+                                 else None)
         self._build(costs, measure=True)
         self.graphs: dict[int, tuple] = {}
         w = self.qkv[0].weight
