@@ -14,7 +14,7 @@ A job config has twelve sections (see ``configs/summarize.yaml`` for a commented
     compute:    num_actors, gpus_per_actor, cpus_per_actor, rows_per_batch, max_batch_size,
                 draft_length, max_actor_restarts, max_batch_retries, actor_start_timeout_s,
                 stall_timeout_s
-    cpu:        kernels, onednn, transposed, rowdot, small_query_attention, lean_pass,
+    cpu:        kernels, onednn, transposed, smallm, rowdot, small_query_attention, lean_pass,
                 compiled_layer, compile_cache (CpuOptions' fields: the engine's CPU acceleration;
                 the environment's SPECBATCH_CPU_<KEY> overrides each)
     output:     uri, overwrite, allow_foreign_files, partition_by_date, run_date, max_rows_per_file,

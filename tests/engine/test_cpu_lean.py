@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.cpu import CpuOptions, lean, layer, prepare
+from pipeline.engine.cpu import CpuOptions, lean, layer, prepare, smallm
 from pipeline.engine.runner import ModelRunner
 
 from tiny_models import build, prompt_of
@@ -49,6 +49,15 @@ def _run(model, use_fused: bool):
     return logits, _cache(runner)
 
 
+def _assert_same(got, got_cache, want, want_cache, tol: float) -> None:
+    """Logits and KV caches of two runs of :func:`_passes` equal within ``tol``."""
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    for (gk, gv), (wk, wv) in zip(got_cache, want_cache):
+        torch.testing.assert_close(gk, wk, rtol=tol, atol=tol)
+        torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
+
+
 @pytest.fixture
 def counted(monkeypatch):
     calls = []
@@ -85,16 +94,27 @@ def test_every_grouping_of_query_heads_gives_the_models_logits(heads, kv_heads, 
                         lambda q, k, v, **kw: widths.append((q.shape[1], q.shape[2], "enable_gqa" in kw)) or
                         real(q, k, v, **kw))
     got, got_cache = _run(model, True)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-    for (gk, gv), (wk, wv) in zip(got_cache, want_cache):
-        torch.testing.assert_close(gk, wk, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(gv, wv, rtol=1e-12, atol=1e-12)
+    _assert_same(got, got_cache, want, want_cache, 1e-12)
     group = heads // kv_heads
     # per layer: the two prefills (9 and 5 tokens), the ragged pass (3 tokens), the tree pass (5)
     want_calls = [(heads, 9, True), (heads, 5, True)] + ([(heads, 3, True), (heads, 5, True)] if group == 1 else
                                                          [(kv_heads, 3 * group, False), (kv_heads, 5 * group, False)])
     assert widths == [c for c in want_calls for _ in range(2)]
+
+
+def test_short_masked_float32_passes_take_the_attention_kernel_and_give_the_models_logits(monkeypatch):
+    """Heads of 32 (the kernel serves 32, 64, 128): the ragged and the tree pass (masked, 3 and 5
+    tokens at 2 rows) run the small-M library's attention; the prefills keep SDPA's causal kernel."""
+    if smallm.library_for(ON) is None:
+        pytest.skip(f"no small-M kernels here: {smallm.why_unavailable()}")
+    model = build("llama", layers=2, hidden=128, num_attention_heads=4, num_key_value_heads=2).float()
+    want, want_cache = _run(model, False)
+    calls = []
+    real = smallm.Library.attention
+    monkeypatch.setattr(smallm.Library, "attention", lambda self, q, *a: calls.append(tuple(q.shape)) or real(self, q, *a))
+    got, got_cache = _run(model, True)
+    _assert_same(got, got_cache, want, want_cache, 2e-5)
+    assert calls == [(2, 4, 3, 32)] * 2 + [(2, 4, 5, 32)] * 2
 
 
 def test_a_weight_changed_in_place_is_fused_again(counted):

@@ -9,8 +9,13 @@ import pickle
 import pytest
 import torch
 
-from pipeline.engine.cpu import CpuOptions, linear, prepare
-from pipeline.engine.cpu.linear import KERNELS, SMALL_MAX_ROWS, PackedLinear, ShapeKernels, prepare_linears
+from pipeline.engine.cpu import CpuOptions, linear, prepare, smallm
+from pipeline.engine.cpu.linear import (KERNELS, ROWDOT_MAX_ROWS, SMALL_MAX_ROWS, PackedLinear, ShapeKernels,
+                                        prepare_linears)
+from pipeline.engine.cpu.options import compile_cache_dir
+
+#: the small-M kernel where this machine builds it (``None``: the tests of it skip)
+SMALLM = smallm.library(compile_cache_dir(CpuOptions()))
 
 pytestmark = pytest.mark.skipif(not linear.onednn_available(), reason="this torch has no oneDNN")
 
@@ -33,7 +38,8 @@ def test_each_weight_shape_is_measured_once_and_its_layers_share_the_choice():
             if m.kernels is k:
                 assert ("transposed" in k._copies.get(m, {})) == ("transposed" in k.choice)
     assert prepare(model, CpuOptions()) is plan  # prepared once
-    assert plan.measure_s > 0 and plan.describe()["linear_kernels"][0]["rows"].keys() == {"1", "2", "3", "4", "5"}
+    assert plan.measure_s > 0
+    assert plan.describe()["linear_kernels"][0]["rows"].keys() == {str(r) for r in range(1, SMALL_MAX_ROWS + 1)}
 
 
 def _calls(monkeypatch):
@@ -46,6 +52,8 @@ def _calls(monkeypatch):
     onednn = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(linear.torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a, **k: calls.append("onednn") or onednn(*a, **k), raising=False)
+    small = smallm.Library.linear
+    monkeypatch.setattr(smallm.Library, "linear", lambda *a, **k: calls.append("smallm") or small(*a, **k))
     return calls, real["mkl"]
 
 
@@ -53,6 +61,8 @@ def _set_choice(layer, choice, monkeypatch):
     """Give ``layer``'s shape ``choice``, its row-dot kernels compiled (as a measurement that chose them would)."""
     k = layer.kernels
     monkeypatch.setattr(k, "choice", tuple(choice))
+    if "smallm" in choice:
+        monkeypatch.setattr(k, "lib", SMALLM)
     for rows, kernel in enumerate(choice, 1):
         if kernel == "rowdot" and rows not in k.rowdot:
             w = layer.weight
@@ -65,10 +75,14 @@ def _set_choice(layer, choice, monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("chosen", [("onednn",) * 5, ("mkl", "mkl", "onednn", "mkl", "onednn"),
-                                    ("transposed", "onednn", "mkl", "transposed", "mkl"), ("transposed",) * 5,
-                                    ("rowdot", "rowdot", "transposed", "rowdot", "rowdot")])
+@pytest.mark.parametrize("chosen", [("onednn",) * 8, ("mkl", "mkl", "onednn", "mkl", "onednn", "mkl", "mkl", "onednn"),
+                                    ("transposed", "onednn", "mkl", "transposed", "mkl", "smallm", "onednn", "mkl"),
+                                    ("transposed",) * 8, ("smallm",) * 8,
+                                    ("rowdot", "rowdot", "transposed", "rowdot", "rowdot", "smallm", "smallm", "mkl")])
 def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_choice_says(monkeypatch, chosen):
+    assert len(chosen) == SMALL_MAX_ROWS
+    if "smallm" in chosen and SMALLM is None:
+        pytest.skip(f"no small-M kernel here: {smallm.why_unavailable()}")
     model = _model(1, 41)
     reference = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
     prepare(model, CpuOptions())
@@ -76,7 +90,7 @@ def test_every_kernel_gives_f_linear_values_and_small_inputs_go_where_the_choice
     calls, real_linear = _calls(monkeypatch)
     with torch.inference_mode():
         for i in (0, 1):  # with a bias and without
-            for shape in [(1, 24), (2, 24), (1, 3, 24), (4, 24), (1, 5, 24), (6, 24), (2, 5, 24)]:
+            for shape in [(1, 24), (2, 24), (1, 3, 24), (4, 24), (1, 5, 24), (6, 24), (1, 7, 24), (8, 24), (2, 5, 24)]:
                 x = torch.randn(*shape[:-1], model[i].in_features)
                 calls.clear()
                 rowdot_calls[i].clear()
@@ -93,7 +107,11 @@ def test_the_copies_follow_a_weight_changed_in_place_and_a_deep_copy_makes_its_o
     prepare(model, CpuOptions())
     layer = model[0]
     x = torch.randn(1, 24)
-    for choice in (("transposed",) * 5, ("onednn",) * 5):
+    for choice in (("transposed",) * SMALL_MAX_ROWS, ("onednn",) * SMALL_MAX_ROWS, ("smallm",) * SMALL_MAX_ROWS):
+        if choice[0] == "smallm":
+            if SMALLM is None:
+                continue
+            monkeypatch.setattr(layer.kernels, "lib", SMALLM)
         monkeypatch.setattr(layer.kernels, "choice", choice)
         with torch.no_grad():
             layer(x)
@@ -139,10 +157,10 @@ def test_the_row_dot_kernel_is_offered_only_to_large_float32_weights_and_compute
     real_compile = linear.compile_graph
     monkeypatch.setattr(linear, "compile_graph", lambda fn, ex, *a, **k: compiled.append(tuple(ex[0].shape)) or
                         real_compile(fn, ex, *a, **k))
-    prepare_linears([big, small], CpuOptions())
-    assert compiled == [tuple(big.weight.shape)] * SMALL_MAX_ROWS
+    prepare_linears([big, small], CpuOptions(smallm=False))
+    assert compiled == [tuple(big.weight.shape)] * ROWDOT_MAX_ROWS
     torch.manual_seed(5)
-    for rows in range(1, SMALL_MAX_ROWS + 1):
+    for rows in range(1, ROWDOT_MAX_ROWS + 1):
         dot = real_compile(linear.products, (torch.zeros(tuple(big.weight.shape)), torch.zeros(rows, 512)), "test")
         assert dot is not None  # this machine compiles C++ (torch.compile needs it too)
         x = torch.randn(rows, 512)
@@ -155,6 +173,9 @@ def test_the_row_dot_kernel_is_offered_only_to_large_float32_weights_and_compute
     other = torch.nn.Linear(512, linear.INDUCTOR_MIN_ELEMENTS // 512, bias=False).eval()
     assert "rowdot" not in prepare_linears([other], CpuOptions(rowdot=False))[linear.shape_key(other.weight)].choice
     assert not compiled
+    if SMALLM is not None:  # where the small-M kernel is offered, the row-dot kernel is not (nothing compiled)
+        prepare_linears([torch.nn.Linear(512, linear.INDUCTOR_MIN_ELEMENTS // 512, bias=False).eval()], CpuOptions())
+        assert not compiled
 
 
 def test_a_shape_whose_row_dot_kernel_cannot_be_compiled_keeps_the_other_kernels(monkeypatch):
@@ -162,7 +183,7 @@ def test_a_shape_whose_row_dot_kernel_cannot_be_compiled_keeps_the_other_kernels
 
     layer = torch.nn.Linear(512, linear.INDUCTOR_MIN_ELEMENTS // 512).eval()
     monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no compiler")))
-    k = prepare_linears([layer], CpuOptions())[linear.shape_key(layer.weight)]
+    k = prepare_linears([layer], CpuOptions(smallm=False))[linear.shape_key(layer.weight)]
     assert "rowdot" not in k.choice and not k.rowdot
     monkeypatch.setattr(k, "choice", ("rowdot",) + ("onednn",) * (SMALL_MAX_ROWS - 1))  # chosen, but not there
     calls, real_linear = _calls(monkeypatch)
@@ -174,11 +195,14 @@ def test_a_shape_whose_row_dot_kernel_cannot_be_compiled_keeps_the_other_kernels
 
 
 @pytest.mark.parametrize("options, default, offered", [
-    (CpuOptions(), "onednn", {"onednn", "mkl", "transposed"}),
-    (CpuOptions(onednn=False), "mkl", {"mkl", "transposed"}),
-    (CpuOptions(transposed=False), "onednn", {"onednn", "mkl"}),
+    (CpuOptions(), "onednn", {"onednn", "mkl", "transposed", "smallm"}),
+    (CpuOptions(onednn=False), "mkl", {"mkl", "transposed", "smallm"}),
+    (CpuOptions(transposed=False), "onednn", {"onednn", "mkl", "smallm"}),
+    (CpuOptions(smallm=False), "onednn", {"onednn", "mkl", "transposed"}),
 ])
 def test_the_options_decide_which_kernels_are_timed(monkeypatch, options, default, offered):
+    if SMALLM is None:
+        offered = offered - {"smallm"}
     timed = set()
     real = linear._run
     monkeypatch.setattr(linear, "_run", lambda kernel, *a: timed.add(kernel) or real(kernel, *a))
@@ -189,5 +213,6 @@ def test_the_options_decide_which_kernels_are_timed(monkeypatch, options, defaul
 
 def test_with_every_linear_part_off_the_layers_stay_nn_linear():
     model = _model(4, 53)
-    plan = prepare(model, CpuOptions(onednn=False, transposed=False, rowdot=False))
+    plan = prepare(model, CpuOptions(onednn=False, transposed=False, rowdot=False, smallm=False))
+
     assert all(type(m) is torch.nn.Linear for m in model) and not plan.kernels

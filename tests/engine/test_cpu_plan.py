@@ -121,7 +121,7 @@ def test_the_engine_prepares_every_model_it_runs_under_its_role():
     plain = SpeculativeEngine(target, None)  # no options: the model keeps its plan (the job's audit engine)
     assert plain.cpu_plans["target"] is engine.cpu_plans["target"]
     line = engine.cpu_plans["target"].summary()
-    assert line.startswith("target: lean pass, small-query attention; linear kernels by rows 1-5: ")
+    assert line.startswith("target: lean pass, small-query attention; linear kernels by rows 1-8: ")
 
 
 def test_a_model_not_on_the_cpu_or_with_the_kernels_off_is_left_alone(monkeypatch):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import layer as compiled
+from . import smallm
 from .compiling import INDUCTOR_MIN_ELEMENTS
 from .linear import prepare_linears, weight_version
 from .measure import MARGIN, Costs, best_of
@@ -102,6 +103,11 @@ class LeanPass:
         self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.modules = list(model.modules())[1:]  # not the model itself: the plan must not keep it alive
         self.options, self.kernels = options, kernels
+        #: the small-M library whose attention kernel serves short query blocks (:func:`attend`), or None:
+        #: float32, one torch thread (the kernel runs on one; SDPA would use the others)
+        self.attention_kernel = (smallm.library_for(options, costs)
+                                 if model.lm_head.weight.dtype == torch.float32 and torch.get_num_threads() == 1
+                                 else None)
         self._build(costs, measure=True)
         self.graphs: dict[int, tuple] = {}
         w = self.qkv[0].weight
@@ -245,14 +251,22 @@ def attention_in_of(lean: LeanPass, i: int, x: torch.Tensor, cos: torch.Tensor, 
 def attend(lean: LeanPass, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, mask, folded: list
            ) -> torch.Tensor:
     """Layer ``i``'s keys and values written to the cache, and its ``(b, heads, Q, d)`` attention
-    output.  A verification pass folds each key/value head's query heads into the query length
+    output.  A masked pass (or a one-token one) whose shapes the small-M library serves
+    (:meth:`.smallm.Library.serves_attention`: float32, up to 64 query vectors per row and KV head)
+    runs its attention kernel, which reads each row's keys and values once.  Otherwise a
+    verification pass folds each key/value head's query heads into the query length
     (:data:`FOLD_MAX_QUERY`): query row ``g * Q + j`` is head ``g``'s token ``j``, and the mask is
     tiled along the query axis (once per pass: ``folded[0]``)."""
     keys, values = cache.update(k, v, i)
     b, _, q_len, d = q.shape
     group = q.shape[1] // keys.shape[1]
+    kernel = lean.attention_kernel
+    if (kernel is not None and (mask is not None or q_len == 1)
+            and kernel.serves_attention(q, keys, mask) and values.stride(3) == 1):
+        return kernel.attention(q, keys, values, mask, lean.scale)
     if mask is None and q_len > 1:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=lean.scale, enable_gqa=group > 1)
+
     if group == 1 or not 1 < q_len <= FOLD_MAX_QUERY:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[..., : keys.shape[2]],
                                               scale=lean.scale, enable_gqa=group > 1)

@@ -4,7 +4,7 @@ Why.  With PyTorch's default path, ``F.linear`` on 2-3 rows of input runs MKL's
 matrix-vector kernel once per row, so a verification pass over a few tokens costs a few
 decoding steps, although it reads the same weights.  oneDNN with the weight packed once into its
 blocked layout reads the weight once for a few rows (and so does a one-row step); which kernel
-is fastest for 1-5 rows (a decoding step up to a k = 4 verification pass) depends on the CPU
+is fastest for 1-8 rows (a decoding step up to a k = 7 verification pass) depends on the CPU
 and the shape, so it is measured at load over the model's own weights of that shape, among:
 
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a packed copy of the weight (the
@@ -14,7 +14,12 @@ and the shape, so it is measured at load over the model's own weights of that sh
   sums; a copy kept only for the shapes that take it);
 - ``rowdot``: a dot product per weight row (:func:`.compiling.products`) compiled by inductor
   into one loop that streams the weight at memory speed (float32 weights of
-  :data:`.compiling.INDUCTOR_MIN_ELEMENTS` or more).
+  :data:`.compiling.INDUCTOR_MIN_ELEMENTS` or more; 1 .. :data:`ROWDOT_MAX_ROWS` rows, one
+  compiled graph per row count), where ``smallm`` is not offered (it was as fast or faster at
+  every shape and row count measured, without a graph to compile per shape and row count);
+- ``smallm``: :mod:`.smallm`'s C kernel on a copy of the weight packed once into K-major panels
+  of 16 output columns, which reads the weight once for 8 rows and more (float32, a CPU with AVX2
+  and FMA, gcc at hand; its sums are bitwise the same whatever the row count).
 
 Where oneDNN cannot pack bfloat16 (a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT), ``F.linear``
 in bfloat16 runs at a fraction of float32's speed; there an input of
@@ -34,6 +39,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from . import smallm
 from .compiling import INDUCTOR_MIN_ELEMENTS, compile_graph, products
 from .measure import Costs, best_of, fastest
 from .options import CpuOptions
@@ -63,10 +69,12 @@ PREPARED_DTYPES = (torch.float32, torch.bfloat16)
 BF16_UPCAST_MIN_ROWS = 32
 #: rows of input the weights are packed for: oneDNN's blocked layout, not a limit
 PACK_FOR_ROWS = 4
-#: the most rows of input that may go to a kernel other than the default (k + 1 rows for k = 4)
-SMALL_MAX_ROWS = 5
+#: the most rows of input that may go to a kernel other than the default (k + 1 rows for k = 7)
+SMALL_MAX_ROWS = 8
+#: the most rows of input the row-dot kernel is offered for (each count is one more graph to compile)
+ROWDOT_MAX_ROWS = 5
 #: the kernels, in the order they are listed
-KERNELS = ("onednn", "mkl", "transposed", "rowdot")
+KERNELS = ("onednn", "mkl", "transposed", "rowdot", "smallm")
 
 
 def weight_version(w: torch.Tensor) -> tuple[int, int]:
@@ -82,17 +90,19 @@ def weight_version(w: torch.Tensor) -> tuple[int, int]:
 class ShapeKernels:
     """The kernels of one weight shape and dtype: which one serves 1 ..
     :data:`SMALL_MAX_ROWS` rows of input (``choice[rows - 1]``), the default for more, the
-    compiled row-dot functions by row count, and each layer's copies of its weight.
+    compiled row-dot functions by row count, the small-M kernel's library (``lib``), and each
+    layer's copies of its weight.
 
     Shared by the layers of the shape.  A deep copy of a layer shares it (the copy makes its own
-    weight copies at its first call); pickled, it keeps its choice and drops compiled code and
-    copies (a row count whose row-dot kernel is gone takes the default)."""
+    weight copies at its first call); pickled, it keeps its choice and drops compiled code,
+    library and copies (a row count whose row-dot or small-M kernel is gone takes ``F.linear``)."""
 
     def __init__(self, shape: tuple[int, int], dtype: torch.dtype, default: str,
                  choice: tuple[str, ...] | None = None):
         self.shape, self.dtype, self.default = tuple(shape), dtype, default
         self.choice = tuple(choice) if choice is not None else (_small_default(default),) * SMALL_MAX_ROWS
         self.rowdot: dict[int, object] = {}
+        self.lib: smallm.Library | None = None
         self.layers = 0
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -103,8 +113,9 @@ class ShapeKernels:
         return (ShapeKernels, (self.shape, self.dtype, self.default, self.choice))
 
     def copy(self, layer: torch.nn.Linear, kind: str) -> torch.Tensor:
-        """``layer``'s weight packed for oneDNN (``"packed"``) or transposed ``(in, out)``
-        contiguous (``"transposed"``), made again when the weight changed."""
+        """``layer``'s weight packed for oneDNN (``"packed"``), transposed ``(in, out)``
+        contiguous (``"transposed"``) or packed for the small-M kernel (``"smallm"``), made again
+        when the weight changed."""
         w = layer.weight
         key = weight_version(w)
         kept = self._copies.setdefault(layer, {})
@@ -112,8 +123,12 @@ class ShapeKernels:
         if entry is None or entry[0] != key:
             with torch.inference_mode(False), torch.no_grad():
                 d = w.detach()
-                made = (torch.ops.mkldnn._reorder_linear_weight(d, PACK_FOR_ROWS) if kind == "packed"
-                        else d.t().contiguous())
+                if kind == "packed":
+                    made = torch.ops.mkldnn._reorder_linear_weight(d, PACK_FOR_ROWS)
+                elif kind == "smallm":
+                    made = self.lib.pack(d)
+                else:
+                    made = d.t().contiguous()
             entry = kept[kind] = (key, made)
         return entry[1]
 
@@ -165,6 +180,11 @@ class PackedLinear(torch.nn.Linear):
         if kernel == "transposed":
             wt = k.copy(self, "transposed")
             y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+        elif kernel == "smallm":
+            if k.lib is None or w.stride(1) != 1:
+                return F.linear(input, w, self.bias)
+            y = k.lib.linear(x.contiguous(), k.copy(self, "smallm"), w.shape[0],
+                             None if bias is None else bias.contiguous())
         else:  # rowdot
             dot = k.rowdot.get(rows)
             if dot is None or not w.is_contiguous():
@@ -183,6 +203,10 @@ def _run(kernel: str, k: ShapeKernels, layers: list, x: torch.Tensor):
     if kernel == "transposed":
         wts = [k.copy(m, "transposed") for m in layers]
         return lambda: [torch.mm(x, wt) for wt in wts]
+    if kernel == "smallm":
+        packed = [k.copy(m, "smallm") for m in layers]
+        n = layers[0].weight.shape[0]
+        return lambda: [k.lib.linear(x, p, n) for p in packed]
     weights = [m.weight.detach() for m in layers]
     if kernel == "rowdot":
         dot = k.rowdot[x.shape[0]]
@@ -194,8 +218,9 @@ def measure_kernels(layers: list[torch.nn.Linear], options: CpuOptions, costs: C
     """The :class:`ShapeKernels` of ``layers`` (all of one weight shape and dtype): for each row
     count 1 .. :data:`SMALL_MAX_ROWS`, every kernel ``options`` offers timed over all the layers
     (:func:`.measure.best_of`), the default kept unless another is faster by
-    :data:`.measure.MARGIN`.  Compiles the row-dot kernels it offers; copies and compiled code
-    no row count took are dropped."""
+    :data:`.measure.MARGIN`.  Compiles the row-dot kernels it offers (1 .. :data:`ROWDOT_MAX_ROWS`
+    rows) and, once per process, the small-M kernel (:func:`.smallm.library`, in the node's cache
+    folder); copies and compiled code no row count took are dropped."""
     w0 = layers[0].weight
     k = ShapeKernels(w0.shape, w0.dtype, _default_kernel(w0.dtype, options))
     k.layers = len(layers)
@@ -204,8 +229,12 @@ def measure_kernels(layers: list[torch.nn.Linear], options: CpuOptions, costs: C
     offered = [k.default] + [name for name in ("mkl",) if name != k.default]
     if w0.dtype == torch.float32 and options.part_on("transposed"):
         offered.append("transposed")
+    if w0.dtype == torch.float32 and options.part_on("smallm") and all(m.weight.stride(1) == 1 for m in layers):
+        k.lib = smallm.library_for(options, costs)
+        if k.lib is not None:
+            offered.append("smallm")
     rowdot = (w0.dtype == torch.float32 and options.part_on("rowdot") and w0.numel() >= INDUCTOR_MIN_ELEMENTS
-              and all(m.weight.is_contiguous() for m in layers))
+              and all(m.weight.is_contiguous() for m in layers) and "smallm" not in offered)
     if len(offered) == 1 and not rowdot:
         return k
     chosen = []
@@ -213,7 +242,7 @@ def measure_kernels(layers: list[torch.nn.Linear], options: CpuOptions, costs: C
         for rows in range(1, SMALL_MAX_ROWS + 1):
             x = torch.randn(rows, w0.shape[1], dtype=w0.dtype)
             names = list(offered)
-            if rowdot:
+            if rowdot and rows <= ROWDOT_MAX_ROWS:
                 example = (torch.zeros(tuple(w0.shape), dtype=w0.dtype), torch.zeros(rows, w0.shape[1], dtype=w0.dtype))
                 dot = compile_graph(products, example, f"row-dot kernel for a {tuple(w0.shape)} weight, {rows} rows", costs)
                 if dot is not None:
@@ -223,9 +252,11 @@ def measure_kernels(layers: list[torch.nn.Linear], options: CpuOptions, costs: C
             chosen.append(fastest(times, k.default))
     k.choice = tuple(chosen)
     k.rowdot = {rows: f for rows, f in k.rowdot.items() if k.choice[rows - 1] == "rowdot"}
-    for kind, kernel in (("transposed", "transposed"), ("packed", "onednn")):
+    for kind, kernel in (("transposed", "transposed"), ("packed", "onednn"), ("smallm", "smallm")):
         if kernel not in k.choice and kernel != k.default:
             k.drop(kind)
+    if "smallm" not in k.choice:
+        k.lib = None
     return k
 
 

@@ -38,12 +38,18 @@ class CpuOptions:
         onednn: linear layers run oneDNN's kernel on a copy of their weight packed once into its
             blocked layout (which reads the weight once for a few rows of input); off: MKL's
             ``F.linear`` is the default kernel.
-        transposed: for 1-5 rows of input, MKL's product with a transposed copy of the weight
+        transposed: for 1-8 rows of input, MKL's product with a transposed copy of the weight
             is offered to each weight shape (taken where measured faster at load; a third copy
             of the weights it serves).
+        smallm: for 1-8 rows of input, the engine's small-M C kernel (``cpu/csrc/smallm.c``,
+            built with gcc into the compile cache's folder at first use) on a copy of the
+            weight packed once, which reads each weight once for all the rows, is offered to
+            each float32 weight shape (taken where measured faster at load; a CPU with AVX2 and
+            FMA; its sums are bitwise the same for every row count).
         rowdot: for 1-5 rows of input, a dot product per weight row compiled by PyTorch's
-            inductor is offered to each float32 weight shape of at least 2^18 elements (taken
-            where measured faster at load).
+            inductor is offered to each float32 weight shape of at least 2^18 elements where
+            ``smallm`` is not offered (taken where measured faster at load).
+
         small_query_attention: masked passes of up to 16 query tokens run SDPA with grouped
             key/value heads read once (``enable_gqa``) instead of transformers' copies of them.
         lean_pass: a Llama's forward runs the engine's lean pass (fused q/k/v and gate/up
@@ -59,7 +65,9 @@ class CpuOptions:
     kernels: bool = True
     onednn: bool = True
     transposed: bool = True
+    smallm: bool = True
     rowdot: bool = True
+
     small_query_attention: bool = True
     lean_pass: bool = True
     compiled_layer: bool = True

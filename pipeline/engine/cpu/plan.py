@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention, lean
-from .linear import PREPARED_DTYPES, ShapeKernels, prepare_linears, restore_linears
+from .linear import PREPARED_DTYPES, SMALL_MAX_ROWS, ShapeKernels, prepare_linears, restore_linears
 from .measure import Costs
 from .options import CpuOptions, use_compile_cache, with_environment
 
@@ -79,7 +79,7 @@ class CpuPlan:
             parts.append("compiled layer for passes of " + " or ".join(map(str, sorted(self.lean.graphs))) + " tokens")
         shapes = "; ".join(f"{k.shape[0]}x{k.shape[1]} " + "/".join(k.choice) + f" then {k.default}"
                            for k in self.kernels.values())
-        return (f"{self.role}: {', '.join(parts) or 'no lean pass'}; linear kernels by rows 1-5: {shapes or 'none'}; "
+        return (f"{self.role}: {', '.join(parts) or 'no lean pass'}; linear kernels by rows 1-{SMALL_MAX_ROWS}: {shapes or 'none'}; "
                 f"compiled {self.compile_s:.1f} s, measured {self.measure_s:.1f} s")
 
 
@@ -112,7 +112,7 @@ def prepare(model, options: CpuOptions | None = None, role: str = "model") -> Cp
     """Prepare ``model`` for decoding on the CPU, once, at load: **rewrites the model's
     ``torch.nn.Linear`` modules in place** (their class becomes
     :class:`~.linear.PackedLinear`; same parameters and ``state_dict``), measures each weight
-    shape's kernel for 1-5 rows of input over the model's own weights (:mod:`.linear`), builds
+    shape's kernel for 1-8 rows of input over the model's own weights (:mod:`.linear`), builds
     the lean forward of a Llama (:mod:`.lean`), compiles what it will use with inductor into
     the node's cache (:func:`.options.use_compile_cache`) and times the compiled layer against
     the eager one.  Nothing is chosen or compiled afterwards, in decoding.
