@@ -141,3 +141,16 @@ def test_expected_tokens_is_an_option_with_its_environment_variable(monkeypatch)
     with pytest.raises(ValueError, match="SPECBATCH_CPU_EXPECTED_TOKENS"):
         options.check_env_value("SPECBATCH_CPU_EXPECTED_TOKENS", "lots")
     assert "expected_tokens" not in options.PARTS and "compiled_layer" in options.PARTS
+
+
+def test_the_job_sets_each_actors_expected_tokens_from_its_rows():
+    from pipeline.config import load_config
+    from pipeline.engine import GenerationSettings
+    from pipeline.run import with_expected_tokens
+
+    cfg = load_config(None, ["compute.num_actors=2", "audit.fraction=0.5"])
+    got = with_expected_tokens(cfg, 21, GenerationSettings(max_new_tokens=64))
+    assert got.cpu.cpu_options().expected_tokens == 11 * 64 * 1.5 and cfg.cpu.expected_tokens is None
+    assert got.model_dump()["cpu"]["expected_tokens"] == 1056  # what the actors are given
+    mine = load_config(None, ["cpu.expected_tokens=5"])
+    assert with_expected_tokens(mine, 21, GenerationSettings(max_new_tokens=64)) is mine  # the user's own figure
