@@ -28,6 +28,8 @@ weights) besides the model's weights.  The parts a pass runs are module function
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -191,8 +193,8 @@ class LeanPass:
         return any(not getattr(h, "__module__", "").startswith("transformers.") for hooks in sets for h in hooks.values())
 
     def _time(self, tokens: int, graphs, costs: Costs | None) -> float:
-        """Seconds (:func:`.measure.best_of`) of every layer's work outside attention for one row
-        of ``tokens`` tokens, through ``graphs`` or the eager ops (``None``)."""
+        """CPU seconds (:func:`.measure.best_of` on the CPU clock) of every layer's work outside
+        attention for one row of ``tokens`` tokens, through ``graphs`` or the eager ops (``None``)."""
         dtype, hidden, d = self.qkv[0].weight.dtype, self.qkv[0].weight.shape[1], self.head_dim
         x, o = torch.randn(1, tokens, hidden, dtype=dtype), torch.randn(1, self.splits[0] // d, tokens, d, dtype=dtype)
         cos, sin = torch.randn(1, 1, tokens, d, dtype=dtype), torch.randn(1, 1, tokens, d, dtype=dtype)
@@ -203,7 +205,7 @@ class LeanPass:
                 mlp_of(self, i, attention_out_of(self, i, x, o, graphs), graphs)
 
         with torch.no_grad():
-            return best_of(run, costs=costs)
+            return best_of(run, costs=costs, clock=time.process_time)
 
     def __call__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
                  logits_to_keep: int = 1, output_hidden_states: bool | int | list[int] | None = None

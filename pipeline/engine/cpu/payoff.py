@@ -1,7 +1,7 @@
 """Whether compiling pays, decided once at load, before any graph is compiled: :func:`decide`.
 
 Why.  A graph compiled by inductor saves a few milliseconds a token, and compiling it costs a
-second or more of a fresh node's time (SmolLM2's 36 graphs: 51 s at the quick start's load on
+second or more of a fresh node's CPU time (SmolLM2's 36 graphs: 51 s at the quick start's load on
 the 2-core machine), once per node: the compiled code stays in the node's cache
 (:func:`.options.use_compile_cache`) and a later load takes it from there in a fraction of that.
 A job of 20 rows decodes about 2,500 tokens and cannot earn those seconds back; a server or a job
@@ -19,12 +19,13 @@ linear kernels) are compiled when::
 - **share**: a graph for passes of ``n`` tokens in all serves every token when the engine keeps at most
   ``n`` rows in flight, else the passes of a batch's drain only, taken as ``n / rows`` of the tokens
   (:func:`served_share`: an overestimate, which errs toward compiling).
-- **per-token saving**: the eager per-token time measured at load times ``1 - ratio``, the
-  ratio compiled / eager measured on this node before (:class:`Ledger`) or else
+- **per-token saving**: the eager per-token time measured at load on the CPU clock times
+  ``1 - ratio``, the ratio compiled / eager measured on this node before (:class:`Ledger`) or else
   :data:`PRIOR_RATIO`.
-- **seconds to compile**: zero-ish for graphs the node's cache holds (the ledger says which, and
-  what loading them took), else the node's measured seconds per graph times the graphs, or
-  :data:`DEFAULT_GRAPH_S` per graph before the node has compiled any.
+- **seconds to compile**, CPU seconds (the process's and its C++ compiler's, so that a loaded
+  machine inflates neither side): :data:`GRAPH_S` a graph, plus :data:`PROCESS_START_S` for a
+  process's first compile and :data:`FRESH_CACHE_S` for the first into an empty cache folder;
+  :data:`CACHED_GRAPH_S` a graph for graphs the node's cache holds (the ledger says which).
 
 Every input is injected, so the rule is tested without timing; :class:`Decision` is what the plan
 records and the actor's load line prints.
@@ -40,10 +41,16 @@ from dataclasses import dataclass
 
 import torch
 
-#: seconds of compiling one graph on a node that has compiled none yet (the quick start's load
-#: compiled SmolLM2's 36 graphs in 51 s on the 2-core machine of issue 54: 1.4 s each)
-DEFAULT_GRAPH_S = 1.5
-#: seconds of loading one graph that the node's cache holds, before any load was measured
+#: CPU seconds of compiling one graph (the process's and its C++ compiler's), once inductor is
+#: running: 0.9-1.5 s for SmolLM2's row-dot kernels, one thread of the 2-core machine
+GRAPH_S = 1.3
+#: CPU seconds a process's first compile costs besides its graph (inductor's start: 3.5-3.9 s)
+PROCESS_START_S = 4.0
+#: CPU seconds the first compile into an empty cache folder costs besides (the C++ compiler's
+#: once-per-folder work: 11.5 s against 1.0-2.3 s into a folder used before)
+FRESH_CACHE_S = 10.0
+#: CPU seconds of loading one graph the node's cache holds (0.1 s measured: 0.4 s of wall clock
+#: on the loaded machine)
 CACHED_GRAPH_S = 0.1
 #: compiled / eager per-token time assumed where this node never measured it (docs/benchmarks.md:
 #: the compiled layer measured 0.85x the eager one over a whole one-row pass, the row-dot kernels'
@@ -132,8 +139,8 @@ def graph_key(part: str, *shape) -> str:
 
 
 class Ledger:
-    """What this node compiled into its cache folder, and what it cost: ``{key: {"graphs",
-    "compile_s", "load_s", "ratio"}}`` in :data:`LEDGER_FILE` (JSON, written whole by an atomic
+    """What this node compiled into its cache folder: ``{key: {"graphs", "seconds", "ratio"}}``
+    in :data:`LEDGER_FILE` (JSON, written whole by an atomic
     rename; two processes writing at once lose one record, which costs an estimate, never an
     output).  ``None`` folder: an empty ledger that records nothing."""
 
@@ -156,17 +163,14 @@ class Ledger:
         return key in self.entries
 
     def cost(self, key: str, graphs: int) -> float:
-        """Expected seconds to make ``graphs`` graphs of ``key``: the last load when cached (else
-        :data:`CACHED_GRAPH_S` each), else the node's mean seconds per compiled graph (else
-        :data:`DEFAULT_GRAPH_S`) times ``graphs``."""
-        entry = self.entries.get(key)
-        if entry is not None:
-            load = entry.get("load_s")
-            return float(load) if isinstance(load, (int, float)) else CACHED_GRAPH_S * graphs
-        made = [(e["compile_s"], e["graphs"]) for e in self.entries.values()
-                if isinstance(e.get("compile_s"), (int, float)) and e.get("graphs")]
-        per_graph = sum(s for s, _ in made) / sum(n for _, n in made) if made else DEFAULT_GRAPH_S
-        return per_graph * graphs
+        """Expected CPU seconds to make ``graphs`` graphs of ``key``: :data:`CACHED_GRAPH_S` each
+        when cached, else :data:`GRAPH_S` each, plus :data:`PROCESS_START_S` when this process
+        has compiled nothing yet and :data:`FRESH_CACHE_S` when the ledger is empty (a fresh
+        cache folder)."""
+        if key in self.entries:
+            return CACHED_GRAPH_S * graphs
+        return (GRAPH_S * graphs + (0.0 if _COMPILED_IN_PROCESS[0] else PROCESS_START_S)
+                + (0.0 if self.entries else FRESH_CACHE_S))
 
     def ratio(self, key: str, part: str) -> float:
         """compiled / eager per-token time of ``key`` measured on this node, else :data:`PRIOR_RATIO`."""
@@ -174,13 +178,15 @@ class Ledger:
         return float(r) if isinstance(r, (int, float)) else PRIOR_RATIO[part]
 
     def record(self, key: str, graphs: int, seconds: float, ratio: float | None = None) -> None:
-        """Record that ``graphs`` graphs of ``key`` took ``seconds`` (to compile, or to load when
-        the ledger had them), and their measured ``ratio`` when given; written at once."""
+        """Record that ``graphs`` graphs of ``key`` were made (compiled, or loaded from the
+        cache) in ``seconds`` (wall clock, for the record), and their measured compiled / eager
+        ``ratio`` when given; written at once."""
+        _COMPILED_IN_PROCESS[0] = True
         if self.path is None:
             return
         self.entries = self._read()  # what other processes recorded since
         entry = self.entries.setdefault(key, {"graphs": graphs})
-        entry["load_s" if "compile_s" in entry else "compile_s"] = round(seconds, 3)
+        entry["seconds"] = round(seconds, 3)
         if ratio is not None:
             entry["ratio"] = round(ratio, 4)
         try:
@@ -188,5 +194,10 @@ class Ledger:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(self.entries, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
-        except OSError:  # a read-only cache: the estimate stays the default
+        except OSError:  # a read-only cache: the estimates stay the defaults
             pass
+
+
+#: whether this process compiled (or loaded) a graph yet: inductor has started (a list, set in place)
+_COMPILED_IN_PROCESS = [False]
+
