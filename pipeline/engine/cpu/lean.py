@@ -142,7 +142,7 @@ class LeanPass:
         self.layer_compile_s += costs.compile_s - before
         if graphs is None:
             return
-        ratio = self._time(tokens, graphs, costs) / eager
+        ratio = self._time(tokens, graphs, costs) / max(eager, 1e-9)
         ledger.record(key, 3, costs.compile_s - before, ratio)
         if ratio < MARGIN:
             self.graphs[tokens] = graphs
