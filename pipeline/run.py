@@ -327,6 +327,18 @@ def _run_leased(cfg: JobConfig, pre: Preflight, started: _dt.datetime, t0: float
         raise
 
 
+def with_expected_tokens(cfg: JobConfig, rows: int, generation: GenerationSettings) -> JobConfig:
+    """``cfg`` with ``cpu.expected_tokens`` set, when left null, to what one actor of the pool is
+    expected to decode: its share of ``rows`` (over the pool's smallest size) x
+    ``generation.max_new_tokens`` x (1 + ``audit.fraction``, the plain re-decoding of audited
+    rows).  The actor's load compiles only what these tokens repay (:mod:`pipeline.engine.cpu.payoff`)."""
+    if cfg.cpu.expected_tokens is not None:
+        return cfg
+    per_actor = -(-rows // max(1, cfg.compute.min_actors))
+    tokens = int(per_actor * generation.max_new_tokens * (1 + cfg.audit.fraction))
+    return cfg.model_copy(update={"cpu": cfg.cpu.model_copy(update={"expected_tokens": tokens})})
+
+
 def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int,
                        progress: bool) -> tuple[float, float | None, list]:
     """Decode this run's units on the actor pool and commit each as its records come back.
@@ -337,6 +349,7 @@ def _decode_and_commit(cfg: JobConfig, pre: Preflight, total_rows: int,
         RunError: a unit's rows did not all come back.
     """
     writer = pre.writer
+    cfg = with_expected_tokens(cfg, total_rows, pre.generation)
     for u in pre.plan.todo:
         if u.num_rows == 0:
             writer.write_part(u, _empty_rows(writer))  # an empty file: no rows to decode

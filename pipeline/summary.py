@@ -189,7 +189,7 @@ class RunTotals:
 
 
 #: a CPU plan's fields that are costs, not choices (two actors' plans differ in them only: one plan)
-_PLAN_COSTS = ("compile_s", "measure_s", "prepare_s")
+_PLAN_COSTS = ("compile_s", "measure_s", "prepare_s", "compiling")
 
 
 def cpu_summary(posts: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -132,11 +132,11 @@ class StepEngine:
         #: what preparing each model the engine runs did, by role (pipeline.engine.cpu.CpuPlan)
         self.cpu_plans: dict[str, CpuPlan] = {}
 
-        self.cpu_plans["target"] = prepare(target, cpu, "target")
+        self.cpu_plans["target"] = prepare(target, cpu, "target", rows_in_flight=max_batch_size)
         self.proposer: Proposer | None = build_proposer(ProposerInputs(target, self.spec, drafter, tokenizer,
                                                                        drafter_tokenizer))
         for model, role in self.proposer.models() if self.proposer is not None else []:
-            self.cpu_plans[role] = prepare(model, cpu, role)  # every model it names (Proposer.models)
+            self.cpu_plans[role] = prepare(model, cpu, role, rows_in_flight=max_batch_size)  # every model it names
         self._hook = self.method.hooks_target
         self._move = self.method.moves_tree_state  # TreeState: state from the target's passes, moved with a tree's path
         if self._hook and self.layout.longrope_switch is not None:

@@ -28,11 +28,13 @@ weights) besides the model's weights.  The parts a pass runs are module function
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
 from . import layer as compiled
-from . import smallm
+from . import payoff, smallm
 from .compiling import INDUCTOR_MIN_ELEMENTS
 from .linear import prepare_linears, weight_version
 from .measure import MARGIN, Costs, best_of
@@ -85,16 +87,21 @@ def _stamp(m: torch.nn.Module) -> tuple:
 class LeanPass:
     """The lean forward of one model (see the module docstring), built when the model is
     prepared: its fused projections, their kernels, and the compiled layer graphs by token
-    count (:attr:`graphs`; a count not there runs the eager layer).
+    count (:attr:`graphs`; a count not there runs the eager layer: not offered, not paying for
+    its compiling over ``options.expected_tokens`` (:attr:`compiling`), or not faster).
 
     Args:
         model: a model for which :func:`supports` holds.
-        options: which parts are on (``compiled_layer``; the linear kernels' parts).
+        options: which parts are on (``compiled_layer``; the linear kernels' parts) and the
+            tokens the model is expected to decode.
         kernels: the plan's ``shape -> ShapeKernels``, which the fused projections join.
         costs: compile and measure seconds are added here.
+        ledger: the node's record of compiled graphs (:class:`.payoff.Ledger`; ``None``: none).
+        rows_in_flight: the most rows its engine decodes at once (``None``: unknown).
     """
 
-    def __init__(self, model, options: CpuOptions, kernels: dict, costs: Costs | None = None):
+    def __init__(self, model, options: CpuOptions, kernels: dict, costs: Costs | None = None,
+                 ledger: payoff.Ledger | None = None, rows_in_flight: int | None = None):
         base = model.model
         self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
         self.layers = list(base.layers)
@@ -110,14 +117,40 @@ class LeanPass:
                                  else None)
         self._build(costs, measure=True)
         self.graphs: dict[int, tuple] = {}
-        w = self.qkv[0].weight
+        #: whether the compiled layer of each token count was compiled, and why (:mod:`.payoff`)
+        self.compiling: list[payoff.Decision] = []
+        #: seconds spent compiling (or loading) the layer's graphs
+        self.layer_compile_s = 0.0
         if options.part_on("compiled_layer") and self._offers_compiled_layer():
+            ledger = ledger if ledger is not None else payoff.Ledger(None)
             for tokens in range(1, COMPILED_MAX_TOKENS + 1):
-                graphs = compiled.compile_layer(tokens=tokens, hidden=w.shape[1], splits=self.splits, inter=self.inter,
-                                                head_dim=self.head_dim, eps=self.eps, dtype=w.dtype, costs=costs)
-                if graphs is not None and (self._time(tokens, graphs, costs)
-                                           < MARGIN * self._time(tokens, None, costs)):
-                    self.graphs[tokens] = graphs
+                self._compile_layer(tokens, options.expected_tokens, ledger, rows_in_flight, costs or Costs())
+
+    def _compile_layer(self, tokens: int, expected_tokens: int | None, ledger: payoff.Ledger,
+                       rows_in_flight: int | None, costs: Costs) -> None:
+        """Compile the layer for passes of ``tokens`` tokens where it pays (:func:`.payoff.decide`,
+        from the eager layer's time measured here), and keep it where measured faster by
+        :data:`.measure.MARGIN`; its compile seconds and measured ratio go to the ``ledger``."""
+        w = self.qkv[0].weight
+        key = payoff.graph_key("layer", tokens, w.shape[1], self.splits, self.inter, self.head_dim, w.dtype)
+        eager = self._time(tokens, None, costs)
+        decision = payoff.decide(f"compiled layer, {tokens} token{'s' if tokens > 1 else ''}", graphs=3,
+                                 expected_tokens=expected_tokens, compile_s=ledger.cost(key, 3),
+                                 token_saving_s=eager / tokens * (1 - ledger.ratio(key, "compiled_layer")),
+                                 cached=ledger.cached(key), share=payoff.served_share(tokens, rows_in_flight))
+        self.compiling.append(decision)
+        if not decision.pays:
+            return
+        before = costs.compile_s
+        graphs = compiled.compile_layer(tokens=tokens, hidden=w.shape[1], splits=self.splits, inter=self.inter,
+                                        head_dim=self.head_dim, eps=self.eps, dtype=w.dtype, costs=costs)
+        self.layer_compile_s += costs.compile_s - before
+        if graphs is None:
+            return
+        ratio = self._time(tokens, graphs, costs) / max(eager, 1e-9)
+        ledger.record(key, 3, costs.compile_s - before, ratio)
+        if ratio < MARGIN:
+            self.graphs[tokens] = graphs
 
     def _offers_compiled_layer(self) -> bool:
         """Whether the compiled layer may pay: float32 weights of :data:`INDUCTOR_MIN_ELEMENTS` or
@@ -165,8 +198,8 @@ class LeanPass:
         return any(not getattr(h, "__module__", "").startswith("transformers.") for hooks in sets for h in hooks.values())
 
     def _time(self, tokens: int, graphs, costs: Costs | None) -> float:
-        """Seconds (:func:`.measure.best_of`) of every layer's work outside attention for one row
-        of ``tokens`` tokens, through ``graphs`` or the eager ops (``None``)."""
+        """CPU seconds (:func:`.measure.best_of` on the CPU clock) of every layer's work outside
+        attention for one row of ``tokens`` tokens, through ``graphs`` or the eager ops (``None``)."""
         dtype, hidden, d = self.qkv[0].weight.dtype, self.qkv[0].weight.shape[1], self.head_dim
         x, o = torch.randn(1, tokens, hidden, dtype=dtype), torch.randn(1, self.splits[0] // d, tokens, d, dtype=dtype)
         cos, sin = torch.randn(1, 1, tokens, d, dtype=dtype), torch.randn(1, 1, tokens, d, dtype=dtype)
@@ -177,7 +210,7 @@ class LeanPass:
                 mlp_of(self, i, attention_out_of(self, i, x, o, graphs), graphs)
 
         with torch.no_grad():
-            return best_of(run, costs=costs)
+            return best_of(run, costs=costs, clock=time.process_time)
 
     def __call__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
                  logits_to_keep: int = 1, output_hidden_states: bool | int | list[int] | None = None

@@ -60,6 +60,12 @@ class CpuOptions:
         compile_cache: the folder inductor keeps compiled code in, shared by the processes of
             a node (null: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
             ``$XDG_CACHE_HOME/specbatch/inductor``, by default ``~/.cache/specbatch/inductor``).
+        expected_tokens: the tokens a model is expected to decode in this process: the
+            inductor parts (``rowdot``, ``compiled_layer``) compile only the graphs whose
+            per-token saving, measured at load, repays their compiling over these tokens
+            (:mod:`pipeline.engine.cpu.payoff`; graphs in the node's cache cost next to nothing).  null: unknown
+            (a server, a bench): every offered graph is compiled.  The batch jobs set it from
+            their rows when left null (rows x ``max_new_tokens`` x (1 + ``audit.fraction``) per actor).
     """
 
     kernels: bool = True
@@ -72,6 +78,7 @@ class CpuOptions:
     lean_pass: bool = True
     compiled_layer: bool = True
     compile_cache: str | None = None
+    expected_tokens: int | None = None
 
     def validate(self) -> "CpuOptions":
         """Itself; raises ``ValueError`` naming a field of the wrong type."""
@@ -80,6 +87,9 @@ class CpuOptions:
             if f.name == "compile_cache":
                 if v is not None and (not isinstance(v, str) or not v.strip()):
                     raise ValueError(f"compile_cache must be a folder path or null, got {v!r}")
+            elif f.name == "expected_tokens":
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                    raise ValueError(f"expected_tokens must be a whole number >= 0 or null, got {v!r}")
             elif not isinstance(v, bool):
                 raise ValueError(f"{f.name} must be true or false, got {v!r}")
         return self
@@ -93,7 +103,9 @@ class CpuOptions:
 
 
 #: the parts, in the order they are listed (every boolean field but the master switch)
-PARTS = tuple(f.name for f in dataclasses.fields(CpuOptions) if f.name not in ("kernels", "compile_cache"))
+PARTS = tuple(f.name for f in dataclasses.fields(CpuOptions) if f.type in (bool, "bool") and f.name != "kernels")
+#: the fields that are not on/off switches, each with how its environment variable is read
+_VALUES = {"compile_cache": lambda name, raw: raw.strip() or None, "expected_tokens": lambda name, raw: _count(name, raw)}
 
 
 def _flag(name: str, value: str) -> bool:
@@ -103,6 +115,19 @@ def _flag(name: str, value: str) -> bool:
     if v in _TRUE:
         return True
     raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _count(name: str, value: str) -> int | None:
+    v = value.strip().lower()
+    if v in ("", "none", "null"):
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"environment variable {name}={value!r}: expected a whole number >= 0 or none")
+    return n
 
 
 def env_variables() -> dict[str, str]:
@@ -117,8 +142,8 @@ def env_variables() -> dict[str, str]:
 def check_env_value(name: str, value: str) -> None:
     """Raise ``ValueError`` (naming ``name``) when ``value`` is not one :func:`with_environment`
     takes for the variable ``name`` (one of :func:`env_variables`)."""
-    if name != ENV_PREFIX + "COMPILE_CACHE":
-        _flag(name, value)
+    field = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else None
+    (_VALUES.get(field) or _flag)(name, value)
 
 
 def with_environment(options: CpuOptions | None = None) -> CpuOptions:
@@ -137,7 +162,7 @@ def with_environment(options: CpuOptions | None = None) -> CpuOptions:
         name = ENV_PREFIX + f.name.upper()
         if name in os.environ:
             raw = os.environ[name]
-            changes[f.name] = (raw.strip() or None) if f.name == "compile_cache" else _flag(name, raw)
+            changes[f.name] = (_VALUES.get(f.name) or _flag)(name, raw)
     return dataclasses.replace(options, **changes).validate() if changes else options.validate()
 
 

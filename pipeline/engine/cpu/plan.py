@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from . import attention, lean
+from . import attention, lean, payoff
+from .compiling import INDUCTOR_MIN_ELEMENTS
 from .linear import PREPARED_DTYPES, SMALL_MAX_ROWS, ShapeKernels, prepare_linears, restore_linears
-from .measure import Costs
+from .measure import Costs, best_of
 from .options import CpuOptions, use_compile_cache, with_environment
 
 
@@ -31,6 +34,9 @@ class CpuPlan:
         compile_s, measure_s, prepare_s: wall-clock seconds spent compiling (inductor),
             timing candidates, and preparing in all.
         compile_cache: inductor's cache folder (``None`` when nothing was compiled).
+        compiling: whether each inductor part's graphs were compiled, and why
+            (:class:`.payoff.Decision`, in the order decided: the row-dot kernels, then the
+            compiled layer per token count).
     """
 
     options: CpuOptions
@@ -44,6 +50,7 @@ class CpuPlan:
     measure_s: float = 0.0
     prepare_s: float = 0.0
     compile_cache: str | None = None
+    compiling: list[payoff.Decision] = field(default_factory=list)
 
     def forward_of(self, model, inputs: torch.Tensor, kwargs: dict):
         """The lean forward for this pass of ``model``, or ``None`` for the model's own: the
@@ -67,6 +74,7 @@ class CpuPlan:
             "small_query_attention": self.small_query_attention,
             "compile_s": round(self.compile_s, 3), "measure_s": round(self.measure_s, 3),
             "prepare_s": round(self.prepare_s, 3), "compile_cache": self.compile_cache,
+            "compiling": [d.to_dict() for d in self.compiling],
         }
 
     def summary(self) -> str:
@@ -80,7 +88,19 @@ class CpuPlan:
         shapes = "; ".join(f"{k.shape[0]}x{k.shape[1]} " + "/".join(k.choice) + f" then {k.default}"
                            for k in self.kernels.values())
         return (f"{self.role}: {', '.join(parts) or 'no lean pass'}; linear kernels by rows 1-{SMALL_MAX_ROWS}: {shapes or 'none'}; "
-                f"compiled {self.compile_s:.1f} s, measured {self.measure_s:.1f} s")
+                f"{self.compiling_line()}, measured {self.measure_s:.1f} s")
+
+    def compiling_line(self) -> str:
+        """What was compiled at load and why: ``"compiled 6 graphs, 8.1 s: expected saving 40.2 s
+        (...)"`` or ``"not compiled: ..."`` with each part's decision (:mod:`.payoff`)."""
+        made = [d for d in self.compiling if d.pays]
+        why = "; ".join(d.line() for d in self.compiling)
+        if not made:
+            return f"not compiled: {why}" if why else f"compiled {self.compile_s:.1f} s"
+        saving = sum(d.saving_s for d in made)
+        expected = "unknown tokens" if saving == float("inf") else f"{saving:.1f} s"
+        return (f"compiled {sum(d.graphs for d in made)} graphs, {self.compile_s:.1f} s: expected saving {expected}"
+                f" ({why})")
 
 
 #: the plan of each model prepared in this process (keyed weakly: the plan keeps the model's
@@ -108,14 +128,63 @@ def _why_off(model, options: CpuOptions) -> str | None:
     return None
 
 
-def prepare(model, options: CpuOptions | None = None, role: str = "model") -> CpuPlan:
+def _rowdot_layers(model, options: CpuOptions) -> list[torch.nn.Module]:
+    """The linear layers whose shapes may be offered the row-dot kernels (float32, contiguous,
+    :data:`.compiling.INDUCTOR_MIN_ELEMENTS` or more)."""
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+            and m.weight.device.type == "cpu" and m.weight.numel() >= INDUCTOR_MIN_ELEMENTS
+            and m.weight.is_contiguous()] if options.part_on("rowdot") else []
+
+
+def _rowdot_shapes(model, layers: list, options: CpuOptions) -> list[tuple[int, int]]:
+    """The weight shapes the row-dot kernels would be compiled for: ``layers``'s, and the lean
+    pass's fused q/k/v and gate/up projections when it will be built."""
+    shapes = {tuple(m.weight.shape) for m in layers}
+    if layers and options.part_on("lean_pass") and lean.supports(model):
+        a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        hidden = a.q_proj.weight.shape[1]
+        fused = [(a.q_proj.weight.shape[0] + a.k_proj.weight.shape[0] + a.v_proj.weight.shape[0], hidden),
+                 (m.gate_proj.weight.shape[0] + m.up_proj.weight.shape[0], hidden)]
+        shapes.update(s for s in fused if s[0] * s[1] >= INDUCTOR_MIN_ELEMENTS)
+    return sorted(shapes)
+
+
+def _rowdot_decision(model, options: CpuOptions, ledger: payoff.Ledger, rows_in_flight: int | None,
+                     costs: Costs) -> tuple[payoff.Decision, str] | None:
+    """Whether the row-dot kernels pay (:mod:`.payoff`), with their ledger key; ``None``: none is offered.
+    Their per-token saving is estimated from the eager time of the layers they would serve for
+    one token (``F.linear``, measured here on the CPU clock) times ``1 - ratio``."""
+    layers = _rowdot_layers(model, options)
+    if not layers:
+        return None
+    shapes = _rowdot_shapes(model, layers, options)
+    key = payoff.graph_key("rowdot", shapes, torch.float32)
+    graphs = len(shapes) * SMALL_MAX_ROWS
+    cached = ledger.cached(key)
+    token_saving = 0.0
+    if options.expected_tokens is not None:
+        weights = [m.weight.detach() for m in layers]
+        xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+        with torch.inference_mode(False), torch.no_grad():
+            eager = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], costs=costs, clock=time.process_time)
+        token_saving = eager * (1 - ledger.ratio(key, "rowdot"))
+    decision = payoff.decide("row-dot kernels", graphs=graphs, expected_tokens=options.expected_tokens,
+                             token_saving_s=token_saving, compile_s=ledger.cost(key, graphs), cached=cached,
+                             share=payoff.served_share(SMALL_MAX_ROWS, rows_in_flight))
+    return decision, key
+
+
+def prepare(model, options: CpuOptions | None = None, role: str = "model",
+            rows_in_flight: int | None = None) -> CpuPlan:
     """Prepare ``model`` for decoding on the CPU, once, at load: **rewrites the model's
     ``torch.nn.Linear`` modules in place** (their class becomes
     :class:`~.linear.PackedLinear`; same parameters and ``state_dict``), measures each weight
     shape's kernel for 1-8 rows of input over the model's own weights (:mod:`.linear`), builds
     the lean forward of a Llama (:mod:`.lean`), compiles what it will use with inductor into
     the node's cache (:func:`.options.use_compile_cache`) and times the compiled layer against
-    the eager one.  Nothing is chosen or compiled afterwards, in decoding.
+    the eager one.  An inductor part is compiled only where ``options.expected_tokens`` repay
+    its compiling (:mod:`.payoff`; the plan's :attr:`CpuPlan.compiling` says why).  Nothing is
+    chosen or compiled afterwards, in decoding.
 
     Preparing a model again without options, or with the same ones, returns its plan; with
     other options, it is restored and prepared anew.  A model not on the CPU, or with ``options.kernels`` off, is
@@ -126,6 +195,8 @@ def prepare(model, options: CpuOptions | None = None, role: str = "model") -> Cp
         options: the parts to use (``None``: the model's plan when it has one, else the
             defaults); the environment overrides them (:func:`.options.with_environment`).
         role: what the model is to its engine, for the plan's record.
+        rows_in_flight: the most rows its engine decodes at once (``None``: unknown), for the
+            share of tokens a graph for passes of few tokens serves (:func:`.payoff.served_share`).
 
     Returns:
         The :class:`CpuPlan`: what was chosen and what it cost; the runner takes it from
@@ -145,11 +216,21 @@ def prepare(model, options: CpuOptions | None = None, role: str = "model") -> Cp
     plan = CpuPlan(options, role=role, why_off=_why_off(model, options), threads=torch.get_num_threads())
     if plan.why_off is None:
         costs = Costs()
+        ledger = payoff.Ledger(None)
         if options.rowdot or options.compiled_layer:
             plan.compile_cache = use_compile_cache(options)
-        plan.kernels = prepare_linears(model.modules(), options, costs=costs)
+            ledger = payoff.Ledger(plan.compile_cache)
+        rowdot = _rowdot_decision(model, options, ledger, rows_in_flight, costs)
+        linear_options = options if rowdot is None or rowdot[0].pays else dataclasses.replace(options, rowdot=False)
+        plan.compiling += [rowdot[0]] if rowdot is not None else []
+        plan.kernels = prepare_linears(model.modules(), linear_options, costs=costs)
         if options.part_on("lean_pass") and lean.supports(model):
-            plan.lean = lean.LeanPass(model, options, plan.kernels, costs)
+            plan.lean = lean.LeanPass(model, linear_options, plan.kernels, costs, ledger=ledger,
+                                      rows_in_flight=rows_in_flight)
+            plan.compiling += plan.lean.compiling
+        if rowdot is not None and rowdot[0].pays:
+            layer_s = plan.lean.layer_compile_s if plan.lean is not None else 0.0
+            ledger.record(rowdot[1], rowdot[0].graphs, costs.compile_s - layer_s)
         plan.small_query_attention = options.part_on("small_query_attention") and attention.applies(model)
         plan.compile_s, plan.measure_s = costs.compile_s, costs.measure_s
         if not plan.compile_s:
