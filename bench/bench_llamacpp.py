@@ -70,6 +70,12 @@ PARTS = ("attention kernel (SDPA over the KV cache)", "attention projections + R
          "rest of the model's forward", "runner: batch metadata, cache bookkeeping", "engine outside the pass")
 
 
+def f32_gguf(hf_dir: Path) -> Path:
+    """Where the F32 GGUF of the Hugging Face model folder ``hf_dir`` lives: ``out/gguf/<name>-f32.gguf``
+    (:func:`convert` writes it there; ``bench_roofline --peer`` reads it)."""
+    return ROOT / "out" / "gguf" / f"{Path(hf_dir).name}-f32.gguf"
+
+
 def convert(src: Path, hf_dir: Path, out: Path) -> Path:
     """``out``: ``hf_dir`` as an F32 GGUF, written by llama.cpp's converter in ``src``."""
     if out.exists():
@@ -285,7 +291,7 @@ def load(args) -> Setup | None:
     a, b = (int(x) for x in args.rows.split(":"))
     cfg = load_config(args.config, ["method.name=plain", "models.dtype=float32"])
     hf_dir = Path(cfg.models.target)
-    gguf = Path(args.gguf) if args.gguf else ROOT / "out" / "gguf" / f"{hf_dir.name}-f32.gguf"
+    gguf = Path(args.gguf) if args.gguf else f32_gguf(hf_dir)
     if not gguf.exists():
         if not args.llama_cpp_src:
             print(f"bench_llamacpp: {gguf} is not there; --llama-cpp-src names llama.cpp's source to convert it",

@@ -31,6 +31,21 @@ lands on every shape alike):
   the causal half of the ``context^2`` scores: its FLOPs are counted, its bytes are the keys
   and values written and read once).
 
+**The peer** (``--peer PATH``, a ``llama-batched-bench`` binary: llama.cpp's own batched bench,
+built from its source as a benchmark peer, not a dependency): after our measurements, in the same
+run, it runs on the target as an F32 GGUF (``--peer-gguf``, by default ``out/gguf/<target>-f32.gguf``,
+which ``bench/bench_llamacpp.py --llama-cpp-src`` converts) with one thread, a prompt of
+``--context`` random tokens (shared: its cache copied to every sequence, as ours are) and
+``--peer-new-tokens`` generated
+tokens, at ``--rows`` sequences.  Its table gives prompt and generation tokens/s, which are printed
+beside ours: our prompt tokens/s is the prefill's (``context`` / its time, one row), our generation
+tokens/s at ``B`` rows is ``B`` over our one-token pass at ``B`` rows (the table's ``n = 1``); with
+their ratio, each side's step time against the step's limit, and the weights' bytes over each
+side's step time (the read bandwidth each achieves).  The peer's times are its own wall clock
+(``ggml_time_us``); the process's CPU time over its wall time is printed beside them.  Its
+generation reads a KV cache growing from ``context`` to ``context + new tokens`` positions, in
+float16 (llama.cpp's default): the limit printed is ours (float32, ``context`` positions).
+
 The KV cache: one row's prompt (``--context`` random token ids, fixed seed: a pass's cost does
 not depend on the ids) is prefilled in slot 0 and copied to the other rows' slots; ``B`` rows sit in slots
 ``0 .. B-1``, as a full batch of the loop does (its scheduler steps rows in slot order, and
@@ -38,6 +53,7 @@ they read their caches in place).  Not a test, not run in CI (``tests/bench`` ru
 the tiny demo model)::
 
     python bench/bench_roofline.py --output reports/bench_roofline     # SmolLM2-135M, float32
+    python bench/bench_roofline.py --peer PATH/llama-batched-bench --output reports/bench_roofline
 """
 
 from __future__ import annotations
@@ -45,6 +61,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -59,6 +78,9 @@ PARTS = ("linear", "attention", "lm_head", "logits and sampling", "rest")
 #: the lean pass's part functions, and the part each one's time goes to
 LEAN_PARTS = {"attention_in_of": "linear", "attention_out_of": "linear", "mlp_of": "linear", "attend": "attention",
               "output_layer": "lm_head"}
+#: llama-batched-bench's table, column by column (PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s, T s, S t/s)
+PEER_COLUMNS = ("prompt_tokens", "new_tokens", "rows", "kv_positions", "prompt_s", "prompt_tokens_per_s",
+                "generation_s", "generation_tokens_per_s", "total_s", "tokens_per_s")
 
 
 def best_of(run, repeats: int) -> float:
@@ -166,6 +188,87 @@ def timed_pass(engine, timer: PartTimer, slots: list[int], tokens: list, starts:
     return out
 
 
+def parse_peer(text: str) -> dict:
+    """llama-batched-bench's output (markdown, its default) as data.
+
+    Returns ``{"runs": [...], "settings": {...}, "build": str | None}``: ``runs``, one dict per
+    line of its table, keyed by :data:`PEER_COLUMNS` (ints for the counts, floats for seconds and
+    tokens/s, which are its wall clock); ``settings``, its ``key = value`` line (``n_kv_max``,
+    ``n_batch``, ``flash_attn``, ``n_threads``, ...; ints where they parse); ``build``, its
+    ``build: ...`` line.  Raises ``ValueError`` when the text holds no table line."""
+    runs, settings, build = [], {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and len(cells) == len(PEER_COLUMNS) and cells[0].isdigit():
+            runs.append({k: (int(v) if i < 4 else float(v)) for i, (k, v) in enumerate(zip(PEER_COLUMNS, cells))})
+        elif "n_kv_max =" in line:
+            for key, value in re.findall(r"(\w+) = ([^,\s]+)", line):
+                settings[key] = int(value) if value.lstrip("-").isdigit() else value
+        elif build is None and line.startswith("build:"):
+            build = line[len("build:"):].strip()
+    if not runs:
+        raise ValueError("no table in llama-batched-bench's output: " + text[-2000:])
+    return {"runs": runs, "settings": settings, "build": build}
+
+
+def peer_command(binary: str, gguf: str, context: int, new_tokens: int, rows: list[int]) -> list[str]:
+    """llama-batched-bench's command line: one thread, ``rows`` sequences sharing one ``context``-token
+    prompt (``-pps``: its cache copied to every sequence, as our rows' caches are copies of one row's)
+    and ``new_tokens`` generated in each; a context that holds them all."""
+    return [binary, "-m", gguf, "-t", "1", "-tb", "1", "-c", str(max(rows) * (context + new_tokens)), "-b", "2048",
+            "-ub", "512", "-npp", str(context), "-ntg", str(new_tokens), "-npl", ",".join(map(str, rows)), "-pps"]
+
+
+def run_peer(command: list[str]) -> dict:
+    """Run the peer; :func:`parse_peer`'s data plus ``command``, ``wall_s`` and ``cpu_s`` (the
+    process's user + system seconds).  Raises ``RuntimeError`` when it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} exited {done.returncode}: {done.stdout[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**parse_peer(done.stdout), "command": command, "wall_s": wall, "cpu_s": cpu}
+
+
+def peer_report(data: dict, peer: dict) -> tuple[str, list[dict]]:
+    """The peer beside us (markdown table, and its figures), row count by row count of ``data["rows"]``:
+    prompt and generation tokens/s, their ratio (ours / the peer's), each side's step time, the
+    step's limit, and the weights' bytes over each step time (GB/s)."""
+    facts, limits, context = data["facts"], data["limits"], data["context"]
+    weights = (facts["linear_params"] + facts["lm_head_params"]) * facts["bytes_per_element"]
+    ours_prompt = context / data["prefill"]["total"]
+    lines = ["| rows | prompt tok/s: peer (wall) | ours (CPU) | ours / peer | generation tok/s: peer (wall) "
+             "| ours (CPU) | ours / peer | step ms: peer | ours | limit | weights read, GB/s: peer | ours |",
+             "|---:" * 12 + "|"]
+    figures = []
+    by_rows = {r["rows"]: r for r in peer["runs"]}
+    for b in data["rows"]:
+        p = by_rows.get(b)
+        if p is None:
+            continue
+        step = data["passes"][(b, 1)]["total"]
+        lim = sum(limit_s(c, limits) for c in part_costs(facts, b, 1, context).values())
+        peer_step = p["generation_s"] / p["new_tokens"]
+        fig = {"rows": b, "peer_prompt_tokens_per_s": p["prompt_tokens_per_s"],
+               "ours_prompt_tokens_per_s": ours_prompt if b == 1 else None,
+               "peer_generation_tokens_per_s": p["generation_tokens_per_s"], "ours_generation_tokens_per_s": b / step,
+               "peer_step_ms": 1e3 * peer_step, "ours_step_ms": 1e3 * step, "limit_ms": 1e3 * lim,
+               "peer_weights_gbs": weights / peer_step / 1e9, "ours_weights_gbs": weights / step / 1e9}
+        fig["prompt_ours_over_peer"] = ours_prompt / p["prompt_tokens_per_s"] if b == 1 else None
+        fig["generation_ours_over_peer"] = fig["ours_generation_tokens_per_s"] / p["generation_tokens_per_s"]
+        figures.append(fig)
+        prompt = (f"{ours_prompt:.1f} | {fig['prompt_ours_over_peer']:.2f}x" if b == 1 else "| ")
+        lines.append(f"| {b} | {p['prompt_tokens_per_s']:.1f} | {prompt} | {p['generation_tokens_per_s']:.2f} | "
+                     f"{b / step:.2f} | {fig['generation_ours_over_peer']:.2f}x | {1e3 * peer_step:.1f} | "
+                     f"{1e3 * step:.1f} | {1e3 * lim:.1f} | {fig['peer_weights_gbs']:.1f} | "
+                     f"{fig['ours_weights_gbs']:.1f} |")
+    return "\n".join(lines), figures
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "summarize.yaml"), help="the job config (its target)")
@@ -175,7 +278,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rows", default="1,4,16", help="rows of a pass, B")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved timings per figure (the best counts)")
     ap.add_argument("--output", default=None, help="write report.json and report.md here")
+    ap.add_argument("--peer", default=None, help="a llama-batched-bench binary: run it beside us (see the docstring)")
+    ap.add_argument("--peer-gguf", default=None, help="the peer's model, an F32 GGUF of the target "
+                    "(default: out/gguf/<target>-f32.gguf)")
+    ap.add_argument("--peer-new-tokens", type=int, default=32, help="tokens the peer generates per sequence")
+    ap.add_argument("--peer-version", default=None, help="the peer's version, for the report "
+                    "(default: its own 'build:' line)")
     return ap.parse_args(argv)
+
+
+def peer_setup(args) -> tuple[list[str] | None, str | None]:
+    """``(the peer's command line, None)``, ``(None, None)`` without ``--peer``, or ``(None, why)``
+    when its inputs are wrong (checked before any work: the binary, the GGUF, a float32 target,
+    ``n = 1`` among the widths, the tokens to generate)."""
+    if not args.peer:
+        return None, None
+    from bench_llamacpp import f32_gguf
+
+    from pipeline.config import load_config
+
+    peer = Path(args.peer)
+    if not (peer.is_file() and os.access(peer, os.X_OK)):
+        return None, f"--peer: {peer} is not an executable file"
+    cfg = load_config(args.config, ["method.name=plain", *args.set])
+    gguf = Path(args.peer_gguf) if args.peer_gguf else f32_gguf(Path(cfg.models.target))
+    if not gguf.is_file():
+        return None, (f"--peer-gguf: {gguf} is not there (bench/bench_llamacpp.py --llama-cpp-src converts the "
+                      "target to it)")
+    if cfg.models.dtype not in ("auto", "float32"):
+        return None, f"models.dtype: {cfg.models.dtype}; the peer runs an F32 GGUF, so the target must be float32"
+    if 1 not in [int(x) for x in args.widths.split(",")]:
+        return None, "--widths: the peer's generation is compared with our one-token pass, so n = 1 must be in it"
+    if args.peer_new_tokens < 1:
+        return None, f"--peer-new-tokens: {args.peer_new_tokens}, must be >= 1"
+    rows = [int(x) for x in args.rows.split(",")]
+    return peer_command(str(peer), str(gguf), args.context, args.peer_new_tokens, rows), None
 
 
 def _row(label: str, costs: dict, times: dict, limits: dict) -> tuple[str, float, float]:
@@ -274,6 +411,10 @@ def report(data: dict) -> tuple[str, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    peer_cmd, why = peer_setup(args)
+    if why:
+        print(f"bench_roofline: {why}", file=sys.stderr)
+        return 2
     data = measure(args)
     table, figures = report(data)
     lim = data["limits"]
@@ -296,16 +437,49 @@ def main(argv=None) -> int:
     for p in figures["passes"]:
         if p["tokens"] == 1 and p["rows"] > 1:
             tail.append(f"{p['rows']} rows, one token: {p['per_row_ms']:.2f} ms a row, {p['over_limit']:.2f}x its limit")
-    print(intro + "\n\n" + table + "\n\n" + "\n".join(f"- {t}" for t in tail))
+    peer_md, peer = "", None
+    if peer_cmd:
+        peer = run_peer(peer_cmd)
+        peer_table, figures["peer"] = peer_report(data, peer)
+        version = args.peer_version or peer["build"] or "version unknown"
+        s = peer["settings"]
+        peer_md = (f"The peer: llama.cpp's llama-batched-bench ({version}), {Path(peer_cmd[2]).name}, "
+                   f"{s.get('n_threads', '?')} thread(s), flash_attn {s.get('flash_attn', '?')}, prompts of "
+                   f"{args.context} tokens, {args.peer_new_tokens} generated; its times are its own wall clock "
+                   f"(the process: {peer['cpu_s']:.1f} s CPU over {peer['wall_s']:.1f} s wall), ours the CPU clock; "
+                   "our prompt tokens/s is the one-row prefill's, our generation tokens/s rows / our one-token "
+                   "pass\n\n"
+                   + peer_table)
+        share = peer["cpu_s"] / peer["wall_s"]  # below 1: the peer waited for a core (a loaded machine)
+        for f in figures["peer"]:
+            tail.append(f"{f['rows']} rows, generation, ours / llama.cpp's: {f['generation_ours_over_peer']:.2f}x "
+                        f"(step {f['ours_step_ms']:.1f} against {f['peer_step_ms']:.1f} ms, "
+                        f"limit {f['limit_ms']:.1f} ms; "
+                        f"{f['generation_ours_over_peer'] * share:.2f}x if the peer's wall time had all been its CPU "
+                        f"time, {share:.2f} of it)")
+            if f["prompt_ours_over_peer"] is not None:
+                tail.append(f"prompt ({args.context} tokens, one row), ours / llama.cpp's: "
+                            f"{f['prompt_ours_over_peer']:.2f}x "
+                            f"({f['prompt_ours_over_peer'] * share:.2f}x scaled alike)")
+    print(intro + "\n\n" + table + ("\n\n" + peer_md if peer_md else "") + "\n\n"
+          + "\n".join(f"- {t}" for t in tail))
     if args.output:
+        from bench_real import _commit, _machine
+
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"command": "python bench/bench_roofline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "load_average": load}
+                "commit": _commit(), "machine": _machine(), "load_average": load}
+        if peer is not None:
+            meta["peer"] = {"command": " ".join(peer["command"]), "version": args.peer_version or peer["build"],
+                            "settings": peer["settings"], "runs": peer["runs"], "cpu_s": peer["cpu_s"],
+                            "wall_s": peer["wall_s"]}
         (out / "report.json").write_text(json.dumps({"title": TITLE, "meta": meta, "facts": data["facts"],
                                                      "limits": lim, "plan": data["plan"], **figures,
                                                      "summary": tail}, indent=1))
-        (out / "report.md").write_text(f"# bench_roofline\n\n`{meta['command']}`\n\n{intro}\n\n{table}\n\n"
+        (out / "report.md").write_text(f"# bench_roofline\n\n`{meta['command']}` at {meta['commit']} on "
+                                       f"{meta['machine']}\n\n{intro}\n\n{table}\n\n"
+                                       + (peer_md + "\n\n" if peer_md else "")
                                        + "\n".join(f"- {t}" for t in tail) + "\n")
     return 0
 

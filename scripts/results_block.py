@@ -149,11 +149,12 @@ def _line(path: Path, root: Path) -> str | None:
 
 #: report folders (a top folder of ``reports/``, or a path below it) of diagnostics rather than
 #: headline speedups (bench/bench_interleaved.py's A/B of draft-length settings, bench_real's fixed k
-#: against the controller), and runs measured before the CPU kernels that later reports supersede
-#: (the demo models' whole jobs, SmolLM2's whole job, the tuner's evaluations): listed in
-#: reports/README.md's index, not in the README's block
-INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "bench_real_fixed_k", "spec_bench_summarize",
-              "spec_bench_translate", "xsum", "real/smollm2-xsum", "tune")
+#: against the controller, bench_roofline's passes against the machine's limits and llama.cpp), and
+#: runs measured before the CPU kernels that later reports supersede (the demo models' whole jobs,
+#: SmolLM2's whole job, the tuner's evaluations): listed in reports/README.md's index, not in the
+#: README's block
+INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "bench_real_fixed_k", "bench_roofline",
+              "spec_bench_summarize", "spec_bench_translate", "xsum", "real/smollm2-xsum", "tune")
 
 
 def _index_only(path: Path, reports: Path) -> bool:
