@@ -153,7 +153,7 @@ def _line(path: Path, root: Path) -> str | None:
 #: runs measured before the CPU kernels that later reports supersede (the demo models' whole jobs,
 #: SmolLM2's whole job, the tuner's evaluations): listed in reports/README.md's index, not in the
 #: README's block
-INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "bench_real_fixed_k", "bench_roofline",
+INDEX_ONLY = ("bench_attention", "bench_cpu_parts", "bench_interleaved", "bench_real_fixed_k", "bench_real_round17", "bench_roofline",
               "spec_bench_summarize", "spec_bench_translate", "xsum", "real/smollm2-xsum", "tune")
 
 
