@@ -8,10 +8,27 @@ import socket
 import threading
 from pathlib import Path
 
+import pyarrow as pa
+
 from pipeline.config import load_config
+from pipeline.schema import OUTPUT_SCHEMA
+from pipeline.units import Shard, Unit
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+
+
+#: a six-row JSONL shard that the output tests' units come from (nothing reads it: its rows are made by :func:`unit_rows`)
+SHARD = Shard(index=0, url="/in/rows.jsonl", format="jsonl", num_rows=6, fingerprint="size=60;mtime=1")
+
+
+def unit_rows(unit: Unit) -> pa.Table:
+    """The two output rows a test writes for ``unit`` of :data:`SHARD` (ids ``r<start>``, ``r<start + 1>``)."""
+    start = unit.split.start
+    return pa.Table.from_pylist([{"id": f"r{i}", "prompt": f"p{i}", "output_text": f"o{i}", "finish_reason": "length",
+                                  "new_tokens": 3, "verify_steps": 3, "method": "plain", "error": None,
+                                  "source_file": SHARD.url, "source_row": i} for i in range(start, start + 2)],
+                                schema=OUTPUT_SCHEMA)
 
 
 def job_module(name: str):

@@ -13,30 +13,20 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import OutputConfig, load_config
 from pipeline.fingerprint import config_fingerprint
-from pipeline.units import UNIT_COLUMN, Shard, Split, Unit
+from pipeline.units import UNIT_COLUMN, Split, Unit
 from pipeline.output import OutputWriter, is_complete
 from pipeline.output.reader import RUN_COLUMN, CommittedOutput, OutputReadError, previous_partition
 from pipeline.report import ReportError, load_run, write_report
-from pipeline.schema import OUTPUT_SCHEMA
-from pipeline_testkit import job_module, killed_inside_commit
-SHARD = Shard(index=0, url="/in/rows.jsonl", format="jsonl", num_rows=6, fingerprint="size=60;mtime=1")
+from pipeline_testkit import SHARD, job_module, killed_inside_commit, unit_rows
 UNITS = [Unit(SHARD, k, Split(2 * k, 2)) for k in range(3)]
 #: a config identity whose task is the default config's (train_drafter checks --config against it)
 IDENTITY = {"task": {k: v for k, v in load_config(None).resolved()["task"].items() if v is not None}, "method": "plain"}
 
-
-def _rows(unit: Unit) -> pa.Table:
-    start = unit.split.start
-    return pa.Table.from_pylist([{"id": f"r{i}", "prompt": f"p{i}", "output_text": f"o{i}", "finish_reason": "length",
-                                  "new_tokens": 3, "verify_steps": 3, "method": "plain", "error": None,
-                                  "source_file": SHARD.url, "source_row": i} for i in range(start, start + 2)],
-                                schema=OUTPUT_SCHEMA)
 
 
 def _killed(out, identity=IDENTITY, so=None) -> str:
@@ -44,8 +34,8 @@ def _killed(out, identity=IDENTITY, so=None) -> str:
     published, its ``unit`` record never appended.  Returns the run's id."""
     w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
     w.on_write_start(UNITS, identity)
-    w.write_part(UNITS[0], _rows(UNITS[0]))
-    killed_inside_commit(w, UNITS[1], _rows(UNITS[1]))
+    w.write_part(UNITS[0], unit_rows(UNITS[0]))
+    killed_inside_commit(w, UNITS[1], unit_rows(UNITS[1]))
     return w.run_id
 
 
@@ -53,7 +43,7 @@ def _resume(out, identity=IDENTITY, summary=None, so=None) -> str:
     w = OutputWriter(OutputConfig(uri=str(out), storage_options=so or {}))
     plan = w.on_write_start(UNITS, identity)
     for unit in plan.todo:
-        w.write_part(unit, _rows(unit))
+        w.write_part(unit, unit_rows(unit))
     w.on_write_complete(summary or {"rows": 6})
     return w.run_id
 
@@ -64,7 +54,7 @@ def test_a_killed_output_reads_only_its_committed_unit_and_says_it_is_unfinished
     orphan = f"part-00000-u00001.{run}.parquet"
     assert (out / orphan).exists()  # published, but no record names it
     (out / "_staging" / "dead").mkdir(parents=True)
-    pq.write_table(_rows(UNITS[2]), out / "_staging" / "dead" / "x.parquet")
+    pq.write_table(unit_rows(UNITS[2]), out / "_staging" / "dead" / "x.parquet")
     read = CommittedOutput.open(str(out))
     assert not read.finished and not is_complete(str(out)) and read.summary is None
     assert read.parts == ["part-00000-u00000.parquet"] and read.rows_committed == 2
@@ -110,7 +100,7 @@ def _earlier_version(out) -> None:
     (out / "_manifest").mkdir(parents=True)
     for unit in UNITS:
         identity, run = (OTHER, "0123456789ab") if unit.split_index == 0 else (IDENTITY, "ba9876543210")
-        pq.write_table(_rows(unit), out / unit.part)
+        pq.write_table(unit_rows(unit), out / unit.part)
         totals = RunTotals()
         totals.rows = 2
         entry = {"part": unit.part, "files": [unit.part], "source_file": SHARD.url, "fingerprint": SHARD.fingerprint,
@@ -156,7 +146,7 @@ def test_units_of_two_configs_are_refused_by_name(tmp_path, build):
 def test_what_is_not_a_committed_output_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "loose").mkdir()
-    pq.write_table(_rows(UNITS[0]), tmp_path / "loose" / "part-00000.parquet")
+    pq.write_table(unit_rows(UNITS[0]), tmp_path / "loose" / "part-00000.parquet")
     (tmp_path / "file.parquet").write_bytes(b"x")
     cases = {"missing": "does not exist", "empty": "is an empty folder", "file.parquet": "is a file",
              "loose": r"holds 1 file\(s\) but no committed unit"}
@@ -213,7 +203,7 @@ def test_the_report_and_train_drafter_agree_on_a_killed_then_resumed_output(tmp_
 def _night(root, day: str, finished: bool = True, so=None) -> None:
     w = OutputWriter(OutputConfig(uri=str(root), partition_by_date=True, run_date=day, storage_options=so or {}))
     w.on_write_start(UNITS[:1], IDENTITY)
-    w.write_part(UNITS[0], _rows(UNITS[0]))
+    w.write_part(UNITS[0], unit_rows(UNITS[0]))
     if finished:
         w.on_write_complete({"rows": 2, "day": day})
 

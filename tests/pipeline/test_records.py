@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 from pipeline.config import OutputConfig
@@ -19,22 +18,14 @@ from pipeline.output import OutputError, OutputLocation, OutputWriter
 from pipeline.output.reader import CommittedOutput
 from pipeline.output.records import (FRAGMENT_SCHEMA, EpochRecord, FileCheck, FinalRecord, Fragment, RecordError,
                                      UnitRecord, decode_log_record, fragment_table, fragments_of)
-from pipeline.schema import OUTPUT_SCHEMA
-from pipeline.units import Shard, Split, Unit
+from pipeline.units import Split, Unit
+from pipeline_testkit import SHARD, unit_rows
 
 FIXTURE = Path(__file__).parent / "data" / "output_before_records"
-SHARD = Shard(index=0, url="/in/rows.jsonl", format="jsonl", num_rows=6, fingerprint="size=60;mtime=1")
 UNITS = [Unit(SHARD, k, Split(2 * k, 2)) for k in range(3)]
 IDENTITY = {"method": "plain", "fixture": "typed records, issue 55"}  # the fixture's config identity
 LOG = Path("_manifest") / "log"
 
-
-def _rows(unit: Unit) -> pa.Table:
-    s = unit.split.start
-    return pa.Table.from_pylist([{"id": f"r{i}", "prompt": f"p{i}", "output_text": f"o{i}", "finish_reason": "length",
-                                  "new_tokens": 3, "verify_steps": 3, "method": "plain", "error": None,
-                                  "source_file": SHARD.url, "source_row": i} for i in range(s, s + 2)],
-                                schema=OUTPUT_SCHEMA)
 
 
 def _copy(tmp_path) -> Path:
@@ -74,7 +65,7 @@ def test_an_output_written_before_typed_records_is_read_and_resumed(tmp_path):
     w = OutputWriter(_cfg(out))
     plan = w.on_write_start(UNITS, IDENTITY)
     assert plan.done == read.parts and [u.part for u in plan.todo] == ["part-00000-u00002.parquet"]
-    w.write_part(plan.todo[0], _rows(plan.todo[0]))
+    w.write_part(plan.todo[0], unit_rows(plan.todo[0]))
     w.on_write_complete({"rows": 6})
 
     again = CommittedOutput.open(str(out))
