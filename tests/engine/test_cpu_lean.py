@@ -113,7 +113,7 @@ def test_short_masked_float32_passes_take_the_attention_kernel_and_give_the_mode
     want, want_cache = _run(model, False)
     calls = []
     real = smallm.Library.attention
-    monkeypatch.setattr(smallm.Library, "attention", lambda self, q, *a: calls.append(tuple(q.shape)) or real(self, q, *a))
+    monkeypatch.setattr(smallm.Library, "attention", lambda self, q, *a, **k: calls.append(tuple(q.shape)) or real(self, q, *a, **k))
     got, got_cache = _run(model, True)
     _assert_same(got, got_cache, want, want_cache, 2e-5)
     assert calls == [(2, 4, 3, 32)] * 2 + [(2, 4, 5, 32)] * 2

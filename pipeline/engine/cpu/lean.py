@@ -296,7 +296,7 @@ def attend(lean: LeanPass, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     kernel = lean.attention_kernel
     if (kernel is not None and (mask is not None or q_len == 1)
             and kernel.serves_attention(q, keys, mask) and values.stride(3) == 1):
-        return kernel.attention(q, keys, values, mask, lean.scale)
+        return kernel.attention(q, keys, values, mask, lean.scale, checked=True)  # values: the cache's, shaped as keys
     if mask is None and q_len > 1:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=lean.scale, enable_gqa=group > 1)
 

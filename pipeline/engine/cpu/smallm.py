@@ -122,14 +122,15 @@ class Library:
                                       and mask.stride(3) == 1)))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, checked: bool = False) -> torch.Tensor:
         """Softmax attention of ``(b, Hq, Q, d)`` float32 queries over ``(b, Hkv, S, d)`` keys and values
         (grouped heads: query head ``h`` reads KV head ``h // (Hq / Hkv)``), ``scale`` on the scores, the
         additive ``mask`` ``(b or 1, 1, Q, >= S)`` (its first ``S`` positions) or ``None``: a new
         contiguous ``(b, Hq, Q, d)`` tensor, SDPA's result within float32 rounding.  Each row's keys
         and values are read once for all its query heads and tokens.  Only shapes
-        :meth:`serves_attention` accepts (``ValueError`` otherwise)."""
-        if not self.serves_attention(q, k, mask) or v.shape != k.shape or v.stride(3) != 1:
+        :meth:`serves_attention` accepts (``ValueError`` otherwise); ``checked``: the caller has just
+        asked :meth:`serves_attention` and checked ``v`` (the lean pass, once per layer), so it is not asked again."""
+        if not checked and (not self.serves_attention(q, k, mask) or v.shape != k.shape or v.stride(3) != 1):
             raise ValueError(f"attention shapes not served: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         b, hq, nq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
